@@ -1,0 +1,1 @@
+"""An example octfw plugin package."""

@@ -1,0 +1,1 @@
+"""Data reading and preparation: DICOM I/O, synthetic cohorts, masks, transforms."""

@@ -1,0 +1,357 @@
+"""Synthetic multi-vendor OCT cohorts, written as real DICOM files.
+
+Each volume looks like a retina in cross-section: a stack of smooth,
+undulating bright and dark layers along the axial (H) axis with a foveal
+pit, a choroid below, and speckle noise. Vendors differ as real devices do:
+volume size, voxel spacing, gain and speckle strength. A cohort is a
+function of its options and seed, so the quickstart, the tests and every
+rank of a run see the same bytes.
+
+Layout of a cohort folder::
+
+    <folder>/<domain>/<index>.dcm   one Ophthalmic Tomography file per volume
+    <folder>/manifest.jsonl         path, domain, label of every file
+    <folder>/cohort.json            options, files, sizes; written last
+
+``cohort.json`` is written last, so a folder without it (or with one for
+other options, or with a file missing or of the wrong size) is rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from octfw.data.dicom_io import encode_oct_dicom, is_local, open_file, write_bytes
+from octfw.data.manifest import ManifestRow, write_manifest
+
+__all__ = [
+    "GENERATOR_VERSION",
+    "COHORT_FILE",
+    "MANIFEST_FILE",
+    "VendorProfile",
+    "PROFILES",
+    "DEFAULT_DOMAINS",
+    "CORRUPTION_KINDS",
+    "corrupt_count",
+    "cohort_options",
+    "cohort_key",
+    "synthetic_volume",
+    "write_synthetic_cohort",
+    "read_cohort",
+]
+
+#: Bumped whenever the generator's output changes, so cached cohorts are rewritten.
+GENERATOR_VERSION = 1
+
+COHORT_FILE = "cohort.json"
+MANIFEST_FILE = "manifest.jsonl"
+
+
+@attrs.frozen
+class VendorProfile:
+    """How one device family's volumes differ from another's."""
+
+    manufacturer: str  #: the DICOM Manufacturer, as the device writes it
+    model_name: str
+    shape: tuple[int, int, int]  #: [D, H, W]
+    spacing: tuple[float, float, float]  #: (dz, dy, dx) mm; ~6 x 2 x 6 mm scans
+    gain: float  #: scales the signal
+    offset: float  #: background level in stored units
+    looks: float  #: speckle averaging; fewer looks, stronger speckle
+    noise: float  #: additive Gaussian noise, as a fraction of full signal
+
+
+#: Small volumes (the CPU quickstart decodes them quickly) with realistic
+#: physical extents, so resampling to a target spacing behaves as on real data.
+PROFILES: dict[str, VendorProfile] = {
+    # Spectralis averages repeated B-scans: low speckle.
+    "heidelberg": VendorProfile("Heidelberg Engineering", "Spectralis", (24, 96, 64),
+                                (0.25, 0.02, 0.094), gain=1.0, offset=600.0, looks=8.0, noise=0.02),
+    "topcon": VendorProfile("TOPCON Corporation", "3D OCT-2000", (16, 80, 80),
+                            (0.375, 0.029, 0.075), gain=0.7, offset=1500.0, looks=2.0, noise=0.05),
+    "zeiss": VendorProfile("Carl Zeiss Meditec", "Cirrus HD-OCT 5000", (20, 64, 96),
+                           (0.3, 0.031, 0.0625), gain=1.3, offset=300.0, looks=3.0, noise=0.04),
+}
+DEFAULT_DOMAINS: tuple[str, ...] = ("heidelberg", "topcon", "zeiss")
+
+#: Ways a synthetic file is broken, matching what the reader must catch.
+CORRUPTION_KINDS: tuple[str, ...] = ("truncated", "not-dicom", "no-pixel-data", "constant")
+
+# Retinal layers from the vitreous down: (name, thickness as a fraction of
+# H, reflectivity). Inner layers thin out towards the fovea.
+_LAYERS: tuple[tuple[str, float, float], ...] = (
+    ("nerve fibre", 0.045, 0.85),
+    ("ganglion + inner plexiform", 0.08, 0.45),
+    ("inner nuclear", 0.045, 0.18),
+    ("outer plexiform", 0.03, 0.5),
+    ("outer nuclear", 0.09, 0.12),
+    ("ellipsoid zone", 0.02, 0.9),
+    ("interdigitation", 0.015, 0.35),
+    ("pigment epithelium", 0.03, 1.0),
+)
+_INNER_LAYERS = 5  # the first five thin at the fovea; photoreceptors do not
+_FOVEAL_THINNING = 0.5  # inner layers lose half their thickness at the foveal centre
+_FULL_SCALE = 20000.0  # stored units of reflectivity 1.0 at gain 1
+
+
+def corrupt_count(n_volumes: int, corrupt_fraction: float) -> int:
+    """How many of ``n_volumes`` a cohort corrupts (rounded half up)."""
+    return min(n_volumes, math.floor(corrupt_fraction * n_volumes + 0.5))
+
+
+def _resolve_shapes(domains: Sequence[str], shapes: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
+    unknown = [d for d in domains if d not in PROFILES]
+    if unknown:
+        raise ValueError(f"unknown synthetic domains {unknown}; known: {sorted(PROFILES)}")
+    shapes = dict(shapes or {})
+    resolved = {}
+    for domain in domains:
+        shape = [int(n) for n in shapes.pop(domain, PROFILES[domain].shape)]
+        if len(shape) != 3 or min(shape) < 2:
+            raise ValueError(f"shape for {domain!r} must be three sizes >= 2 [D, H, W], got {shape}")
+        resolved[domain] = shape
+    if shapes:
+        raise ValueError(f"shapes given for domains not in the cohort: {sorted(shapes)}")
+    return resolved
+
+
+def cohort_options(
+    n_volumes: int,
+    domains: Sequence[str] = DEFAULT_DOMAINS,
+    *,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    corrupt_fraction: float = 0.0,
+    with_labels: bool = False,
+) -> dict[str, Any]:
+    """The options that determine a cohort's bytes, as plain JSON data."""
+    if n_volumes < 1:
+        raise ValueError(f"n_volumes must be >= 1, got {n_volumes}")
+    if not domains or len(set(domains)) != len(domains):
+        raise ValueError(f"domains must be distinct and non-empty, got {list(domains)}")
+    if not 0.0 <= corrupt_fraction <= 1.0:
+        raise ValueError(f"corrupt_fraction must be in [0, 1], got {corrupt_fraction}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    return {
+        "version": GENERATOR_VERSION,
+        "n_volumes": int(n_volumes),
+        "domains": list(domains),
+        "shapes": _resolve_shapes(domains, shapes),
+        "seed": int(seed),
+        "corrupt_fraction": float(corrupt_fraction),
+        "with_labels": bool(with_labels),
+    }
+
+
+def cohort_key(options: Mapping[str, Any]) -> str:
+    """A short stable name for a cohort's options (a cache folder name)."""
+    text = json.dumps(options, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def synthetic_volume(
+    rng: np.random.Generator,
+    shape: Sequence[int],
+    profile: VendorProfile,
+    lesion: bool = False,
+) -> np.ndarray:
+    """One layered-retina volume, uint16 ``[D, H, W]``.
+
+    With ``lesion``, a small bright ellipsoid (a hyper-reflective focus) sits
+    inside the retina, for label-based evaluation.
+    """
+    depth, height, width = (int(n) for n in shape)
+    z = np.linspace(-1.0, 1.0, depth)[:, None, None]
+    y = np.linspace(0.0, 1.0, height)[None, :, None]
+    x = np.linspace(-1.0, 1.0, width)[None, None, :]
+
+    # Retina surface: a gentle tilt and undulation, pushed down by the foveal
+    # pit exactly as much as the inner layers thin, so the outer layers and
+    # the pigment epithelium run on undisturbed beneath it.
+    phases = rng.uniform(0.0, 2.0 * np.pi, size=4)
+    fovea_z, fovea_x = rng.uniform(-0.3, 0.3, size=2)
+    pit = np.exp(-((z - fovea_z) ** 2 + (x - fovea_x) ** 2) / 0.06)
+    inner_thickness = sum(thickness for _n, thickness, _r in _LAYERS[:_INNER_LAYERS])
+    surface = (
+        0.22
+        + rng.uniform(-0.04, 0.04) * x
+        + 0.025 * np.sin(2.0 * np.pi * 0.6 * x + phases[0])
+        + 0.015 * np.sin(2.0 * np.pi * 0.4 * z + phases[1])
+        + _FOVEAL_THINNING * inner_thickness * pit
+    )
+
+    edge = 0.6 / height  # boundaries blur over about one voxel
+    signal = np.zeros((depth, height, width), dtype=np.float64)
+    top = surface
+    for index, (_name, thickness, reflectivity) in enumerate(_LAYERS):
+        ripple = 1.0 + 0.12 * np.sin(2.0 * np.pi * 0.8 * x + phases[2] + index) * np.cos(
+            np.pi * 0.5 * z + phases[3]
+        )
+        if index < _INNER_LAYERS:
+            ripple = ripple * (1.0 - _FOVEAL_THINNING * pit)
+        bottom = top + thickness * ripple
+        inside = 1.0 / (1.0 + np.exp(-(y - top) / edge)) - 1.0 / (1.0 + np.exp(-(y - bottom) / edge))
+        signal += reflectivity * inside
+        top = bottom
+    # Choroid under the pigment epithelium: bright, fading with depth.
+    below = np.clip(y - top, 0.0, None)
+    signal += 0.45 * np.exp(-below / 0.09) * (y > top)
+
+    if lesion:
+        centre_z = rng.uniform(-0.5, 0.5)
+        centre_x = rng.uniform(-0.6, 0.6)
+        centre_y = surface.mean() + rng.uniform(0.06, 0.18)
+        blob = np.exp(
+            -((z - centre_z) / 0.2) ** 2 - ((y - centre_y) / 0.03) ** 2 - ((x - centre_x) / 0.12) ** 2
+        )
+        signal += 0.9 * blob
+
+    # Speckle is multiplicative (gamma with `looks` degrees); then detector noise.
+    speckle = rng.gamma(profile.looks, 1.0 / profile.looks, size=signal.shape)
+    noisy = signal * speckle + rng.normal(0.0, profile.noise, size=signal.shape)
+    stored = profile.offset + profile.gain * _FULL_SCALE * noisy
+    return np.clip(np.rint(stored), 0, 65535).astype(np.uint16)
+
+
+def _corrupt_bytes(kind: str, good: bytes, volume: np.ndarray, encode: Any, rng: np.random.Generator) -> bytes:
+    """The bytes of a file broken in the way ``kind`` names."""
+    if kind == "truncated":
+        # Cut the file inside its pixel data, mid-frame; the header stays readable.
+        return good[: len(good) - volume.nbytes // 2 - volume[0].nbytes // 3]
+    if kind == "not-dicom":
+        return b"not a DICOM file\n" + rng.bytes(512)
+    if kind == "no-pixel-data":
+        # Pixel Data is the last element: end the file just before its tag.
+        return good[: good.rindex(b"\xe0\x7f\x10\x00OW")]
+    if kind == "constant":
+        return encode(np.full_like(volume, int(volume.mean())))
+    raise ValueError(f"unknown corruption {kind!r}; known: {list(CORRUPTION_KINDS)}")
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}"
+
+
+def _size(url: str) -> int | None:
+    if is_local(url):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        return os.path.getsize(path) if os.path.isfile(path) else None
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return int(fs.size(path)) if fs.isfile(path) else None
+
+
+def _remove(url: str) -> None:
+    if is_local(url):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        if os.path.isfile(path):
+            os.unlink(path)
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def read_cohort(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The parsed ``cohort.json`` of ``folder``, or None when there is none."""
+    url = _join(os.fspath(folder), COHORT_FILE)
+    try:
+        with open_file(url) as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        return None  # a damaged record means a damaged cohort: rewrite it
+
+
+def _is_complete(folder: str, record: dict[str, Any] | None, options: dict[str, Any]) -> bool:
+    if not record or record.get("options") != options:
+        return False
+    return all(_size(_join(folder, item["path"])) == item["size"] for item in record["files"])
+
+
+def write_synthetic_cohort(
+    folder: str | os.PathLike[str],
+    n_volumes: int,
+    domains: Sequence[str] = DEFAULT_DOMAINS,
+    *,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    corrupt_fraction: float = 0.0,
+    with_labels: bool = False,
+) -> list[str]:
+    """Write (or reuse) a synthetic cohort in ``folder``; return its file paths.
+
+    Volume ``i`` belongs to ``domains[i % len(domains)]`` and is drawn from
+    its own generator seeded with ``(seed, i)``, so the same options give
+    byte-identical files. ``shapes`` overrides a domain's ``[D, H, W]``.
+    ``corrupt_fraction`` of the files (rounded half up) are broken in turn
+    as truncated, not DICOM, without pixel data, and constant. With
+    ``with_labels``, each volume has a bright lesion (label 1) or not (0),
+    recorded in the manifest. ``folder`` may be a local path or fsspec URL.
+    """
+    folder = os.fspath(folder).rstrip("/")
+    options = cohort_options(n_volumes, domains, shapes=shapes, seed=seed,
+                             corrupt_fraction=corrupt_fraction, with_labels=with_labels)
+    previous = read_cohort(folder)
+    if _is_complete(folder, previous, options):
+        return [_join(folder, item["path"]) for item in previous["files"]]
+
+    # Rewriting: drop the record first, so an interrupted rewrite is seen as
+    # incomplete, and remove files of an older cohort that this one lacks.
+    _remove(_join(folder, COHORT_FILE))
+    selection = np.random.default_rng([seed, n_volumes, 1])
+    corrupt_indices = sorted(
+        int(i) for i in selection.choice(n_volumes, corrupt_count(n_volumes, corrupt_fraction), replace=False)
+    )
+    corruption = {index: CORRUPTION_KINDS[k % len(CORRUPTION_KINDS)] for k, index in enumerate(corrupt_indices)}
+
+    files, rows = [], []
+    for index in range(n_volumes):
+        domain = domains[index % len(domains)]
+        profile = PROFILES[domain]
+        rng = np.random.default_rng([seed, index])
+        label = int(rng.random() < 0.5) if with_labels else None
+        volume = synthetic_volume(rng, options["shapes"][domain], profile, lesion=bool(label))
+        name = f"{domain}/{index:05d}.dcm"
+
+        def encode(array: np.ndarray, _name: str = name) -> bytes:
+            # UIDs derive from the seed and file name: rewriting gives the same bytes.
+            return encode_oct_dicom(array, profile.spacing, profile.manufacturer, profile.model_name,
+                                    uid_entropy=[str(seed), _name, str(GENERATOR_VERSION)])
+
+        data = encode(volume)
+        kind = corruption.get(index)
+        if kind is not None:
+            data = _corrupt_bytes(kind, data, volume, encode, rng)
+        url = _join(folder, name)
+        write_bytes(url, data)
+        files.append({"path": name, "domain": domain, "label": label, "corrupt": kind, "size": len(data)})
+        rows.append(ManifestRow(path=url, domain=domain, label=label))
+
+    if previous and isinstance(previous.get("files"), list):
+        keep = {item["path"] for item in files}
+        for item in previous["files"]:
+            if isinstance(item, dict) and item.get("path") not in keep:
+                _remove(_join(folder, str(item["path"])))
+
+    write_manifest(_join(folder, MANIFEST_FILE), rows)
+    record = {
+        "options": options,
+        "domains": list(domains),
+        "labels": [item["label"] for item in files],
+        "files": files,
+    }
+    write_bytes(_join(folder, COHORT_FILE), json.dumps(record, indent=1).encode("utf-8"))
+    return [_join(folder, item["path"]) for item in files]

@@ -1,0 +1,2 @@
+"""The training engine. Submodules other than :mod:`octfw.engine.config`
+import torch; import them only when training or checking."""

@@ -1,0 +1,88 @@
+"""Config classes of the ``[run]`` and ``[engine]`` recipe tables (light: attrs only)."""
+
+from __future__ import annotations
+
+import attrs
+
+from octfw.fields import Location, choices, doc, in_range, positive
+
+__all__ = ["RunConfig", "EngineConfig"]
+
+
+@attrs.frozen
+class RunConfig:
+    """``[run]``: what to train for, where, and where results go."""
+
+    name: str | None = doc("Run name; default: the recipe file's name.", default=None)
+    seed: int = doc("Seed for parameters, data order, views and masks.", default=0)
+    output_dir: Location = doc(
+        "Folder that receives one directory per run.", default=Location("runs")
+    )
+    max_steps: int | None = doc(
+        "Stop after this many update steps (caps `epochs` when both are set).",
+        default=None, validator=positive,
+    )
+    epochs: int | None = doc(
+        "Number of passes over the dataset, converted to update steps once at start.",
+        default=None, validator=positive,
+    )
+    device: str = doc(
+        "auto (xla if torch_xla and an accelerator are present, else cuda, else cpu), cpu, cuda or xla.",
+        default="auto", validator=choices("auto", "cpu", "cuda", "xla"),
+    )
+    cache_dir: Location | None = doc(
+        "Persistent cache for synthetic cohorts and decoded volumes; "
+        "default $OCTFW_CACHE_DIR or ~/.cache/octfw.",
+        default=None,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set run.max_steps or run.epochs (or both)")
+
+
+@attrs.frozen
+class EngineConfig:
+    """``[engine]``: optimisation and cadence. Every interval counts update steps."""
+
+    per_device_batch: int = doc("Samples per device per micro-step.", default=1, validator=positive)
+    grad_accum_steps: int = doc(
+        "Micro-steps accumulated into one update step.", default=1, validator=positive
+    )
+    precision: str = doc(
+        "auto (bf16 on xla and cuda, fp32 on the CPU), fp32 or bf16.",
+        default="auto", validator=choices("auto", "fp32", "bf16"),
+    )
+    base_lr: float = doc("Peak learning rate (AdamW).", default=1e-4, validator=positive)
+    weight_decay: float = doc(
+        "AdamW weight decay on weights; biases and norms get none.",
+        default=0.05, validator=in_range(0.0, 1.0),
+    )
+    betas: tuple[float, float] = doc("AdamW betas.", default=(0.9, 0.95))
+    eps: float = doc("AdamW epsilon.", default=1e-8, validator=positive)
+    log_every_steps: int = doc(
+        "Read metrics from the device and log them every N update steps.",
+        default=10, validator=positive,
+    )
+    checkpoint_every_steps: int | None = doc(
+        "Save a checkpoint every N update steps (and at the end); unset: at the end only.",
+        default=None, validator=positive,
+    )
+    num_workers: int = doc(
+        "Data-loader worker processes (0 = load in the training process).",
+        default=0, validator=in_range(0, 256),
+    )
+    compile: bool = doc(
+        "torch.compile the model (cuda only; refused on xla, where it caused the "
+        "seeds' compile-worker storm).",
+        default=False,
+    )
+    heartbeat_s: float = doc(
+        "Warn when no update step completes for this many seconds.",
+        default=600.0, validator=positive,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        for beta in self.betas:
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"engine.betas must each be in [0, 1), got {list(self.betas)}")

@@ -1,0 +1,53 @@
+"""Errors octfw shows to users.
+
+A :class:`UserError` is a mistake the user can fix (a bad recipe, a missing
+file, an unknown component). The CLI prints its message on one line and exits
+with code 2, without a traceback. Anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UserError", "RecipeError", "ContractError", "CorruptFile", "PluginError"]
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the message names the file, key or value."""
+
+    exit_code = 2
+
+
+class RecipeError(UserError):
+    """Every problem found in a recipe, reported at once.
+
+    ``problems`` holds one line per problem, each naming ``table.key``.
+    """
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = list(problems)
+        noun = "problem" if len(self.problems) == 1 else "problems"
+        lines = [f"{source}: {len(self.problems)} {noun}"]
+        lines += [f"  {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class ContractError(UserError):
+    """A stage handed the next stage something of the wrong shape, dtype or type."""
+
+
+class PluginError(UserError):
+    """A component could not be found, or two components claim the same name."""
+
+
+class CorruptFile(Exception):
+    """An input file that cannot be used. Raised by datasets, caught by octfw.
+
+    The data pipeline records the file in the run's quarantine report and
+    carries on with the next sample; training never stops for one bad file.
+    """
+
+    def __init__(self, url: str, reason: str):
+        self.url = url
+        self.reason = reason
+        super().__init__(f"{url}: {reason}")

@@ -1,0 +1,86 @@
+"""Field types and validators shared by component config classes.
+
+Config classes are frozen attrs classes; the recipe loader structures a TOML
+table into one with cattrs, refusing unknown keys. These helpers keep the
+common checks (positive numbers, lengths, locations) one line each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["Location", "positive", "non_negative", "in_range", "length", "choices", "doc"]
+
+
+class Location(str):
+    """A local path or fsspec URL (``gs://bucket/x``, ``file:///x``).
+
+    The recipe loader resolves a relative local path against the recipe's
+    folder, and refuses ``"None"``, ``"null"`` and the empty string: the seeds'
+    ``ckpt_dir: null`` became a bucket named "None". To mean "no location",
+    leave the key out (the field's default is then ``None``).
+    """
+
+    @property
+    def is_remote(self) -> bool:
+        return "://" in self and not self.startswith("file://")
+
+    @property
+    def local_path(self) -> str:
+        """The filesystem path of a local location (``file://`` stripped)."""
+        return self[len("file://"):] if self.startswith("file://") else str(self)
+
+
+def positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"must be > 0, got {value!r}")
+
+
+def non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not value >= 0:
+        raise ValueError(f"must be >= 0, got {value!r}")
+
+
+def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """Validator for ``low <= value <= high`` (open ends excluded)."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None:
+            return
+        ok_low = value > low if low_open else value >= low
+        ok_high = value < high if high_open else value <= high
+        if not (ok_low and ok_high):
+            lo = "(" if low_open else "["
+            hi = ")" if high_open else "]"
+            raise ValueError(f"must be in {lo}{low}, {high}{hi}, got {value!r}")
+
+    return check
+
+
+def length(n: int):
+    """Validator for a sequence of exactly ``n`` items."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and len(value) != n:
+            raise ValueError(f"must have {n} values, got {len(value)}: {list(value)!r}")
+
+    return check
+
+
+def choices(*allowed: str):
+    """Validator for one of ``allowed`` (the message lists them)."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+    return check
+
+
+def doc(text: str, **kwargs: Any) -> Any:
+    """An ``attrs.field`` carrying its documentation, shown by ``octfw list``."""
+    metadata = dict(kwargs.pop("metadata", {}) or {})
+    metadata["doc"] = text
+    return attrs.field(metadata=metadata, **kwargs)

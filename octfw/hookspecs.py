@@ -1,0 +1,222 @@
+"""Hook specifications: one registration hook per stage.
+
+Writing a plugin
+----------------
+
+A plugin is a module with one or more functions marked ``@hookimpl``. Each
+registration hook receives a ``register`` callback; call it once per
+component::
+
+    import attrs
+    from octfw.hookspecs import hookimpl
+
+    @attrs.frozen
+    class MyScheduleConfig:
+        warmup_steps: int = 100
+        \"\"\"Linear warmup length in update steps.\"\"\"
+
+    def build(config: MyScheduleConfig, ctx):
+        from my_package.schedule import MySchedule   # heavy imports go here
+        return MySchedule(config, ctx)
+
+    @hookimpl
+    def octfw_register_schedulers(register):
+        register("my-schedule", MyScheduleConfig, build,
+                 "Warmup then inverse square root decay.")
+
+and is announced in its distribution's ``pyproject.toml``::
+
+    [project.entry-points.octfw]
+    my_plugin = "my_package.octfw_plugin"
+
+``register(name, config, factory, summary)``:
+
+- ``name``: the component name used in recipes (``name = "my-schedule"``).
+  ``(stage, name)`` is unique across all installed plugins; a clash is an
+  error naming both distributions.
+- ``config``: an attrs class; its fields are the component's recipe options.
+  Recipes are structured into it with unknown keys refused, so an error names
+  ``table.key``. The attribute docstring under each field is shown by
+  ``octfw list --stage S --name N``.
+- ``factory``: ``factory(config, ctx) -> component``, a callable or a
+  ``"module:function"`` string imported only when the component is built.
+  ``ctx`` is an :class:`octfw.types.BuildContext`.
+- ``summary``: one line for ``octfw list``.
+
+Keep the plugin module itself light (attrs only): ``octfw list`` and recipe
+validation import every plugin module but build nothing.
+
+Hot path and syncs
+------------------
+
+"Hot path" below means code that runs on every micro-step or update step on
+the training device. A device-to-host sync (``.item()``, ``float(t)``, Python
+``if`` on a tensor) there stalls an accelerator and, on XLA, cuts the graph;
+components in the hot path must never force one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import pluggy
+
+__all__ = ["hookspec", "hookimpl", "Register", "OctfwSpecs", "STAGES"]
+
+PROJECT = "octfw"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class Register(Protocol):
+    """The callback each registration hook receives."""
+
+    def __call__(
+        self,
+        name: str,
+        config: type,
+        factory: Callable[[Any, Any], Any] | str,
+        summary: str,
+    ) -> None: ...
+
+
+class OctfwSpecs:
+    """The hook specifications. Every hook is a broadcast: all plugins answer."""
+
+    # --- data -------------------------------------------------------------
+
+    @hookspec
+    def octfw_register_datasets(self, register: Register) -> None:
+        """Register dataset components (recipe table ``[dataset]``).
+
+        The factory returns an :class:`octfw.types.Dataset`: ``len(ds)``,
+        ``ds.load(i) -> Sample`` (float32 ``[D, H, W]`` numpy volume plus
+        :class:`~octfw.types.Provenance`) and ``ds.domain(i) -> str``.
+
+        Hot path: no. ``load`` runs in data-loader worker processes, off the
+        training device; it never touches device tensors, so it cannot force
+        a device sync. It raises :class:`octfw.errors.CorruptFile` for an
+        unusable file, which octfw quarantines and replaces.
+
+        :return: None; components are announced through ``register``.
+        """
+
+    @hookspec
+    def octfw_register_transforms(self, register: Register) -> None:
+        """Register transform components (recipe table ``[transform]``).
+
+        The factory returns an :class:`octfw.types.Transform`:
+        ``transform(sample, rng) -> dict`` with the numpy arrays of
+        :data:`octfw.types.BATCH_KEYS` (two views ``[C, D, H, W]`` and
+        fixed-length patch index arrays). ``ctx.patch_size`` gives the model's
+        patch grid. A transform config with an ``image_size`` field declares
+        the model's input size.
+
+        Hot path: no. Runs in data-loader workers on host arrays; cannot force
+        a device sync.
+
+        :return: None; components are announced through ``register``.
+        """
+
+    # --- model ------------------------------------------------------------
+
+    @hookspec
+    def octfw_register_models(self, register: Register) -> None:
+        """Register model components (recipe table ``[model]``).
+
+        The factory returns a ``torch.nn.Module`` whose ``forward(batch)``
+        takes the collated batch (a dict of device tensors keyed by
+        :data:`octfw.types.BATCH_KEYS`, each with a leading batch dimension)
+        and returns an :class:`octfw.types.ModelOutput`. A model config with
+        a ``patch_size`` field declares the patch grid.
+
+        Optional methods the engine uses when present:
+        ``ema_update(momentum)`` (momentum a device scalar; 1.0 means "leave
+        the EMA as it is", which is how a skipped update leaves it untouched)
+        and ``param_groups(weight_decay) -> list[dict]``.
+
+        Hot path: yes, ``forward`` and ``ema_update`` run every step. They
+        must not force a device-to-host sync, must gather tokens with
+        fixed-size index tensors (no boolean-mask indexing) and must not
+        branch in Python on tensor values.
+
+        :return: None; components are announced through ``register``.
+        """
+
+    # --- optimisation -----------------------------------------------------
+
+    @hookspec
+    def octfw_register_schedulers(self, register: Register) -> None:
+        """Register scheduler components (recipe table ``[scheduler]``).
+
+        The factory returns an :class:`octfw.types.Schedule`: pure functions
+        of the update step for the LR, weight decay and EMA momentum, with
+        ``ctx.base_lr``, ``ctx.weight_decay`` and ``ctx.total_update_steps``
+        known at build time. Pure functions cannot restart by accident, are
+        simulated in full before training and resume exactly.
+
+        Hot path: called once per update step with a host int; returns host
+        floats. Cannot force a device sync.
+
+        :return: None; components are announced through ``register``.
+        """
+
+    @hookspec
+    def octfw_register_guards(self, register: Register) -> None:
+        """Register guard components (recipe array ``[[guard]]``).
+
+        The factory returns an :class:`octfw.types.Guard`. ``before_step``
+        runs on every update step in the hot path, after the global gradient
+        norm is measured and before the optimizer step; it returns a boolean
+        device tensor (apply the update or not) or None, and must not force a
+        sync: decide with ``torch.where`` on the device. ``at_log_step`` runs
+        at log steps only with host values and may raise
+        :class:`octfw.types.StopTraining`. All guards' verdicts are combined
+        with a logical AND; on every rank the same verdict is taken.
+
+        :return: None; components are announced through ``register``.
+        """
+
+    # --- output -----------------------------------------------------------
+
+    @hookspec
+    def octfw_register_loggers(self, register: Register) -> None:
+        """Register logger components (recipe array ``[[logger]]``).
+
+        The factory returns an :class:`octfw.types.Logger`. Loggers exist on
+        rank 0 only and receive host floats once per log step, read from the
+        device in one transfer by the engine: a logger never forces a sync of
+        its own.
+
+        Hot path: no (log steps only).
+
+        :return: None; components are announced through ``register``.
+        """
+
+    @hookspec
+    def octfw_register_checkpointers(self, register: Register) -> None:
+        """Register checkpointer components (recipe table ``[checkpointer]``).
+
+        The factory returns an :class:`octfw.types.Checkpointer`. ``save``
+        receives the full training state as CPU tensors and plain data on
+        rank 0 at checkpoint steps; it must be atomic and raise on failure.
+        ``load`` must not be able to run code from the file (use
+        ``torch.load(weights_only=True)``).
+
+        Hot path: no (checkpoint steps only; the engine has already moved the
+        state to the host).
+
+        :return: None; components are announced through ``register``.
+        """
+
+
+#: Stage name -> (hook name, recipe table, whether the recipe takes several).
+STAGES: dict[str, tuple[str, str, bool]] = {
+    "dataset": ("octfw_register_datasets", "dataset", False),
+    "transform": ("octfw_register_transforms", "transform", False),
+    "model": ("octfw_register_models", "model", False),
+    "scheduler": ("octfw_register_schedulers", "scheduler", False),
+    "guard": ("octfw_register_guards", "guard", True),
+    "logger": ("octfw_register_loggers", "logger", True),
+    "checkpointer": ("octfw_register_checkpointers", "checkpointer", False),
+}

@@ -1,0 +1,1 @@
+"""Neural network implementations (imported only when a model is built)."""

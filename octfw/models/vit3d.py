@@ -1,0 +1,213 @@
+"""Building blocks of a 3D Vision Transformer: patch embedding, fixed sin-cos
+positions, pre-norm blocks, and an encoder that can run on a subset of tokens.
+
+Shapes: volumes are ``[B, C, D, H, W]``; tokens are ``[B, N, E]`` with the N
+patches in row-major order over the patch grid ``(D/pd, H/ph, W/pw)``.
+
+Everything here is XLA-friendly: token subsets are taken with
+:func:`gather_tokens` and fixed-size index tensors, never boolean masks, and
+no forward branches on tensor values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "grid_shape",
+    "sincos_pos_embed_3d",
+    "gather_tokens",
+    "PatchEmbed3D",
+    "Attention",
+    "MLP",
+    "Block",
+    "ViT3DEncoder",
+    "init_weights",
+    "rescale_residual_branches",
+]
+
+#: Standard deviation of the truncated-normal initialisation of weights.
+INIT_STD = 0.02
+
+
+def grid_shape(
+    image_size: tuple[int, int, int], patch_size: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """The patch grid ``(D/pd, H/ph, W/pw)``; every size must divide exactly."""
+    for size, patch in zip(image_size, patch_size):
+        if size % patch:
+            raise ValueError(
+                f"image_size {tuple(image_size)} is not divisible by patch_size {tuple(patch_size)}"
+            )
+    return tuple(size // patch for size, patch in zip(image_size, patch_size))
+
+
+def _sincos_1d(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[len(positions), dim]`` embedding: sines then cosines of geometric frequencies."""
+    half = dim // 2
+    freqs = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / max(half, 1)))
+    angles = positions.to(torch.float64)[:, None] * freqs[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+def sincos_pos_embed_3d(grid: tuple[int, int, int], dim: int) -> torch.Tensor:
+    """Fixed 3D sin-cos position embedding, float32 ``[gd * gh * gw, dim]``.
+
+    The channels are split between the three axes, each an even share: every
+    axis gets ``2 * (dim // 6)`` and the (0, 2 or 4) channels left over go to
+    the width and height axes, which have the most positions in OCT grids.
+    Rows follow the row-major patch order.
+    """
+    if dim % 2:
+        raise ValueError(f"a sin-cos position embedding needs an even dimension, got {dim}")
+    base = 2 * (dim // 6)
+    spare = dim - 3 * base  # 0, 2 or 4
+    dims = [base, base + (2 if spare >= 4 else 0), base + (2 if spare >= 2 else 0)]
+    gd, gh, gw = grid
+    zz, yy, xx = torch.meshgrid(
+        torch.arange(gd), torch.arange(gh), torch.arange(gw), indexing="ij"
+    )
+    parts = [
+        _sincos_1d(axis.reshape(-1), axis_dim)
+        for axis, axis_dim in zip((zz, yy, xx), dims)
+        if axis_dim > 0
+    ]
+    return torch.cat(parts, dim=1).to(torch.float32)
+
+
+def gather_tokens(tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``tokens[b, idx[b]]`` for every sample: ``[B, N, E]`` x ``[B, K]`` -> ``[B, K, E]``.
+
+    ``torch.gather`` with a fixed-size index keeps the shape static, so an XLA
+    graph compiles once whatever the mask.
+    """
+    index = idx.unsqueeze(-1).expand(-1, -1, tokens.shape[-1])
+    return torch.gather(tokens, 1, index)
+
+
+class PatchEmbed3D(nn.Module):
+    """Non-overlapping 3D patches to tokens (a Conv3d with kernel = stride = patch)."""
+
+    def __init__(self, patch_size: tuple[int, int, int], in_channels: int, embed_dim: int):
+        super().__init__()
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, volume: torch.Tensor) -> torch.Tensor:
+        # [B, E, gd, gh, gw] -> [B, N, E], N in row-major (d, h, w) order.
+        return self.proj(volume).flatten(2).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embedding dimension {dim} is not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, N, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, int(dim * mlp_ratio))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def init_weights(module: nn.Module) -> None:
+    """Truncated-normal weights, zero biases, unit LayerNorm (ViT convention)."""
+    if isinstance(module, (nn.Linear, nn.Conv3d)):
+        nn.init.trunc_normal_(module.weight, std=INIT_STD)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+def rescale_residual_branches(blocks: nn.ModuleList) -> None:
+    """Divide each block's output projections by ``sqrt(2 * layer)``.
+
+    Every block adds two branches to the residual stream; shrinking deeper
+    ones keeps the stream's variance from growing with depth at init.
+    """
+    with torch.no_grad():
+        for layer, block in enumerate(blocks, start=1):
+            block.attn.proj.weight.div_(math.sqrt(2.0 * layer))
+            block.mlp.fc2.weight.div_(math.sqrt(2.0 * layer))
+
+
+class ViT3DEncoder(nn.Module):
+    """Patch embedding + fixed sin-cos positions + pre-norm blocks + final norm.
+
+    ``forward(volume, keep_idx=None)``: with ``keep_idx`` (int64 ``[B, K]``)
+    only those K tokens enter the blocks, so the cost scales with the visible
+    tokens; without it all N tokens are encoded. Returns ``[B, K or N, E]``.
+    """
+
+    def __init__(
+        self,
+        image_size: tuple[int, int, int],
+        patch_size: tuple[int, int, int],
+        in_channels: int,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: float,
+    ):
+        super().__init__()
+        self.image_size = tuple(image_size)
+        self.patch_size = tuple(patch_size)
+        self.grid_size = grid_shape(self.image_size, self.patch_size)
+        self.num_patches = math.prod(self.grid_size)
+        self.embed_dim = embed_dim
+        self.patch_embed = PatchEmbed3D(self.patch_size, in_channels, embed_dim)
+        # Not persistent: derived from the geometry, so a checkpoint holds only
+        # learned weights and never carries a stale grid.
+        self.register_buffer(
+            "pos_embed", sincos_pos_embed_3d(self.grid_size, embed_dim)[None], persistent=False
+        )
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(embed_dim)
+        self.apply(init_weights)
+        rescale_residual_branches(self.blocks)
+
+    def forward(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = self.patch_embed(volume)
+        tokens = tokens + self.pos_embed.to(tokens.dtype)
+        if keep_idx is not None:  # a structural choice, not a branch on tensor values
+            tokens = gather_tokens(tokens, keep_idx)
+        for block in self.blocks:
+            tokens = block(tokens)
+        return self.norm(tokens)

@@ -1,0 +1,23 @@
+"""Dataset components: OCT DICOM volumes from a folder, glob or manifest,
+and a synthetic multi-vendor cohort written as real DICOM files."""
+
+from __future__ import annotations
+
+from octfw.hookspecs import hookimpl
+from octfw.plugins.datasets import dicom, synthetic_oct
+
+
+@hookimpl
+def octfw_register_datasets(register):
+    register(
+        "dicom",
+        dicom.DicomConfig,
+        "octfw.plugins.datasets.dicom:build",
+        "OCT DICOM volumes from a folder, glob or manifest (local or fsspec URL).",
+    )
+    register(
+        "synthetic-oct",
+        synthetic_oct.SyntheticOctConfig,
+        "octfw.plugins.datasets.synthetic_oct:build",
+        "A synthetic multi-vendor OCT cohort, written as DICOM and read like `dicom`.",
+    )

@@ -1,0 +1,16 @@
+"""Built-in guards: decide on the device whether an update may be applied."""
+
+from octfw.hookspecs import hookimpl
+from octfw.plugins.guards.grad_clip import GradClipConfig
+from octfw.plugins.guards.lr_positive import LRPositiveConfig
+from octfw.plugins.guards.nan_skip import NanSkipConfig
+
+
+@hookimpl
+def octfw_register_guards(register):
+    register("nan-skip", NanSkipConfig, "octfw.plugins.guards.nan_skip:build",
+             "Skip an update whose loss or gradient is non-finite; decided on the device.")
+    register("grad-clip", GradClipConfig, "octfw.plugins.guards.grad_clip:build",
+             "Clip the global gradient norm (measured once, before clipping).")
+    register("lr-positive", LRPositiveConfig, "octfw.plugins.guards.lr_positive:build",
+             "Refuse to train when the learning rate of the first update is not > 0.")

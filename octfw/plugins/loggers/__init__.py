@@ -1,0 +1,21 @@
+"""Built-in loggers: ``console`` and ``jsonl``."""
+
+from octfw.hookspecs import hookimpl
+from octfw.plugins.loggers.console import ConsoleConfig
+from octfw.plugins.loggers.jsonl import JsonlConfig
+
+
+@hookimpl
+def octfw_register_loggers(register):
+    register(
+        "console",
+        ConsoleConfig,
+        "octfw.plugins.loggers.console:build",
+        "Progress bar with live loss/lr/grad_norm on a terminal, plain lines elsewhere; end summary.",
+    )
+    register(
+        "jsonl",
+        JsonlConfig,
+        "octfw.plugins.loggers.jsonl:build",
+        "One JSON line per log step in <run_dir>/metrics.jsonl (non-finite values as null).",
+    )

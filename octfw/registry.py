@@ -1,0 +1,216 @@
+"""Plugin manager factory and the component registry.
+
+No plugin manager exists at import time: :func:`make_plugin_manager` builds a
+fresh one (tests get their own), and :func:`load_registry` asks every plugin
+to register its components. Built-in components come from the modules in
+:data:`octfw.plugins.BUILTIN_PLUGINS`; third-party ones from the entry-point
+group ``octfw``. Both go through the same hooks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata as metadata
+import os
+from typing import Any, Callable, Iterable
+
+import attrs
+import pluggy
+
+from octfw import hookspecs
+from octfw.errors import PluginError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Component",
+    "PluginFailure",
+    "Registry",
+    "make_plugin_manager",
+    "load_registry",
+    "did_you_mean",
+]
+
+ENTRY_POINT_GROUP = "octfw"
+DISABLE_ENV = "OCTFW_DISABLE_PLUGINS"
+BUILTIN_DISTRIBUTION = "octfw"
+
+
+@attrs.frozen
+class Component:
+    """One registered component: what ``octfw list`` shows and what a recipe names."""
+
+    stage: str
+    name: str
+    config: type
+    factory: Callable[[Any, Any], Any] | str
+    summary: str
+    distribution: str  #: the distribution that ships it ("octfw" for built-ins)
+    version: str
+    plugin: str  #: the plugin module (or entry-point name) that registered it
+
+    def build(self, config: Any, ctx: Any) -> Any:
+        """Make the component. A ``"module:function"`` factory is imported now."""
+        factory = self.factory
+        if isinstance(factory, str):
+            module_name, _, attr = factory.partition(":")
+            factory = getattr(importlib.import_module(module_name), attr)
+        return factory(config, ctx)
+
+
+@attrs.frozen
+class PluginFailure:
+    """A third-party plugin that could not be imported or registered."""
+
+    distribution: str
+    entry_point: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"plugin {self.entry_point!r} from {self.distribution} failed to load: {self.error}"
+
+
+@attrs.define
+class Registry:
+    """All components, by stage and name, plus the plugins that failed to load."""
+
+    components: dict[tuple[str, str], Component] = attrs.field(factory=dict)
+    failures: list[PluginFailure] = attrs.field(factory=list)
+    #: plugin distribution -> version, for the run directory's versions file
+    distributions: dict[str, str] = attrs.field(factory=dict)
+
+    def get(self, stage: str, name: str) -> Component:
+        try:
+            return self.components[(stage, name)]
+        except KeyError:
+            names = self.names(stage)
+            hint = did_you_mean(name, names)
+            choices = ", ".join(names) or "none installed"
+            raise PluginError(
+                f"unknown {stage} component {name!r}{hint}; available: {choices}"
+            ) from None
+
+    def names(self, stage: str) -> list[str]:
+        return sorted(n for (s, n) in self.components if s == stage)
+
+    def by_stage(self, stage: str | None = None) -> list[Component]:
+        items = [c for c in self.components.values() if stage is None or c.stage == stage]
+        order = list(hookspecs.STAGES)
+        return sorted(items, key=lambda c: (order.index(c.stage), c.name))
+
+    def add(self, component: Component) -> None:
+        key = (component.stage, component.name)
+        existing = self.components.get(key)
+        if existing is not None:
+            raise PluginError(
+                f"{component.stage} component {component.name!r} is registered twice: "
+                f"by {existing.plugin} ({existing.distribution} {existing.version}) and by "
+                f"{component.plugin} ({component.distribution} {component.version}); "
+                f"uninstall one or block it with {DISABLE_ENV}"
+            )
+        self.components[key] = component
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _disabled_plugins() -> set[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return {item.strip() for item in raw.split(",") if item.strip()}
+
+
+def _octfw_version() -> str:
+    from octfw import __version__
+
+    return __version__
+
+
+def make_plugin_manager(
+    builtins: Iterable[str] | None = None,
+    entry_points: Iterable[metadata.EntryPoint] | None = None,
+) -> tuple[pluggy.PluginManager, list[PluginFailure], dict[str, tuple[str, str]]]:
+    """A fresh plugin manager with built-in and third-party plugins loaded.
+
+    ``builtins`` lists module names (default: :data:`octfw.plugins.BUILTIN_PLUGINS`);
+    ``entry_points`` defaults to the installed ``octfw`` entry points.
+    Returns the manager, the plugins that failed to load, and for each plugin
+    name its (distribution, version).
+    """
+    from octfw.plugins import BUILTIN_PLUGINS
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs.OctfwSpecs)
+    disabled = _disabled_plugins()
+    for name in disabled:
+        pm.set_blocked(name)
+    origins: dict[str, tuple[str, str]] = {}
+    failures: list[PluginFailure] = []
+
+    for module_name in BUILTIN_PLUGINS if builtins is None else builtins:
+        if module_name in disabled:
+            continue
+        pm.register(importlib.import_module(module_name), name=module_name)
+        origins[module_name] = (BUILTIN_DISTRIBUTION, _octfw_version())
+
+    if entry_points is None:
+        entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in entry_points:
+        dist = ep.dist.name if ep.dist is not None else "unknown distribution"
+        version = ep.dist.version if ep.dist is not None else "?"
+        if ep.name in disabled or dist in disabled or pm.is_registered(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+            # A hookimpl whose name matches no hook (a typo) is an error now,
+            # not a component that silently never appears.
+            pm.check_pending()
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break octfw
+            if pm.is_registered(ep.name):
+                pm.unregister(name=ep.name)
+            failures.append(PluginFailure(dist, ep.name, f"{type(exc).__name__}: {exc}"))
+            continue
+        origins[ep.name] = (dist, version)
+    return pm, failures, origins
+
+
+def load_registry(
+    builtins: Iterable[str] | None = None,
+    entry_points: Iterable[metadata.EntryPoint] | None = None,
+) -> Registry:
+    """Build a plugin manager and collect every component it registers.
+
+    A third-party plugin whose registration raises is reported as a failure
+    and its components are dropped; a duplicate name is an error.
+    """
+    pm, failures, origins = make_plugin_manager(builtins, entry_points)
+    registry = Registry(failures=failures)
+    for plugin_name, (dist, version) in origins.items():
+        if dist != BUILTIN_DISTRIBUTION:
+            registry.distributions[dist] = version
+    for stage, (hook_name, _table, _many) in hookspecs.STAGES.items():
+        hook = getattr(pm.hook, hook_name)
+        for impl in reversed(hook.get_hookimpls()):  # registration order
+            dist, version = origins.get(impl.plugin_name, ("unknown distribution", "?"))
+            registered: list[Component] = []
+
+            def register(name, config, factory, summary, *, _stage=stage, _impl=impl,
+                         _dist=dist, _version=version, _out=registered):
+                if not attrs.has(config):
+                    raise TypeError(f"config for {_stage} {name!r} must be an attrs class")
+                _out.append(Component(_stage, name, config, factory, summary.strip(),
+                                      _dist, _version, _impl.plugin_name))
+
+            try:
+                impl.function(register=register)
+            except Exception as exc:  # noqa: BLE001
+                if dist == BUILTIN_DISTRIBUTION:
+                    raise
+                failures.append(PluginFailure(dist, impl.plugin_name, f"{type(exc).__name__}: {exc}"))
+                continue
+            for component in registered:
+                registry.add(component)
+    return registry

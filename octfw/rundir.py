@@ -1,0 +1,97 @@
+"""The run directory: what a run writes at start and at the end.
+
+At start: ``recipe.toml`` (resolved, every default filled in),
+``versions.json`` (octfw, every plugin distribution, torch, torch_xla if
+loaded, Python) and ``git.json`` (the commit of the recipe's repository, if
+any). At the end: ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata as metadata
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from octfw.errors import UserError
+from octfw.recipe import Recipe, to_toml
+from octfw.registry import Registry
+
+__all__ = ["create_run_dir", "latest_run_dir", "versions", "write_summary"]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions(registry: Registry | None = None) -> dict[str, Any]:
+    from octfw import __version__
+
+    out: dict[str, Any] = {"octfw": __version__, "python": platform.python_version()}
+    for dist in ("torch", "numpy", "monai", "pydicom"):
+        out[dist] = _version(dist)
+    if "torch_xla" in sys.modules:
+        out["torch_xla"] = _version("torch_xla")
+    if registry is not None:
+        out["plugins"] = dict(sorted(registry.distributions.items()))
+    return out
+
+
+def git_info(folder: Path) -> dict[str, Any] | None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True,
+                                text=True, timeout=5)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=folder, capture_output=True,
+                               text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def _runs_root(recipe: Recipe) -> Path:
+    output = recipe.run.output_dir
+    if output.is_remote:
+        raise UserError(f"run.output_dir: {output!r} must be a local folder (checkpoints may go to gs://)")
+    return Path(output.local_path) / recipe.name
+
+
+def create_run_dir(recipe: Recipe, registry: Registry) -> Path:
+    root = _runs_root(recipe)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = root / stamp
+    suffix = 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = root / f"{stamp}-{suffix}"
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise UserError(f"run.output_dir: cannot create {run_dir}: {exc.strerror}") from None
+    (run_dir / "recipe.toml").write_text(to_toml(recipe.to_dict()), encoding="utf-8")
+    _write_json(run_dir / "versions.json", versions(registry))
+    _write_json(run_dir / "git.json", git_info(recipe.folder))
+    return run_dir
+
+
+def latest_run_dir(recipe: Recipe) -> Path | None:
+    """The newest run directory of this recipe's name, for ``--resume auto``."""
+    root = _runs_root(recipe)
+    runs = sorted(p for p in root.glob("*") if (p / "recipe.toml").exists()) if root.exists() else []
+    return runs[-1] if runs else None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_summary(run_dir: Path, summary: Mapping[str, Any], quarantine: Any) -> None:
+    _write_json(run_dir / "summary.json", {**summary, "quarantined_files": dict(quarantine.seen)})

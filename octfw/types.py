@@ -1,0 +1,211 @@
+"""The contracts between stages: what each component receives and returns.
+
+These types are light (attrs and typing only) so that listing and validating
+recipes never imports torch. Shapes are written ``[B, C, D, H, W]``: batch,
+channels, depth (B-scans), height (axial), width.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+    import torch
+
+__all__ = [
+    "Sample",
+    "Provenance",
+    "ModelOutput",
+    "BuildContext",
+    "Dataset",
+    "Transform",
+    "Schedule",
+    "Guard",
+    "GuardInputs",
+    "Logger",
+    "Checkpointer",
+    "StopTraining",
+    "BATCH_KEYS",
+]
+
+#: Keys of the tensors a transform returns for one sample, and that the
+#: collated batch carries to the model (with a leading batch dimension).
+#:
+#: - ``context``: float32 ``[C, D, H, W]``, the view the context encoder sees.
+#: - ``target``: float32 ``[C, D, H, W]``, the view the target encoder sees.
+#: - ``context_idx``: int64 ``[N_context]``, indices of visible patches.
+#: - ``target_idx``: int64 ``[N_target]``, indices of masked patches.
+#:
+#: Patch indices count patches in row-major order over the patch grid
+#: ``(D / pd, H / ph, W / pw)``. The counts are the same for every sample so
+#: that an XLA graph compiles once; a ``[D, H, W]`` voxel mask is refused.
+BATCH_KEYS = ("context", "target", "context_idx", "target_idx")
+
+
+@attrs.frozen
+class Provenance:
+    """Where a sample came from. Carries no patient identifier, ever."""
+
+    source: str  #: URL of the file (or of the series folder)
+    domain: str  #: cohort domain, usually the device manufacturer
+    spacing: tuple[float, float, float]  #: (dz, dy, dx) in mm
+    original_shape: tuple[int, ...]  #: shape of the volume as stored
+    label: int | None = None  #: optional class label for evaluation
+
+
+@attrs.frozen(eq=False)
+class Sample:
+    """One volume as a dataset yields it: float32 ``[D, H, W]`` plus provenance."""
+
+    volume: "np.ndarray"
+    provenance: Provenance
+
+
+@attrs.frozen
+class ModelOutput:
+    """What a model's ``forward`` returns. Every field is a device tensor.
+
+    Reading any field on the host forces a device-to-host sync; the engine
+    does so only on log steps.
+    """
+
+    loss: "torch.Tensor"  #: scalar float32, the value that is back-propagated
+    per_sample_loss: "torch.Tensor"  #: float32 ``[B]``, for per-domain logging
+    metrics: Mapping[str, "torch.Tensor"] = attrs.field(factory=dict)  #: scalars
+
+
+@attrs.frozen
+class BuildContext:
+    """What a component factory may know about the run it is built for."""
+
+    recipe_dir: Path  #: folder of the recipe; relative paths were resolved against it
+    cache_dir: Path  #: persistent cache shared between runs (decoded volumes)
+    run_dir: Path | None  #: this run's directory; None in ``check`` and ``list``
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    #: Patch grid geometry: the transform's ``image_size`` [D, H, W] and the
+    #: model's ``patch_size`` [pd, ph, pw]; None when a component lacks them.
+    image_size: tuple[int, int, int] | None = None
+    patch_size: tuple[int, int, int] | None = None
+    in_channels: int = 1
+    base_lr: float = 0.0
+    weight_decay: float = 0.0
+    #: Total update steps of the run, derived once from the dataset size,
+    #: batch, world size, accumulation and epochs (or ``run.max_steps``).
+    total_update_steps: int = 0
+    #: The full recipe as plain data, for components that record it.
+    recipe: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+
+class StopTraining(Exception):
+    """Raised by a guard or logger at a log step to end the run cleanly."""
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """A map-style collection of volumes.
+
+    ``load`` decodes one volume (in a data-loader worker) and raises
+    :class:`octfw.errors.CorruptFile` for a file that cannot be used; octfw
+    quarantines it and substitutes the next usable sample.
+    """
+
+    def __len__(self) -> int: ...
+
+    def load(self, index: int) -> Sample: ...
+
+    def domain(self, index: int) -> str:
+        """The domain of ``index`` without decoding pixels (for balanced sampling)."""
+        ...
+
+
+@runtime_checkable
+class Transform(Protocol):
+    """Turns a :class:`Sample` into the arrays of :data:`BATCH_KEYS`.
+
+    ``rng`` is derived from (seed, epoch, index), so a sample's views and
+    masks do not depend on worker count or order, and a batch can be rebuilt.
+    """
+
+    def __call__(self, sample: Sample, rng: "np.random.Generator") -> dict[str, "np.ndarray"]: ...
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    """Pure functions of the update step (0-based): no hidden state to restart.
+
+    ``lr`` is None for a schedule that never rewrites the learning rate
+    (``constant``): the optimizer keeps the ``base_lr`` it was built with.
+    ``weight_decay`` and ``ema_momentum`` return None when not scheduled.
+    """
+
+    def lr(self, update_step: int) -> float | None: ...
+
+    def weight_decay(self, update_step: int) -> float | None: ...
+
+    def ema_momentum(self, update_step: int) -> float | None: ...
+
+
+@attrs.frozen
+class GuardInputs:
+    """Device tensors a guard sees once per update step, before the optimizer step."""
+
+    update_step: int
+    loss: "torch.Tensor"  #: scalar, mean over the accumulated micro-steps
+    grad_norm: "torch.Tensor"  #: global L2 norm of all gradients, before clipping
+    parameters: tuple  #: the trainable parameters (with their ``.grad``)
+    lr: float  #: learning rate of this update (host value, known without a sync)
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """Decides on the device whether an update may be applied; watches health.
+
+    ``before_step`` runs in the hot path on every update step and must not
+    force a host sync: it returns a boolean device tensor (True = apply) or
+    None (no opinion), and may rescale gradients in place (``grad-clip``).
+    ``at_log_step`` runs at log steps with host values and may warn or raise
+    :class:`StopTraining`.
+    """
+
+    def before_step(self, inputs: GuardInputs) -> "torch.Tensor | None": ...
+
+    def at_log_step(self, update_step: int, metrics: Mapping[str, float]) -> None: ...
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """Receives host scalars once per log step. Only rank 0 has loggers."""
+
+    def start(self, total_update_steps: int, run_dir: Path, recipe: Mapping[str, Any]) -> None: ...
+
+    def log(self, update_step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def finish(self, summary: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """Saves and restores the whole training state.
+
+    ``save`` is atomic: a reader never sees a partial checkpoint, and
+    ``latest`` never points at one. It raises on failure; the engine warns,
+    keeps training and lists the failed save in the summary.
+    """
+
+    def save(self, update_step: int, state: Mapping[str, Any]) -> str: ...
+
+    def latest(self) -> str | None: ...
+
+    def load(self, location: str) -> dict[str, Any]: ...
+
+

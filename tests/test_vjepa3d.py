@@ -1,0 +1,333 @@
+"""The vjepa3d model: shapes, masking semantics, EMA, optimizer groups, sizes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from octfw.errors import UserError
+from octfw.models.vjepa3d import embedding_std, masked_feature_loss
+from octfw.plugins.models.vjepa3d import PRESETS, VJEPA3DConfig, build
+from octfw.registry import load_registry
+from octfw.types import BuildContext, ModelOutput
+
+TINY_IMAGE = (4, 32, 32)
+TINY_PATCH = (2, 16, 16)  # 2 x 2 x 2 = 8 patches
+
+
+def make_ctx(image_size=TINY_IMAGE, in_channels=1, patch_size=None) -> BuildContext:
+    return BuildContext(
+        recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
+        image_size=image_size, patch_size=patch_size, in_channels=in_channels,
+    )
+
+
+def make_model(image_size=TINY_IMAGE, patch_size=TINY_PATCH, in_channels=1, **fields):
+    fields.setdefault("preset", "tiny")
+    config = VJEPA3DConfig(patch_size=patch_size, **fields)
+    return build(config, make_ctx(image_size, in_channels))
+
+
+def make_batch(model, batch_size=2, num_target=None, in_channels=1, seed=0):
+    """Random views and a random fixed-count mask per sample (masked = target)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = model.num_patches
+    num_target = n // 2 if num_target is None else num_target
+    perm = torch.stack([torch.randperm(n, generator=gen) for _ in range(batch_size)])
+    shape = (batch_size, in_channels, *model.context_encoder.image_size)
+    return {
+        "context": torch.randn(shape, generator=gen),
+        "target": torch.randn(shape, generator=gen),
+        "context_idx": perm[:, num_target:].contiguous(),
+        "target_idx": perm[:, :num_target].contiguous(),
+    }
+
+
+def patch_slices(model, index: int) -> tuple[slice, slice, slice]:
+    """Voxel slices of patch ``index`` (row-major over the patch grid)."""
+    gd, gh, gw = model.grid_size
+    pd, ph, pw = model.context_encoder.patch_size
+    d, rest = divmod(index, gh * gw)
+    h, w = divmod(rest, gw)
+    return slice(d * pd, (d + 1) * pd), slice(h * ph, (h + 1) * ph), slice(w * pw, (w + 1) * pw)
+
+
+# --- registration and config ---------------------------------------------------
+
+
+def test_plugin_modules_import_without_torch():
+    code = (
+        "import sys, octfw.plugins.models, octfw.plugins.models.vjepa3d;"
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_vjepa3d_is_registered_with_its_config():
+    registry = load_registry(builtins=["octfw.plugins.models"], entry_points=[])
+    component = registry.get("model", "vjepa3d")
+    assert component.config is VJEPA3DConfig
+    model = component.build(VJEPA3DConfig(preset="tiny", patch_size=TINY_PATCH), make_ctx())
+    assert model.num_patches == 8
+
+
+def test_explicit_fields_override_the_preset():
+    arch = VJEPA3DConfig(preset="tiny", embed_dim=48, predictor_depth=3).architecture()
+    assert arch.embed_dim == 48 and arch.predictor_depth == 3
+    assert arch.depth == PRESETS["tiny"]["depth"]
+    model = make_model(embed_dim=48, predictor_depth=3)
+    assert model.context_encoder.embed_dim == 48
+    assert len(model.predictor.blocks) == 3
+
+
+def test_config_refuses_widths_the_heads_cannot_split():
+    with pytest.raises(ValueError, match="embed_dim = 100 is not divisible by num_heads = 3"):
+        VJEPA3DConfig(preset="tiny", embed_dim=100)
+    with pytest.raises(ValueError, match="nmse"):
+        VJEPA3DConfig(loss="cosine")
+    with pytest.raises(ValueError, match="3 values"):
+        VJEPA3DConfig(patch_size=(4, 16))
+
+
+def test_factory_needs_an_image_size():
+    with pytest.raises(UserError, match=r"patch_size = \[4, 16, 16\]"):
+        build(VJEPA3DConfig(preset="tiny"), make_ctx(image_size=None))
+
+
+def test_factory_refuses_an_image_size_not_divisible_by_the_patch():
+    with pytest.raises(UserError) as info:
+        build(VJEPA3DConfig(preset="tiny"), make_ctx(image_size=(16, 128, 120)))
+    assert "[16, 128, 120]" in str(info.value) and "[4, 16, 16]" in str(info.value)
+
+
+def test_small_preset_has_the_seeds_parameter_count():
+    # 64 x 384 x 384 is the seeds' multi-domain input; counting needs no forward.
+    model = build(VJEPA3DConfig(preset="small"), make_ctx(image_size=(64, 384, 384)))
+    counts = model.count_parameters()
+    assert abs(counts["trainable"] - 29.4e6) / 29.4e6 < 0.05, counts
+    encoder = sum(p.numel() for p in model.context_encoder.parameters())
+    assert counts["ema"] == encoder
+
+
+# --- forward -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "image_size, patch_size, in_channels",
+    [((4, 32, 32), (2, 16, 16), 1), ((6, 16, 24), (3, 8, 8), 1), ((8, 16, 16), (4, 4, 8), 2)],
+)
+def test_output_shapes(image_size, patch_size, in_channels):
+    model = make_model(image_size, patch_size, in_channels)
+    grid = tuple(s // p for s, p in zip(image_size, patch_size))
+    assert model.grid_size == grid
+    n = grid[0] * grid[1] * grid[2]
+    batch = make_batch(model, batch_size=3, num_target=n // 3, in_channels=in_channels)
+    out = model(batch)
+    assert isinstance(out, ModelOutput)
+    assert out.loss.shape == () and out.loss.dtype == torch.float32
+    assert out.per_sample_loss.shape == (3,)
+    assert set(out.metrics) >= {"target_std", "pred_std"}
+    assert all(v.shape == () for v in out.metrics.values())
+    embed_dim = model.context_encoder.embed_dim
+    predicted = model.predict(batch["context"], batch["context_idx"], batch["target_idx"])
+    assert predicted.shape == (3, n // 3, embed_dim)
+    assert model.embed(batch["target"]).shape == (3, n, embed_dim)
+    assert model.encoder is model.target_encoder
+
+
+def test_patch_tokens_are_in_row_major_grid_order():
+    model = make_model((4, 16, 24), (2, 8, 8))  # grid 2 x 2 x 3
+    embed = model.context_encoder.patch_embed
+    volume = torch.zeros(1, 1, 4, 16, 24)
+    base = embed(volume)
+    index = 1 * 6 + 0 * 3 + 2  # d=1, h=0, w=2
+    volume[(0, 0, *patch_slices(model, index))] = 1.0
+    changed = (embed(volume) != base).any(dim=-1)[0]
+    assert changed.nonzero().flatten().tolist() == [index]
+
+
+def test_same_seed_gives_the_same_loss():
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        model = make_model()
+        losses.append(model(make_batch(model)).loss)
+    assert torch.equal(losses[0], losses[1])
+    torch.manual_seed(124)
+    model = make_model()
+    assert not torch.equal(losses[0], model(make_batch(model)).loss)
+
+
+def test_context_voxels_of_masked_patches_do_not_change_the_loss():
+    torch.manual_seed(0)
+    model = make_model()
+    batch = make_batch(model)
+    before = model(batch).loss
+    changed = dict(batch, context=batch["context"].clone())
+    for sample in range(2):
+        for index in batch["target_idx"][sample].tolist():
+            changed["context"][(sample, slice(None), *patch_slices(model, index))] += 5.0
+    assert torch.equal(model(changed).loss, before)
+    # The visible patches, by contrast, do matter.
+    visible = batch["context_idx"][0, 0].item()
+    changed["context"][(0, slice(None), *patch_slices(model, visible))] += 5.0
+    assert not torch.equal(model(changed).loss, before)
+
+
+def test_loss_depends_only_on_target_features_at_masked_positions():
+    torch.manual_seed(0)
+    model = make_model()
+    batch = make_batch(model)
+    before = model(batch).loss
+    positions = {"idx": batch["context_idx"]}
+
+    def overwrite(module, inputs, output):
+        index = positions["idx"].unsqueeze(-1).expand(-1, -1, output.shape[-1])
+        return output.scatter(1, index, torch.full_like(output, 1e3))
+
+    handle = model.target_encoder.register_forward_hook(overwrite)
+    try:
+        assert torch.equal(model(batch).loss, before)  # unmasked positions: ignored
+        positions["idx"] = batch["target_idx"][:, :1]
+        assert not torch.equal(model(batch).loss, before)  # a masked position: used
+    finally:
+        handle.remove()
+
+
+def test_no_gradient_reaches_the_target_encoder():
+    torch.manual_seed(0)
+    model = make_model()
+    model(make_batch(model)).loss.backward()
+    assert all(not p.requires_grad and p.grad is None for p in model.target_encoder.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None for p in trainable)
+
+
+def test_loss_is_float32_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = make_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(make_batch(model))
+    assert out.loss.dtype == torch.float32 and out.per_sample_loss.dtype == torch.float32
+    assert torch.isfinite(out.loss)
+
+
+def test_loss_config_selects_the_loss():
+    torch.manual_seed(0)
+    losses = {}
+    for kind in ("l1", "mse", "nmse"):
+        torch.manual_seed(0)
+        model = make_model(loss=kind)
+        losses[kind] = model(make_batch(model)).loss
+    assert len({v.item() for v in losses.values()}) == 3
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_and_ema_update_never_sync_with_the_host():
+    torch.manual_seed(0)
+    model = make_model()
+    batch = make_batch(model)
+    with RecordOps() as recorder:
+        out = model(batch)
+        out.loss.backward()
+        model.ema_update(torch.tensor(0.99))
+    # .item(), float(t) and `if t:` all go through _local_scalar_dense;
+    # boolean-mask indexing goes through nonzero / masked_select.
+    forbidden = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item"}
+    assert not recorder.ops & forbidden, recorder.ops & forbidden
+
+
+# --- losses and metrics --------------------------------------------------------
+
+
+def test_each_loss_is_zero_for_a_perfect_prediction():
+    target = torch.randn(2, 5, 16)
+    assert masked_feature_loss(target, target, "mse").abs().max() == 0
+    layer_normed = F.layer_norm(target, (16,))
+    assert masked_feature_loss(layer_normed, target, "l1").abs().max() < 1e-6
+    # nmse ignores the scale of the prediction
+    assert masked_feature_loss(3.0 * target, target, "nmse").abs().max() < 1e-6
+
+
+def test_nmse_of_orthogonal_vectors_is_two_over_width():
+    eye = torch.eye(8)
+    predicted, target = eye[None, :4], eye[None, 4:]
+    assert torch.allclose(masked_feature_loss(predicted, target, "nmse"), torch.tensor([2 / 8]))
+
+
+def test_embedding_std_is_zero_for_collapsed_embeddings():
+    collapsed = torch.randn(1, 1, 16).expand(3, 10, 16)
+    assert embedding_std(collapsed) < 1e-6
+    assert embedding_std(torch.randn(3, 10, 16)) > 0.1
+
+
+# --- EMA and optimizer groups --------------------------------------------------
+
+
+def _perturbed_model():
+    torch.manual_seed(0)
+    model = make_model()
+    with torch.no_grad():
+        for p in model.context_encoder.parameters():
+            p.add_(torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("momentum", [1.0, torch.tensor(1.0)])
+def test_ema_update_with_momentum_one_leaves_the_ema_bitwise_unchanged(momentum):
+    model = _perturbed_model()
+    before = [p.clone() for p in model.target_encoder.parameters()]
+    model.ema_update(momentum)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.target_encoder.parameters()))
+
+
+@pytest.mark.parametrize("momentum", [0.0, torch.tensor(0.0)])
+def test_ema_update_with_momentum_zero_copies_the_online_encoder(momentum):
+    model = _perturbed_model()
+    model.ema_update(momentum)
+    pairs = zip(model.target_encoder.parameters(), model.context_encoder.parameters())
+    assert all(torch.equal(ema, online) for ema, online in pairs)
+
+
+@pytest.mark.parametrize("momentum", [0.5, torch.tensor(0.5)])
+def test_ema_update_with_momentum_half_goes_halfway(momentum):
+    model = _perturbed_model()
+    before = [p.clone() for p in model.target_encoder.parameters()]
+    model.ema_update(momentum)
+    for old, new, online in zip(before, model.target_encoder.parameters(),
+                                model.context_encoder.parameters()):
+        assert torch.allclose(new, 0.5 * (old + online), atol=1e-6)
+
+
+def test_param_groups_split_decay_and_no_decay():
+    model = make_model()
+    decay, no_decay = model.param_groups(0.05)
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert decay["params"] and all(p.ndim >= 2 for p in decay["params"])
+    assert no_decay["params"] and all(p.ndim < 2 for p in no_decay["params"])
+    grouped = {id(p) for p in decay["params"]} | {id(p) for p in no_decay["params"]}
+    assert len(grouped) == len(decay["params"]) + len(no_decay["params"])  # disjoint
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert grouped == trainable
+    assert not grouped & {id(p) for p in model.target_encoder.parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert "predictor.mask_token" in no_decay_names
+    assert "context_encoder.norm.weight" in no_decay_names
+    assert "context_encoder.blocks.0.attn.qkv.bias" in no_decay_names
+    torch.optim.AdamW(model.param_groups(0.05), lr=1e-4)  # accepted as is
