@@ -16,6 +16,7 @@ current directory for ``--set`` values).
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from pathlib import Path
 import types
@@ -23,7 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence, Union, get_args, get_origin
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import ClassValidationError, IterableValidationError
 
 from octfw.engine.config import EngineConfig, RunConfig
 from octfw.errors import PluginError, RecipeError, UserError
@@ -343,72 +344,79 @@ def _converter() -> cattrs.Converter:
     return conv
 
 
-@contextlib.contextmanager
-def _validators_off() -> Iterator[None]:
-    # Structure first with validators off, then run every validator ourselves
-    # so that all problems are reported at once, each with its key.
-    was = attrs.validators.get_disabled()
-    attrs.validators.set_disabled(True)
-    try:
-        yield
-    finally:
-        attrs.validators.set_disabled(was)
-
-
-def _cattrs_problems(exc: BaseException, path: str, cls: type | None) -> list[str]:
-    problems: list[str] = []
-    if isinstance(exc, ForbiddenExtraKeysError):
-        valid = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
-        for key in sorted(exc.extra_fields):
-            hint = did_you_mean(key, valid)
-            problems.append(
-                f"{path}.{key}: unknown key{hint}; valid keys: {', '.join(valid) or 'none'}"
-            )
-    elif isinstance(exc, ClassValidationError):
-        for sub, note in exc.group_exceptions():
-            name = getattr(note, "name", None)
-            sub_cls = getattr(note, "type", None)
-            sub_path = f"{path}.{name}" if name else path
-            problems += _cattrs_problems(sub, sub_path, sub_cls)
-    elif isinstance(exc, IterableValidationError):
-        for sub, note in exc.group_exceptions():
-            index = getattr(note, "index", None)
-            problems += _cattrs_problems(sub, f"{path}[{index}]", None)
-    elif isinstance(exc, KeyError):
-        problems.append(f"{path}.{exc.args[0]}: required key missing")
-    elif isinstance(exc, BaseExceptionGroup):
-        for sub in exc.exceptions:
-            problems += _cattrs_problems(sub, path, cls)
-    else:
-        problems.append(f"{path}: {exc}")
-    return problems
-
-
-def _validator_problems(instance: Any, path: str) -> list[str]:
-    problems = []
-    for field in attrs.fields(type(instance)):
-        value = getattr(instance, field.name)
-        if field.validator is not None:
-            try:
-                field.validator(instance, field, value)
-            except (ValueError, TypeError) as exc:
-                problems.append(f"{path}.{field.name}: {exc}")
-        if attrs.has(type(value)):
-            problems += _validator_problems(value, f"{path}.{field.name}")
-    return problems
+def _leaf_problems(exc: BaseException, path: str) -> list[str]:
+    """Messages from cattrs for one value (a tuple or union may nest them)."""
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        with_notes, without_notes = exc.group_exceptions()
+        problems = []
+        for sub, note in with_notes:
+            where = f"[{note.index}]" if hasattr(note, "index") else f".{note.name}"
+            problems += _leaf_problems(sub, path + where)
+        for sub in without_notes:
+            problems += _leaf_problems(sub, path)
+        return problems
+    return [f"{path}: {exc}"]
 
 
 def structure_config(cls: type, table: Mapping[str, Any], path: str) -> tuple[Any, list[str]]:
-    """Structure ``table`` into ``cls``; return (instance or None, problems)."""
+    """Structure ``table`` into the attrs class ``cls``; return (instance or None, problems).
+
+    Each field is typed and validated on its own so that every problem is
+    reported at once with its key; the instance is built (running any
+    cross-field check in ``__attrs_post_init__``) only when the fields are fine.
+    """
     conv = _converter()
-    with _validators_off():
-        try:
-            instance = conv.structure(dict(table), cls)
-        except (ClassValidationError, ForbiddenExtraKeysError) as exc:
-            return None, _cattrs_problems(exc, path, cls)
-        except ValueError as exc:  # from __attrs_post_init__ cross-field checks
-            return None, [f"{path}: {exc}"]
-    return instance, _validator_problems(instance, path)
+    attrs.resolve_types(cls)
+    fields = {f.name: f for f in attrs.fields(cls)}
+    unknown = []
+    for key in table:
+        if key not in fields:
+            hint = did_you_mean(key, fields)
+            unknown.append(f"{path}.{key}: unknown key{hint}; valid keys: {', '.join(fields) or 'none'}")
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    for name, field in fields.items():
+        where = f"{path}.{name}"
+        if name not in table:
+            if field.default is attrs.NOTHING:
+                problems.append(f"{where}: required key missing")
+            continue
+        raw = table[name]
+        if attrs.has(field.type):
+            if not isinstance(raw, dict):
+                problems.append(f"{where}: expected a table, got {_describe(raw)}")
+                continue
+            value, found = structure_config(field.type, raw, where)
+            problems += found
+        else:
+            try:
+                value = conv.structure(raw, field.type)
+            except Exception as exc:  # noqa: BLE001 - every structuring error becomes a message
+                problems += _leaf_problems(exc, where)
+                continue
+        values[name] = value
+    if problems:
+        return None, unknown + problems
+    # Validators may look at other fields: give them an instance that holds
+    # every value (defaults included) without running __init__ yet.
+    draft = object.__new__(cls)
+    for name, field in fields.items():
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory()
+        object.__setattr__(draft, name, values.get(name, default))
+    for name, field in fields.items():
+        if field.validator is not None and name in values:
+            try:
+                field.validator(draft, field, values[name])
+            except (ValueError, TypeError) as exc:
+                problems.append(f"{path}.{name}: {exc}")
+    if unknown or problems:
+        return None, unknown + problems
+    try:
+        return cls(**values), []
+    except (ValueError, TypeError) as exc:  # cross-field checks in __attrs_post_init__
+        return None, [f"{path}: {exc}"]
 
 
 def _structure_stage(
@@ -503,6 +511,8 @@ def load_recipe(
     if source.is_dir():
         raise UserError(f"{source}: is a folder; give a recipe file (.toml)")
     data = _read_with_extends(source)
+    for stage, default in DEFAULT_STAGES.items():
+        data.setdefault(stage, copy.deepcopy(default))
     data = apply_overrides(data, overrides)
     if registry is None:
         from octfw.registry import load_registry

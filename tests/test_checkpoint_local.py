@@ -6,6 +6,7 @@ import collections
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,8 +129,6 @@ def test_only_rank_zero_saves(tmp_path):
 def test_state_that_weights_only_cannot_load_is_refused_at_save(tmp_path):
     ckpt = build(LocalCheckpointConfig(), make_ctx(tmp_path))
     with pytest.raises(TypeError, match=r"state\['rng'\]\['numpy'\] is a numpy.ndarray"):
-        import numpy as np
-
         ckpt.save(10, {"rng": {"numpy": np.zeros(3)}})
     assert ckpt.latest() is None
 

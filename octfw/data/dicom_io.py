@@ -77,7 +77,21 @@ _PIXEL_DATA_TAG_BE = b"\x7f\xe0\x00\x10"
 
 
 class SpacingDefaulted(UserWarning):
-    """A volume's header lacks (part of) its voxel spacing; 1.0 mm was used."""
+    """A volume's header lacks (part of) its voxel spacing; 1.0 mm was used.
+
+    The message names the domain, not the file, so Python's warning filters
+    show it once per domain rather than once per file of a large cohort;
+    ``url`` and ``missing`` say which file and which values.
+    """
+
+    def __init__(self, url: str, domain: str, missing: Sequence[str]):
+        self.url = url
+        self.domain = domain
+        self.missing = tuple(missing)
+        super().__init__(
+            f"{domain} volumes lack {' and '.join(self.missing)} in their DICOM header; "
+            "using 1.0 mm"
+        )
 
 
 # --- names and locations --------------------------------------------------
@@ -320,21 +334,27 @@ def read_header(url: str | os.PathLike[str], fs: Any = None) -> dict[str, Any]:
     url = os.fspath(url)
     ds, _ = _read_dataset(url, fs, stop_before_pixels=True)
     try:
-        meta = getattr(ds, "file_meta", None)
-        manufacturer = str(ds.get("Manufacturer", "") or "")
-        return {
-            "manufacturer": manufacturer,
-            "model_name": str(ds.get("ManufacturerModelName", "") or ""),
-            "domain": normalise_manufacturer(manufacturer),
-            "modality": str(ds.get("Modality", "") or ""),
-            "sop_class_uid": str(ds.get("SOPClassUID", "") or ""),
-            "transfer_syntax": str(meta.get("TransferSyntaxUID", "") if meta else ""),
-            "number_of_frames": int(ds.get("NumberOfFrames") or 1),
-            "rows": int(ds.get("Rows") or 0),
-            "columns": int(ds.get("Columns") or 0),
-        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _header_facts(ds)
     except Exception as exc:  # noqa: BLE001 - a malformed value is a corrupt header
         raise CorruptFile(url, f"malformed header value ({type(exc).__name__})") from exc
+
+
+def _header_facts(ds: Any) -> dict[str, Any]:
+    meta = getattr(ds, "file_meta", None)
+    manufacturer = str(ds.get("Manufacturer", "") or "")
+    return {
+        "manufacturer": manufacturer,
+        "model_name": str(ds.get("ManufacturerModelName", "") or ""),
+        "domain": normalise_manufacturer(manufacturer),
+        "modality": str(ds.get("Modality", "") or ""),
+        "sop_class_uid": str(ds.get("SOPClassUID", "") or ""),
+        "transfer_syntax": str(meta.get("TransferSyntaxUID", "") if meta else ""),
+        "number_of_frames": int(ds.get("NumberOfFrames") or 1),
+        "rows": int(ds.get("Rows") or 0),
+        "columns": int(ds.get("Columns") or 0),
+    }
 
 
 def read_oct_volume(
@@ -355,22 +375,21 @@ def read_oct_volume(
     url = os.fspath(url_or_path)
     ds, raw = _read_dataset(url, fs, stop_before_pixels=False)
     try:
-        volume = _decode_volume(url, ds, raw)
-        spacing, missing = _spacing(ds)
-        manufacturer = ds.get("Manufacturer", "")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # malformed values fail below, with a reason
+            volume = _decode_volume(url, ds, raw)
+            spacing, missing = _spacing(ds)
+            manufacturer = ds.get("Manufacturer", "")
     except CorruptFile:
         raise
     except Exception as exc:  # noqa: BLE001 - no pydicom error escapes as anything else
         raise CorruptFile(url, f"unreadable DICOM ({type(exc).__name__})") from exc
+    domain = domain if domain is not None else normalise_manufacturer(manufacturer)
     if missing:
-        warnings.warn(
-            f"{url}: no {' or '.join(missing)} in the header; using 1.0 mm",
-            SpacingDefaulted,
-            stacklevel=2,
-        )
+        warnings.warn(SpacingDefaulted(url, domain, missing), stacklevel=2)
     provenance = Provenance(
         source=url,
-        domain=domain if domain is not None else normalise_manufacturer(manufacturer),
+        domain=domain,
         spacing=spacing,
         original_shape=tuple(int(n) for n in volume.shape),
         label=label,
@@ -404,9 +423,7 @@ def _decode_volume(url: str, ds: Any, raw: bytes) -> np.ndarray:
         _check_native_length(url, ds, keyword, frames, rows, columns)
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            array = ds.pixel_array
+        array = ds.pixel_array
     except Exception as exc:  # noqa: BLE001 - every decoder failure means the same thing
         name = transfer_syntax.name if transfer_syntax is not None else "unknown transfer syntax"
         raise CorruptFile(url, f"cannot decode pixel data ({name}, {type(exc).__name__})") from exc

@@ -253,8 +253,10 @@ def _size(url: str) -> int | None:
 def _remove(url: str) -> None:
     if is_local(url):
         path = url[len("file://"):] if url.startswith("file://") else url
-        if os.path.isfile(path):
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass  # absent already, or removed by another rank writing the same cohort
         return
     import fsspec
 

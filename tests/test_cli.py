@@ -1,0 +1,118 @@
+"""The command line end to end, in real subprocesses: list, show, check, run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def octfw(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "octfw.cli", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+
+
+def test_version():
+    out = octfw("--version")
+    assert out.returncode == 0 and out.stdout.strip() == "octfw 0.1.0"
+
+
+def test_list_shows_every_stage_with_origin():
+    out = octfw("list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["STAGE", "NAME", "DISTRIBUTION", "VERSION", "SUMMARY"]
+    stages = {line.split()[0] for line in lines[1:]}
+    assert stages == {"dataset", "transform", "model", "scheduler", "guard", "logger", "checkpointer"}
+    assert any(line.split()[:3] == ["model", "vjepa3d", "octfw"] for line in lines)
+
+
+def test_list_json_and_stage_filter():
+    out = octfw("list", "--stage", "guard", "--json")
+    rows = json.loads(out.stdout)["components"]
+    assert {r["name"] for r in rows} == {"nan-skip", "grad-clip", "lr-positive"}
+    assert all(r["stage"] == "guard" and r["distribution"] == "octfw" for r in rows)
+
+
+def test_list_component_options_with_types_defaults_and_docs():
+    out = octfw("list", "--stage", "engine" if False else "model", "--name", "vjepa3d")
+    assert out.returncode == 0, out.stderr
+    assert "model vjepa3d (octfw 0.1.0)" in out.stdout
+    assert "patch_size (tuple[int, int, int], default (4, 16, 16))" in out.stdout
+    options = json.loads(octfw("list", "--stage", "model", "--name", "vjepa3d", "--json").stdout)["options"]
+    preset = next(o for o in options if o["key"] == "preset")
+    assert preset["default"] == "small" and preset["doc"]
+
+
+def test_list_unknown_component_is_a_user_error():
+    out = octfw("list", "--stage", "model", "--name", "vjepa")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("octfw: error: unknown model component 'vjepa' (did you mean 'vjepa3d'?); "
+                                  "available: vjepa3d")
+
+
+def test_show_prints_resolved_recipe_with_defaults():
+    out = octfw("show", "recipes/quickstart.toml", "--set", "engine.base_lr=1e-4")
+    assert out.returncode == 0, out.stderr
+    assert "base_lr = 0.0001" in out.stdout
+    assert "num_workers = 0" in out.stdout  # a default the recipe does not write
+    assert f'output_dir = "{REPO / "runs"}"' in out.stdout
+
+
+def test_bad_recipe_exits_2_with_one_line_per_problem_and_no_traceback(write_recipe):
+    path = write_recipe('[run]\nmax_steps = 0\n[engine]\nbase_lr = "x"\n')
+    out = octfw("check", str(path))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[0] == f"octfw: error: {path}: 5 problems"
+    assert "  run.max_steps: must be > 0, got 0" in lines
+    assert "  engine.base_lr: expected a number, got the string 'x'" in lines
+
+
+def test_debug_shows_the_traceback(write_recipe):
+    out = octfw("--debug", "check", str(write_recipe("[run]\nmax_steps = 0\n")))
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_check_reports_every_stage_boundary():
+    out = octfw("check", "recipes/quickstart.toml")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "transform oct-standard: context [1, 16, 64, 64] float32, target [1, 16, 64, 64] float32, " \
+           "context_idx [26] int64, target_idx [38] int64" in text
+    assert "batch     context [4, 1, 16, 64, 64] float32" in text
+    assert "model     vjepa3d: loss" in text and "trainable parameters" in text
+    assert "schedule  cosine-no-restart: 60 update steps (12 per epoch)" in text
+    assert text.strip().endswith("check passed")
+
+
+def test_check_points_at_missing_data_of_the_big_recipes():
+    out = octfw("check", "recipes/multi_domain.toml")
+    assert out.returncode == 2
+    assert "/data/oct/multi_domain/manifest.csv" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_quickstart_runs_end_to_end(tmp_path):
+    out = octfw("run", "recipes/quickstart.toml", "--set", f"run.output_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    run_dir = next((tmp_path / "quickstart").iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["update_steps"] == summary["total_update_steps"] == 60
+    assert summary["skipped_updates"] == 0 and summary["quarantined"] == 0
+    assert summary["last_loss"] < summary["first_loss"]
+    assert Path(summary["checkpoint"]).exists()
+    for name in ("recipe.toml", "versions.json", "git.json", "metrics.jsonl"):
+        assert (run_dir / name).exists(), name
+    versions = json.loads((run_dir / "versions.json").read_text())
+    assert versions["octfw"] == "0.1.0" and versions["torch"]
+    assert "training summary" in out.stdout and "60/60" in out.stdout
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(5, 61, 5))
+    assert {"loss", "lr", "grad_norm", "skipped_updates", "samples_per_s", "loss/heidelberg"} <= set(lines[0])

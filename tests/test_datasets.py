@@ -1,0 +1,404 @@
+"""Synthetic cohorts and the dataset components: determinism, corruption,
+reuse, manifests, domains, listing over fsspec, pickling, registration."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pydicom
+import pytest
+
+from octfw.data.dicom_dataset import DicomDataset, list_dicom_files
+from octfw.data.dicom_io import read_oct_volume, write_oct_dicom
+from octfw.data.synthetic import (
+    CORRUPTION_KINDS,
+    PROFILES,
+    corrupt_count,
+    read_cohort,
+    write_synthetic_cohort,
+)
+from octfw.errors import CorruptFile, UserError
+from octfw.registry import load_registry
+from octfw.types import BuildContext, Dataset
+
+SMALL = {"heidelberg": (4, 16, 12), "topcon": (3, 12, 16), "zeiss": (5, 14, 10)}
+
+
+def _cohort(folder, n=6, **kwargs):
+    kwargs.setdefault("shapes", SMALL)
+    kwargs.setdefault("seed", 11)
+    return write_synthetic_cohort(folder, n, **kwargs)
+
+
+def _volume(seed=0, shape=(3, 8, 8)):
+    return np.random.default_rng(seed).integers(1, 999, size=shape, dtype=np.uint16)
+
+
+def _ctx(tmp_path, seed=3):
+    return BuildContext(recipe_dir=tmp_path, cache_dir=tmp_path / "cache", run_dir=None, seed=seed)
+
+
+# --- synthetic cohorts ----------------------------------------------------
+
+
+def test_same_seed_gives_byte_identical_files(tmp_path):
+    first = _cohort(tmp_path / "a", seed=5)
+    second = _cohort(tmp_path / "b", seed=5)
+    for a, b in zip(first, second):
+        assert Path(a).read_bytes() == Path(b).read_bytes()
+
+
+def test_another_seed_gives_other_pixels(tmp_path):
+    first = read_oct_volume(_cohort(tmp_path / "a", seed=5)[0]).volume
+    second = read_oct_volume(_cohort(tmp_path / "b", seed=6)[0]).volume
+    assert first.shape == second.shape and not np.array_equal(first, second)
+
+
+def test_domains_differ_in_size_spacing_and_manufacturer(tmp_path):
+    files = write_synthetic_cohort(tmp_path, 3, seed=0)  # default, vendor-sized volumes
+    for path, domain in zip(files, ("heidelberg", "topcon", "zeiss")):
+        sample = read_oct_volume(path)
+        profile = PROFILES[domain]
+        assert sample.provenance.domain == domain
+        assert sample.volume.shape == profile.shape
+        assert sample.provenance.spacing == pytest.approx(profile.spacing)
+        assert pydicom.dcmread(path, stop_before_pixels=True).Manufacturer == profile.manufacturer
+    shapes = {PROFILES[d].shape for d in ("heidelberg", "topcon", "zeiss")}
+    assert len(shapes) == 3
+
+
+def test_synthetic_volumes_have_bright_layers_below_a_dark_vitreous(tmp_path):
+    volume = read_oct_volume(write_synthetic_cohort(tmp_path, 1, seed=2)[0]).volume
+    axial_profile = volume.mean(axis=(0, 2))  # mean over B-scans and A-scans, per depth
+    height = len(axial_profile)
+    vitreous = axial_profile[: height // 8].mean()
+    retina = axial_profile[height // 5 : height * 3 // 5].max()
+    assert retina > 4 * vitreous
+
+
+@pytest.mark.parametrize("n, fraction", [(10, 0.3), (8, 0.5), (7, 0.0), (5, 1.0)])
+def test_corrupt_fraction_breaks_the_expected_number_of_files(tmp_path, n, fraction):
+    files = _cohort(tmp_path, n, corrupt_fraction=fraction)
+    expected = corrupt_count(n, fraction)
+    assert expected == int(np.floor(n * fraction + 0.5))
+
+    failed = []
+    for path in files:
+        try:
+            read_oct_volume(path)
+        except CorruptFile as error:
+            failed.append(error.reason)
+    assert len(failed) == expected
+    recorded = [item["corrupt"] for item in read_cohort(tmp_path)["files"] if item["corrupt"]]
+    assert recorded == [CORRUPTION_KINDS[k % 4] for k in range(expected)]
+
+
+def test_each_corruption_kind_fails_with_its_own_reason(tmp_path):
+    files = _cohort(tmp_path, 4, corrupt_fraction=1.0)
+    reasons = {}
+    for path, item in zip(files, read_cohort(tmp_path)["files"]):
+        with pytest.raises(CorruptFile) as info:
+            read_oct_volume(path)
+        reasons[item["corrupt"]] = info.value.reason
+    assert reasons["truncated"].startswith("truncated pixel data")
+    assert reasons["not-dicom"].startswith("not a DICOM file")
+    assert reasons["no-pixel-data"] == "no PixelData element"
+    assert reasons["constant"].startswith("constant volume")
+
+
+def test_labels_are_recorded_and_show_as_a_bright_lesion(tmp_path):
+    files = _cohort(tmp_path, 12, with_labels=True)
+    cohort = read_cohort(tmp_path)
+    assert set(cohort["labels"]) == {0, 1}
+    manifest = [json.loads(line) for line in (tmp_path / "manifest.jsonl").read_text().splitlines()]
+    assert [row["label"] for row in manifest] == cohort["labels"]
+    dataset = DicomDataset.from_location(tmp_path / "manifest.jsonl")
+    assert [dataset.load(i).provenance.label for i in range(len(files))] == cohort["labels"]
+
+
+def test_a_complete_cohort_is_reused_without_writing(tmp_path):
+    files = _cohort(tmp_path)
+    before = {p: os.stat(p).st_mtime_ns for p in files}
+    assert _cohort(tmp_path) == files
+    assert {p: os.stat(p).st_mtime_ns for p in files} == before
+
+
+@pytest.mark.parametrize("damage", ["no-record", "missing-file", "short-file"])
+def test_a_half_written_cohort_is_rewritten(tmp_path, damage):
+    files = _cohort(tmp_path)
+    original = Path(files[2]).read_bytes()
+    if damage == "no-record":
+        (tmp_path / "cohort.json").unlink()
+    elif damage == "missing-file":
+        Path(files[2]).unlink()
+    else:
+        Path(files[2]).write_bytes(original[:100])
+    assert _cohort(tmp_path) == files
+    assert Path(files[2]).read_bytes() == original
+    assert read_cohort(tmp_path) is not None
+
+
+def test_other_options_rewrite_the_folder_and_drop_stale_files(tmp_path):
+    old = _cohort(tmp_path, 6)
+    new = _cohort(tmp_path, 3)
+    assert new == old[:3]
+    assert not any(Path(p).exists() for p in old[3:])
+    assert read_cohort(tmp_path)["options"]["n_volumes"] == 3
+
+
+def test_unknown_domain_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown synthetic domains"):
+        write_synthetic_cohort(tmp_path, 2, domains=("heidelberg", "canon"))
+
+
+# --- the dicom dataset ----------------------------------------------------
+
+
+def test_folder_dataset_lists_loads_and_counts_domains(tmp_path):
+    files = _cohort(tmp_path, 7)
+    dataset = DicomDataset.from_location(tmp_path)
+    assert isinstance(dataset, Dataset)
+    assert len(dataset) == 7
+    assert sorted(dataset.url(i) for i in range(7)) == sorted(files)
+    sample = dataset.load(0)
+    assert sample.volume.dtype == np.float32 and sample.volume.ndim == 3
+    assert dataset.domain(0) == sample.provenance.domain
+    assert dataset.domain_counts() == {"heidelberg": 3, "topcon": 2, "zeiss": 2}
+
+
+def test_corrupt_files_count_as_unknown_domain_and_fail_to_load(tmp_path):
+    _cohort(tmp_path, 4, corrupt_fraction=1.0)
+    dataset = DicomDataset.from_location(tmp_path, domain_from="folder")
+    assert dataset.domain_counts() == {"heidelberg": 2, "topcon": 1, "zeiss": 1}
+    header_dataset = DicomDataset.from_location(tmp_path)
+    counts = header_dataset.domain_counts()
+    assert counts["unknown"] == 1  # the file that is not DICOM at all
+    for index in range(len(dataset)):
+        with pytest.raises(CorruptFile):
+            dataset.load(index)
+
+
+def test_folder_listing_filters_extensions_hidden_files_and_dicomdir(tmp_path):
+    volume = _volume()
+    for name in ["a.dcm", "b.DCM", "1.2.840.113619.2.55", "noext", "sub/c.dcm"]:
+        write_oct_dicom(tmp_path / name, volume, (1, 1, 1), "Zeiss", "Cirrus")
+    for name in ["notes.txt", ".hidden.dcm", "DICOMDIR", ".cache/d.dcm"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    names = [Path(p).relative_to(tmp_path).as_posix() for p in list_dicom_files(str(tmp_path))]
+    assert names == ["1.2.840.113619.2.55", "a.dcm", "b.DCM", "noext", "sub/c.dcm"]
+    only_dcm = DicomDataset.from_location(tmp_path, extensions=(".dcm",))
+    assert len(only_dcm) == 3
+
+
+def test_glob_selects_files(tmp_path):
+    _cohort(tmp_path, 6)
+    dataset = DicomDataset.from_location(str(tmp_path / "topcon" / "*.dcm"))
+    assert len(dataset) == 2
+    assert dataset.domain_counts() == {"topcon": 2}
+
+
+def test_domain_from_folder_uses_the_parent_folder(tmp_path):
+    for site in ("site-a", "site-b", "site-b"):
+        write_oct_dicom(tmp_path / site / f"{uuid.uuid4().hex}.dcm", _volume(), (1, 1, 1), "Topcon", "x")
+    dataset = DicomDataset.from_location(tmp_path, domain_from="folder")
+    assert dataset.domain_counts() == {"site-a": 1, "site-b": 2}
+    assert dataset.load(0).provenance.domain == "site-a"
+
+
+def test_empty_folder_is_a_user_error_naming_it(tmp_path):
+    (tmp_path / "readme.txt").write_text("no scans here")
+    with pytest.raises(UserError, match=re.escape(str(tmp_path))):
+        DicomDataset.from_location(tmp_path)
+
+
+def test_missing_path_is_a_user_error_naming_it(tmp_path):
+    with pytest.raises(UserError, match="does not exist.*nowhere"):
+        DicomDataset.from_location(tmp_path / "nowhere")
+
+
+def test_dataset_pickles_for_loader_workers(tmp_path):
+    _cohort(tmp_path, 3, with_labels=True)
+    dataset = DicomDataset.from_location(tmp_path / "manifest.jsonl")
+    dataset.domain(0)
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert len(clone) == 3
+    np.testing.assert_array_equal(clone.load(1).volume, dataset.load(1).volume)
+    assert clone.domain(0) == "heidelberg"
+
+
+def test_dataset_over_an_fsspec_url(tmp_path):
+    root = f"memory://octfw-test-{uuid.uuid4().hex}/scans"
+    write_oct_dicom(f"{root}/heidelberg/a.dcm", _volume(1), (0.1, 0.01, 0.01), "Heidelberg Engineering", "S")
+    write_oct_dicom(f"{root}/zeiss/b.dcm", _volume(2), (0.1, 0.01, 0.01), "Carl Zeiss Meditec", "C")
+    dataset = DicomDataset.from_location(root)
+    assert len(dataset) == 2
+    assert all(dataset.url(i).startswith("memory://") for i in range(2))
+    assert dataset.domain_counts() == {"heidelberg": 1, "zeiss": 1}
+    assert dataset.load(1).provenance.spacing == pytest.approx((0.1, 0.01, 0.01))
+
+
+# --- manifests ------------------------------------------------------------
+
+
+def _three_scans(tmp_path):
+    names = ["scans/a.dcm", "scans/b.dcm", "scans/c.dcm"]
+    for i, name in enumerate(names):
+        write_oct_dicom(tmp_path / name, _volume(i), (1, 1, 1), "Heidelberg Engineering", "S")
+    return names
+
+
+def test_csv_manifest_with_domain_split_and_label(tmp_path):
+    names = _three_scans(tmp_path)
+    (tmp_path / "m.csv").write_text(
+        "path,domain,split,label,notes\n"
+        f"{names[0]},site-a,train,1,first\n"
+        f"{names[1]},site-b,val,0,\n"
+        f"{tmp_path / names[2]},site-a,train,,absolute path\n"
+    )
+    train = DicomDataset.from_location(tmp_path / "m.csv", split="train", domain_from="manifest")
+    assert len(train) == 2
+    assert train.domain_counts() == {"site-a": 2}
+    first = train.load(0)
+    assert (first.provenance.domain, first.provenance.label) == ("site-a", 1)
+    assert train.load(1).provenance.label is None
+    everything = DicomDataset.from_location(tmp_path / "m.csv")
+    assert len(everything) == 3
+    assert everything.domain_counts() == {"heidelberg": 3}  # header domains by default
+
+
+def test_jsonl_manifest_with_domain_and_split(tmp_path):
+    names = _three_scans(tmp_path)
+    rows = [
+        {"path": names[0], "domain": "topcon", "split": "test"},
+        {"path": names[1], "domain": "zeiss", "split": "train", "label": 1},
+        {"path": names[2], "domain": "zeiss", "split": "train", "label": None},
+    ]
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    train = DicomDataset.from_location(tmp_path / "m.jsonl", split="train", domain_from="manifest")
+    assert [train.domain(i) for i in range(len(train))] == ["zeiss", "zeiss"]
+    assert [train.label(i) for i in range(len(train))] == [1, None]
+    with pytest.raises(UserError, match="no rows with split 'val'"):
+        DicomDataset.from_location(tmp_path / "m.jsonl", split="val")
+
+
+def test_manifest_without_domains_cannot_supply_them(tmp_path):
+    names = _three_scans(tmp_path)
+    (tmp_path / "m.csv").write_text("path,domain\n" + f"{names[0]},a\n{names[1]},\n")
+    with pytest.raises(UserError, match="1 rows have no domain"):
+        DicomDataset.from_location(tmp_path / "m.csv", domain_from="manifest")
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("m.csv", "file,domain\na.dcm,x\n", "no 'path' column"),
+        ("m.csv", "path,label\na.dcm,yes\n", r"m.csv:2: label must be an integer"),
+        ("m.jsonl", '{"path": "a.dcm"}\n{oops\n', r"m.jsonl:2: not valid JSON"),
+        ("m.jsonl", '{"path": ""}\n', r"m.jsonl:1: empty path"),
+    ],
+)
+def test_malformed_manifests_are_user_errors_naming_the_line(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError, match=message):
+        DicomDataset.from_location(tmp_path / name)
+
+
+def test_split_without_a_manifest_is_a_user_error(tmp_path):
+    _cohort(tmp_path, 2)
+    with pytest.raises(UserError, match="split needs a manifest"):
+        DicomDataset.from_location(tmp_path, split="train")
+
+
+def test_missing_manifest_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="manifest not found"):
+        DicomDataset.from_location(tmp_path / "absent.csv")
+
+
+# --- components -----------------------------------------------------------
+
+
+def test_both_components_register_with_documented_configs():
+    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    assert registry.names("dataset") == ["dicom", "synthetic-oct"]
+    for name in ("dicom", "synthetic-oct"):
+        component = registry.get("dataset", name)
+        for field in attrs.fields(component.config):
+            assert field.metadata.get("doc"), f"{name}.{field.name} has no doc"
+
+
+def test_synthetic_oct_component_writes_to_the_cache_and_reads_it_as_dicom(tmp_path):
+    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    component = registry.get("dataset", "synthetic-oct")
+    config = component.config(n_volumes=5, corrupt_fraction=0.2, labels=True)
+    dataset = component.build(config, _ctx(tmp_path, seed=4))
+    assert isinstance(dataset, DicomDataset)
+    assert len(dataset) == 5
+    (folder,) = (tmp_path / "cache" / "synthetic-oct").iterdir()
+    assert read_cohort(folder)["options"]["seed"] == 4  # the run's seed by default
+    loaded, failed = 0, 0
+    for index in range(len(dataset)):
+        try:
+            sample = dataset.load(index)
+            assert sample.provenance.label in (0, 1)
+            loaded += 1
+        except CorruptFile:
+            failed += 1
+    assert (loaded, failed) == (4, 1)
+    # A second build reuses the same cohort.
+    again = component.build(config, _ctx(tmp_path, seed=4))
+    assert [again.url(i) for i in range(5)] == [dataset.url(i) for i in range(5)]
+
+
+def test_synthetic_oct_component_honours_folder_and_seed(tmp_path):
+    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    component = registry.get("dataset", "synthetic-oct")
+    config = component.config(n_volumes=2, domains=("zeiss",), seed=9, folder=str(tmp_path / "mine"))
+    dataset = component.build(config, _ctx(tmp_path))
+    assert dataset.domain_counts() == {"zeiss": 2}
+    assert read_cohort(tmp_path / "mine")["options"]["seed"] == 9
+
+
+def test_dicom_component_builds_from_a_folder(tmp_path):
+    _cohort(tmp_path / "data", 3)
+    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    component = registry.get("dataset", "dicom")
+    dataset = component.build(component.config(path=str(tmp_path / "data"), domain_from="folder"), _ctx(tmp_path))
+    assert dataset.domain_counts() == {"heidelberg": 1, "topcon": 1, "zeiss": 1}
+
+
+@pytest.mark.parametrize(
+    "component, options, message",
+    [
+        ("synthetic-oct", {"domains": ("heidelberg", "canon")}, "unknown domains"),
+        ("synthetic-oct", {"domains": ()}, "at least one domain"),
+        ("synthetic-oct", {"corrupt_fraction": 1.5}, r"must be in \[0.0, 1.0\]"),
+        ("synthetic-oct", {"n_volumes": 0}, "must be > 0"),
+        ("dicom", {"path": "x", "domain_from": "vendor"}, "must be one of"),
+        ("dicom", {"path": "x", "extensions": ("dcm",)}, "start with '.'"),
+    ],
+)
+def test_configs_refuse_bad_values(component, options, message):
+    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    with pytest.raises(ValueError, match=message):
+        registry.get("dataset", component).config(**options)
+
+
+def test_plugin_modules_import_without_heavy_packages():
+    code = (
+        "import sys, octfw.plugins.datasets, octfw.plugins.datasets.dicom, "
+        "octfw.plugins.datasets.synthetic_oct\n"
+        "heavy = [m for m in ('torch', 'pydicom', 'gcsfs', 'fsspec', 'torch_xla') if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""

@@ -1,0 +1,191 @@
+"""Recipe loading: every bad recipe gets the message a user should see."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from octfw.errors import RecipeError, UserError
+from octfw.recipe import load_recipe, parse_override, to_toml
+
+from conftest import TINY_RECIPE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def replace(old: str, new: str) -> str:
+    assert old in TINY_RECIPE, old
+    return TINY_RECIPE.replace(old, new, 1)
+
+
+# (id, recipe text, --set overrides, expected fragment of the message)
+BAD_RECIPES = [
+    ("misspelled engine key", replace("base_lr = 1e-3", "base_lrr = 1e-3"), [],
+     "engine.base_lrr: unknown key (did you mean 'base_lr'?)"),
+    ("misspelled table", TINY_RECIPE + "\n[sheduler]\nname = 'constant'\n", [],
+     "sheduler: unknown table (did you mean 'scheduler'?)"),
+    ("misspelled component", replace('name = "vjepa3d"', 'name = "vjepa-3d"'), [],
+     "model.name: unknown model component 'vjepa-3d' (did you mean 'vjepa3d'?)"),
+    ("misspelled component option", replace('preset = "tiny"', 'presett = "tiny"'), [],
+     "model.presett: unknown key (did you mean 'preset'?)"),
+    ("string where a number belongs", replace("base_lr = 1e-3", 'base_lr = "fast"'), [],
+     "engine.base_lr: expected a number, got the string 'fast'"),
+    ("negative learning rate", replace("base_lr = 1e-3", "base_lr = -1e-3"), [],
+     "engine.base_lr: must be > 0, got -0.001"),
+    ("zero batch", replace("per_device_batch = 2", "per_device_batch = 0"), [],
+     "engine.per_device_batch: must be > 0, got 0"),
+    ("float where an integer belongs", replace("grad_accum_steps = 1", "grad_accum_steps = 1.5"), [],
+     "engine.grad_accum_steps: expected an integer, got float 1.5"),
+    ("boolean where an integer belongs", replace("max_steps = 4", "max_steps = true"), [],
+     "run.max_steps: expected an integer, got a boolean (true)"),
+    ("unknown device", replace('device = "cpu"', 'device = "tpu"'), [],
+     "run.device: must be one of 'auto', 'cpu', 'cuda', 'xla', got 'tpu'"),
+    ("neither steps nor epochs", replace("max_steps = 4\n", ""), [],
+     "run: set run.max_steps or run.epochs (or both)"),
+    ("image size of two values", replace("image_size = [8, 32, 32]", "image_size = [32, 32]"), [],
+     "transform.image_size: expected an array of 3 values, got 2: [32, 32]"),
+    ("missing dataset table", TINY_RECIPE.replace('[dataset]\nname = "synthetic-oct"\nn_volumes = 8\n', ""), [],
+     "[dataset]: missing; choose a dataset component: dicom, synthetic-oct"),
+    ("stage without a name", replace('[scheduler]\nname = "cosine-no-restart"', "[scheduler]"), [],
+     "scheduler.name: required; choose a scheduler component: constant, cosine-no-restart"),
+    ("component name not a string", replace('name = "vjepa3d"', "name = 3"), [],
+     "model.name: expected a component name, got int 3"),
+    ("null-like checkpoint dir", TINY_RECIPE + '\n[checkpointer]\nname = "local"\ndir = "None"\n', [],
+     "checkpointer.dir: 'None' is not a location; leave the key out to use the default"),
+    ("null checkpoint dir from --set", TINY_RECIPE, ["checkpointer.dir=null"],
+     "checkpointer.dir: 'null' is not a location"),
+    ("guard listed twice", TINY_RECIPE + '\n[[guard]]\nname = "nan-skip"\n[[guard]]\nname = "nan-skip"\n', [],
+     "guard: component 'nan-skip' is listed more than once"),
+    ("unknown guard option", TINY_RECIPE + '\n[[guard]]\nname = "grad-clip"\nmax_nrom = 1.0\n', [],
+     "guard[0].max_nrom: unknown key (did you mean 'max_norm'?)"),
+    ("guard given as a string", 'guard = "nan-skip"\n' + TINY_RECIPE, [],
+     "guard: expected an array of tables [[guard]], got the string 'nan-skip'"),
+    ("betas out of range", replace("base_lr = 1e-3", "base_lr = 1e-3\nbetas = [0.9, 1.5]"), [],
+     "engine: engine.betas must each be in [0, 1), got [0.9, 1.5]"),
+    ("mask ratio out of range", replace("image_size = [8, 32, 32]", "image_size = [8, 32, 32]\nmask = { ratio = 1.5 }"), [],
+     "transform.mask.ratio"),
+    ("wrong mask generator", replace("image_size = [8, 32, 32]", "image_size = [8, 32, 32]\nmask = { generator = \"blocks\" }"), [],
+     "transform.mask.generator"),
+    ("unknown preset", replace('preset = "tiny"', 'preset = "huge"'), [],
+     "model.preset"),
+    ("misspelled --set key", TINY_RECIPE, ["engine.lerning_rate=1e-4"],
+     "engine.lerning_rate: unknown key"),
+    ("several problems at once", replace("base_lr = 1e-3", "base_lr = -1\nlog_every = 3"), [],
+     "2 problems"),
+]
+
+
+@pytest.mark.parametrize("text, overrides, expected", [b[1:] for b in BAD_RECIPES],
+                         ids=[b[0] for b in BAD_RECIPES])
+def test_bad_recipe_names_the_key_and_what_was_expected(write_recipe, registry, text, overrides, expected):
+    path = write_recipe(text)
+    with pytest.raises(UserError) as exc:
+        load_recipe(path, overrides, registry)
+    assert expected in str(exc.value)
+    assert str(path) in str(exc.value) or isinstance(exc.value, UserError)
+
+
+def test_every_problem_is_reported_at_once(write_recipe, registry):
+    text = replace("base_lr = 1e-3", "base_lr = -1\nlog_every = 3").replace('preset = "tiny"', 'preset = 3')
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(write_recipe(text), (), registry)
+    keys = [p.split(":")[0] for p in exc.value.problems]
+    assert sorted(keys) == ["engine.base_lr", "engine.log_every", "model.preset"]
+
+
+def test_invalid_toml_names_file_and_line(write_recipe, registry):
+    path = write_recipe("[run\nseed = 1\n")
+    with pytest.raises(UserError, match=r"recipe.toml: not valid TOML: .*line 1"):
+        load_recipe(path, (), registry)
+
+
+def test_missing_recipe_file(tmp_path, registry):
+    with pytest.raises(UserError, match="nope.toml: recipe not found"):
+        load_recipe(tmp_path / "nope.toml", (), registry)
+
+
+def test_extends_inherits_and_child_wins(write_recipe, registry):
+    write_recipe(TINY_RECIPE, "base.toml")
+    child = write_recipe('extends = "base.toml"\n[engine]\nbase_lr = 2e-3\n', "child.toml")
+    recipe = load_recipe(child, (), registry)
+    assert recipe.engine.base_lr == 2e-3
+    assert recipe.engine.per_device_batch == 2  # inherited
+    assert recipe.name == "child"
+
+
+def test_extends_with_another_component_drops_the_parents_options(write_recipe, registry):
+    write_recipe(TINY_RECIPE, "base.toml")
+    child = write_recipe('extends = "base.toml"\n[scheduler]\nname = "constant"\n', "child.toml")
+    assert load_recipe(child, (), registry).scheduler.name == "constant"
+
+
+def test_extends_cycle_is_refused(write_recipe, registry):
+    write_recipe('extends = "b.toml"\n', "a.toml")
+    b = write_recipe('extends = "a.toml"\n', "b.toml")
+    with pytest.raises(UserError, match="extend each other in a cycle"):
+        load_recipe(b, (), registry)
+
+
+def test_extends_missing_parent(write_recipe, registry):
+    path = write_recipe('extends = "gone.toml"\n' + TINY_RECIPE)
+    with pytest.raises(UserError, match="extends: 'gone.toml' not found"):
+        load_recipe(path, (), registry)
+
+
+def test_set_overrides_values_with_toml_types(tiny_recipe, registry):
+    recipe = load_recipe(tiny_recipe, ["engine.base_lr=5e-4", "transform.image_size=[16, 32, 32]",
+                                       "run.device=xla", "guard.0.max_consecutive_skips=3"], registry)
+    assert recipe.engine.base_lr == 5e-4
+    assert recipe.transform.config.image_size == (16, 32, 32)
+    assert recipe.run.device == "xla"
+    assert recipe.guards[0].config.max_consecutive_skips == 3
+
+
+def test_set_without_equals_is_refused():
+    with pytest.raises(UserError, match="expected table.key=value"):
+        parse_override("engine.base_lr")
+
+
+def test_missing_keys_take_documented_defaults_never_the_string_none(tiny_recipe, registry):
+    recipe = load_recipe(tiny_recipe, (), registry)
+    assert recipe.checkpointer.config.dir is None
+    assert recipe.run.cache_dir is None
+    assert [g.name for g in recipe.guards] == ["nan-skip"]
+    assert "None" not in to_toml(recipe.to_dict())
+
+
+def test_relative_paths_resolve_against_the_recipe_folder(write_recipe, registry, tmp_path, monkeypatch):
+    sub = tmp_path / "recipes"
+    sub.mkdir()
+    (sub / "r.toml").write_text(TINY_RECIPE + '\n[checkpointer]\nname = "local"\ndir = "../ckpt"\n')
+    monkeypatch.chdir("/")
+    recipe = load_recipe(sub / "r.toml", ["run.output_dir=out"], registry)
+    assert recipe.checkpointer.config.dir == str(tmp_path / "ckpt")
+    assert recipe.run.output_dir == "/out"  # --set values are relative to the current folder
+    assert load_recipe(sub / "r.toml", ["checkpointer.dir=gs://bucket/x"], registry).checkpointer.config.dir == "gs://bucket/x"
+
+
+def test_show_output_loads_back_to_the_same_recipe(tiny_recipe, registry, tmp_path):
+    recipe = load_recipe(tiny_recipe, (), registry)
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(recipe.to_dict()))
+    assert load_recipe(again, (), registry).to_dict() == recipe.to_dict()
+
+
+@pytest.mark.parametrize("name", ["quickstart", "smoke_test", "single_domain", "multi_domain"])
+def test_shipped_recipes_validate(name, registry):
+    recipe = load_recipe(REPO / "recipes" / f"{name}.toml", (), registry)
+    assert recipe.model.name == "vjepa3d"
+
+
+def test_multi_domain_recipe_carries_the_seeds_numbers(registry):
+    recipe = load_recipe(REPO / "recipes" / "multi_domain.toml", (), registry)
+    assert recipe.transform.config.image_size == (64, 384, 384)
+    assert recipe.model.config.patch_size == (4, 16, 16)
+    assert recipe.transform.config.mask.ratio == 0.6
+    assert (recipe.engine.per_device_batch, recipe.engine.grad_accum_steps) == (1, 2)
+    assert (recipe.engine.base_lr, recipe.engine.weight_decay, recipe.engine.betas) == (1e-4, 0.05, (0.9, 0.95))
+    assert recipe.run.epochs == 150 and recipe.scheduler.config.ema_start == 0.996
+    assert [g.config.max_norm for g in recipe.guards if g.name == "grad-clip"] == [0.01]
