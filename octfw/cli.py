@@ -130,8 +130,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         run_dir = create_run_dir(recipe, registry)
     summary = train(recipe, registry, run_dir, resume=args.resume)
-    if summary.stopped_early:
-        print(f"stopped early: {summary.stopped_early}", file=sys.stderr)
+    if summary.stopped:
+        print(f"stopped early: {summary.stopped}", file=sys.stderr)
         return 1
     return 0
 
@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--name", help="with --stage: show this component's options")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_list)
+
+    import importlib
+    import pkgutil
+
+    import octfw.commands
+
+    for info in sorted(pkgutil.iter_modules(octfw.commands.__path__), key=lambda m: m.name):
+        importlib.import_module(f"octfw.commands.{info.name}").add_parser(sub)
     return parser
 
 

@@ -45,11 +45,23 @@ name = "jsonl"
 """
 
 
+def make_dist(root: Path, dist: str, module: str, code: str, version: str = "1.2.3") -> None:
+    """An installed distribution as pip leaves it: a module plus a dist-info
+    folder whose entry_points.txt names it in the group 'octfw'."""
+    (root / f"{module}.py").write_text(textwrap.dedent(code), encoding="utf-8")
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[octfw]\n{module} = {module}\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _octfw_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("octfw-cache")
     os.environ["OCTFW_CACHE_DIR"] = str(cache)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    # gcsfs reads this at import: without it every new bucket costs a 60 s gRPC probe.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     return cache
 
 
@@ -75,3 +87,15 @@ def write_recipe(tmp_path: Path):
 @pytest.fixture
 def tiny_recipe(write_recipe) -> Path:
     return write_recipe(TINY_RECIPE, "tiny.toml")
+
+
+@pytest.fixture
+def gcs(monkeypatch):
+    """A running GCS emulator on 127.0.0.1 with the client environment set."""
+    from gcs_emulator import GCSEmulator
+
+    emulator = GCSEmulator().start()
+    for key, value in emulator.env().items():
+        monkeypatch.setenv(key, value)
+    yield emulator
+    emulator.stop()

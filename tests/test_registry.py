@@ -15,6 +15,8 @@ from octfw.errors import PluginError
 from octfw.hookspecs import STAGES
 from octfw.registry import load_registry
 
+from conftest import make_dist
+
 REPO = Path(__file__).resolve().parents[1]
 
 SCHEDULER_PLUGIN = '''
@@ -29,16 +31,6 @@ class Config:
 def octfw_register_schedulers(register):
     register("{name}", Config, "math:sqrt", "A test schedule.")
 '''
-
-
-def make_dist(root: Path, dist: str, module: str, code: str, version: str = "1.2.3") -> None:
-    """An installed distribution as pip leaves it: a module plus a dist-info
-    folder whose entry_points.txt names it in the group 'octfw'."""
-    (root / f"{module}.py").write_text(textwrap.dedent(code), encoding="utf-8")
-    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[octfw]\n{module} = {module}\n")
 
 
 @pytest.fixture

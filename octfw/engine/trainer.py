@@ -1,4 +1,4 @@
-"""The training loop. Read it top to bottom: build, check, loop, summarise.
+"""The training loop. Read it top to bottom: build, loop, summarise.
 
 Counting: ``grad_accum_steps`` micro-steps make one *update step*. The
 scheduler, EMA, guards, logging and checkpoint intervals all count update
@@ -21,14 +21,16 @@ import torch
 from octfw.engine.backend import Backend, select_backend
 from octfw.engine.build import Components, build_components
 from octfw.engine.data import Quarantine, SampleSource, make_loader, provenance_record
+from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.state import restore, save
 from octfw.engine.update import GuardedStep, grad_norm
 from octfw.errors import UserError
 from octfw.recipe import Recipe
+from octfw.schedules import effective_lr
 from octfw.registry import Registry
 from octfw.types import GuardInputs, ModelOutput, StopTraining
 
-__all__ = ["train", "RunSummary"]
+__all__ = ["train", "Trainer", "RunSummary"]
 
 PROVENANCE_WINDOW = 8  # update steps whose sample URLs are kept for guard reports
 
@@ -42,10 +44,11 @@ class RunSummary:
     last_loss: float | None
     skipped_updates: int
     samples_per_s: float
+    elapsed_s: float
     checkpoint: str | None
     failed_saves: list[str]
     quarantined: int
-    stopped_early: str | None = None
+    stopped: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
@@ -72,9 +75,11 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> 
 
 
 def check_schedule(recipe: Recipe, parts: Components) -> None:
+    """Pre-flight: simulate the whole schedule and refuse one that restarts or hits 0."""
     from octfw.schedules import validate_schedule
 
-    problems = validate_schedule(parts.schedule, parts.ctx.total_update_steps, recipe.engine.base_lr)
+    problems = validate_schedule(parts.schedule, parts.ctx.total_update_steps, recipe.engine.base_lr,
+                                 getattr(parts.schedule, "warmup_steps", None))
     if problems:
         raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))
 
@@ -89,160 +94,213 @@ class GuardLog:
     def remember(self, update_step: int, provenance: list) -> None:
         self.window.append((update_step, [provenance_record(p) for p in provenance]))
 
-    def write(self, update_step: int, event: str, skipped_steps: float) -> None:
+    def write(self, update_step: int, event: str) -> None:
         if self.path is None:
             return
-        record = {"step": update_step, "event": event, "skipped_updates": skipped_steps,
+        record = {"step": update_step, "event": event,
                   "recent_batches": [{"step": s, "samples": samples} for s, samples in self.window]}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
 
+class DeviceTotals:
+    """Running sums kept on the device between log steps (no sync until read)."""
+
+    def __init__(self, device: torch.device, n_domains: int):
+        zeros = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+        self.skipped = zeros(())  # whole run
+        self.loss, self.applied = zeros(()), zeros(())  # since the last log step
+        self.domain_loss, self.domain_count = zeros(n_domains), zeros(n_domains)
+
+    def reset_interval(self) -> None:
+        for t in (self.loss, self.applied, self.domain_loss, self.domain_count):
+            t.zero_()
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None):
+        seed_everything(recipe.run.seed)
+        self.recipe, self.run_dir = recipe, run_dir
+        self.backend = backend = select_backend(recipe.run.device, recipe.engine.precision)
+        if recipe.engine.compile and backend.kind == "xla":
+            raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
+                            "storm); torch_xla compiles its graphs itself")
+        self.parts = parts = build_components(recipe, run_dir=run_dir, rank=backend.rank,
+                                              world_size=backend.world_size)
+        check_schedule(recipe, parts)
+        self.model = parts.model.to(backend.device)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.model, recipe, backend)
+        self.guarded_step = GuardedStep(self.optimizer, self.parameters)
+        self.forward = torch.compile(self.model) if recipe.engine.compile else self.model
+        self.total = parts.ctx.total_update_steps
+        self.start_step, self.samples_done = 0, 0
+        if resume is not None:
+            self.start_step, self.samples_done = restore(resume, parts, self.model, self.optimizer)
+
+        source = SampleSource(parts.dataset, parts.transform, recipe.run.seed)
+        loader = make_loader(source, recipe.engine.per_device_batch, recipe.run.seed, self.samples_done,
+                             recipe.engine.num_workers, backend.rank, backend.world_size)
+        self.batches = iter(backend.device_batches(loader))
+        self.quarantine, self.guard_log = Quarantine(run_dir), GuardLog(run_dir)
+        self.domain_index = {d: i for i, d in enumerate(parts.domains)}
+        self.totals = DeviceTotals(backend.device, len(self.domain_index))
+        self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
+        self.first_loss = self.last_loss = None
+        self.checkpoint, self.failed_saves = None, []
+        self._last_log = (time.perf_counter(), self.start_step)
+        self._skipped_seen = 0.0
+
+    # --- one update step ------------------------------------------------
+
+    def update(self, update_step: int) -> tuple[torch.Tensor, ModelOutput]:
+        """grad_accum micro-steps, one guarded optimizer step, EMA. No host sync."""
+        engine, schedule, backend = self.recipe.engine, self.parts.schedule, self.backend
+        lr, wd = schedule.lr(update_step), schedule.weight_decay(update_step)
+        for group in self.optimizer.param_groups:
+            if lr is not None:  # None: the schedule never rewrites the LR (constant)
+                group["lr"] = lr
+            if wd is not None and group["weight_decay"] > 0.0:  # biases and norms stay at 0
+                group["weight_decay"] = wd
+
+        step_loss = torch.zeros((), device=backend.device)
+        provenance = []
+        for _micro in range(engine.grad_accum_steps):
+            self.heartbeat.waiting_on("the data loader")
+            batch = next(self.batches)
+            self.heartbeat.waiting_on("forward/backward (tracing or compiling on xla)")
+            self.quarantine.record(batch["quarantined"])
+            provenance += batch["provenance"]
+            with backend.autocast():
+                out: ModelOutput = self.forward(batch["tensors"])
+            (out.loss / engine.grad_accum_steps).backward()
+            step_loss += out.loss.detach().float() / engine.grad_accum_steps
+            self._add_domain_losses(out, batch["provenance"])
+        self.samples_done += engine.grad_accum_steps * engine.per_device_batch
+        self.guard_log.remember(update_step, provenance)
+
+        # Measured once per update: before clipping, before zero_grad.
+        norm = grad_norm(self.parameters)
+        lr_now = engine.base_lr if lr is None else lr
+        inputs = GuardInputs(update_step, step_loss, norm, tuple(self.parameters), lr_now)
+        verdict = None
+        for guard in self.parts.guards:
+            vote = guard.before_step(inputs)
+            if vote is not None:
+                verdict = vote if verdict is None else verdict & vote
+        self.guarded_step(verdict)
+        ok = torch.ones((), dtype=torch.bool, device=backend.device) if verdict is None else verdict
+        momentum = schedule.ema_momentum(update_step)
+        if momentum is not None and hasattr(self.model, "ema_update"):
+            # Momentum 1.0 leaves the EMA untouched when the update was skipped.
+            self.model.ema_update(torch.where(ok, torch.tensor(momentum, device=backend.device), 1.0))
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = self.totals
+        totals.skipped += (~ok).float()
+        totals.loss += torch.where(ok, step_loss, 0.0)
+        totals.applied += ok.float()
+        backend.step_boundary()
+        return norm, out
+
+    def _add_domain_losses(self, out: ModelOutput, provenance: list) -> None:
+        onehot = torch.zeros(len(provenance), len(self.domain_index))
+        for row, p in enumerate(provenance):
+            onehot[row, self.domain_index[p.domain]] = 1.0
+        onehot = onehot.to(self.backend.device)
+        self.totals.domain_loss += (out.per_sample_loss.detach().float()[:, None] * onehot).sum(0)
+        self.totals.domain_count += onehot.sum(0)
+
+    # --- log and checkpoint steps ----------------------------------------
+
+    def log(self, done: int, norm: torch.Tensor, out: ModelOutput) -> None:
+        """Read every metric from the device in one transfer; hand host floats to loggers."""
+        self.heartbeat.waiting_on("the device (reading metrics)")
+        engine, totals, backend = self.recipe.engine, self.totals, self.backend
+        host = backend.read({
+            "loss": totals.loss / totals.applied.clamp(min=1.0), "applied": totals.applied,
+            "grad_norm": norm, "skipped_updates": totals.skipped,
+            **{f"metric/{k}": v for k, v in out.metrics.items()},
+        })
+        domain_means = (totals.domain_loss / totals.domain_count.clamp(min=1.0)).cpu().tolist()
+        now = time.perf_counter()
+        last_time, last_step = self._last_log
+        samples = (done - last_step) * engine.grad_accum_steps * engine.per_device_batch * backend.world_size
+        metrics = {
+            "loss": host["loss"] if host["applied"] > 0 else float("nan"),
+            "lr": effective_lr(self.parts.schedule, done - 1, engine.base_lr),
+            "grad_norm": host["grad_norm"],
+            "skipped_updates": host["skipped_updates"],
+            "updates_since_log": float(done - last_step),
+            "samples_per_s": samples / max(now - last_time, 1e-9),
+            "epoch": self.samples_done * backend.world_size / len(self.parts.dataset),
+            **{k: v for k, v in host.items() if k.startswith("metric/")},
+            **{f"loss/{d}": domain_means[i] for d, i in self.domain_index.items()},
+        }
+        momentum = self.parts.schedule.ema_momentum(done - 1)
+        if momentum is not None:
+            metrics["ema_momentum"] = momentum
+        if host["skipped_updates"] > self._skipped_seen:
+            self.guard_log.write(done - 1, "skipped update (non-finite loss or gradient)")
+            self._skipped_seen = host["skipped_updates"]
+        if host["applied"] > 0:
+            self.first_loss = metrics["loss"] if self.first_loss is None else self.first_loss
+            self.last_loss = metrics["loss"]
+        for logger in self.parts.loggers:
+            logger.log(done, metrics)
+        for guard in self.parts.guards:
+            guard.at_log_step(done, metrics)
+        totals.reset_interval()
+        self._last_log = (now, done)
+
+    def save_checkpoint(self, done: int) -> None:
+        self.heartbeat.waiting_on("the checkpoint save")
+        location, error = save(self.parts, self.model, self.optimizer, done, self.samples_done, self.recipe)
+        if error:
+            self.failed_saves.append(f"step {done}: {error}")
+            print(f"octfw: warning: checkpoint at update step {done} failed, training goes on: {error}")
+        elif location:
+            self.checkpoint = location
+
+    # --- the loop ----------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        from octfw.rundir import write_summary
+
+        engine, total = self.recipe.engine, self.total
+        for logger in self.parts.loggers:
+            logger.start(total, self.run_dir, self.parts.ctx.recipe)
+        started, done, stopped = time.perf_counter(), self.start_step, None
+        with self.heartbeat:
+            try:
+                for update_step in range(self.start_step, total):
+                    norm, out = self.update(update_step)
+                    done = update_step + 1
+                    self.heartbeat.beat(done)
+                    if done % engine.log_every_steps == 0 or done == total:
+                        self.log(done, norm, out)
+                    every = engine.checkpoint_every_steps
+                    if (every and done % every == 0) or done == total:
+                        self.save_checkpoint(done)
+            except StopTraining as reason:
+                stopped = str(reason)
+                self.guard_log.write(done, stopped)
+
+        elapsed = time.perf_counter() - started
+        steps_run = done - self.start_step
+        samples = steps_run * engine.grad_accum_steps * engine.per_device_batch * self.backend.world_size
+        summary = RunSummary(
+            run_dir=self.run_dir, update_steps=done, total_update_steps=total,
+            first_loss=self.first_loss, last_loss=self.last_loss,
+            skipped_updates=int(self.totals.skipped.cpu().item()),
+            samples_per_s=samples / max(elapsed, 1e-9), elapsed_s=elapsed,
+            checkpoint=self.checkpoint, failed_saves=self.failed_saves,
+            quarantined=len(self.quarantine), stopped=stopped,
+        )
+        write_summary(self.run_dir, summary.as_dict(), self.quarantine)
+        for logger in self.parts.loggers:
+            logger.finish(summary.as_dict())
+        return summary
+
+
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None) -> RunSummary:
-    from octfw.rundir import write_summary
-
-    seed_everything(recipe.run.seed)
-    backend = select_backend(recipe.run.device, recipe.engine.precision)
-    if recipe.engine.compile and backend.kind == "xla":
-        raise UserError("engine.compile = true is refused on xla (Inductor compile-worker storm); "
-                        "torch_xla compiles graphs itself")
-    parts = build_components(recipe, run_dir=run_dir, rank=backend.rank, world_size=backend.world_size)
-    check_schedule(recipe, parts)
-    model = parts.model.to(backend.device)
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(model, recipe, backend)
-    guarded_step = GuardedStep(optimizer, parameters)
-    forward = torch.compile(model) if recipe.engine.compile else model
-    engine, total = recipe.engine, parts.ctx.total_update_steps
-    accum, batch_size = engine.grad_accum_steps, engine.per_device_batch
-
-    start_step, samples_done = 0, 0
-    if resume is not None:
-        start_step, samples_done = restore(resume, parts, model, optimizer)
-
-    source = SampleSource(parts.dataset, parts.transform, recipe.run.seed)
-    loader = make_loader(source, batch_size, recipe.run.seed, samples_done,
-                         engine.num_workers, backend.rank, backend.world_size)
-    batches = iter(backend.device_batches(loader))
-    quarantine, guard_log = Quarantine(run_dir), GuardLog(run_dir)
-    domain_index = {d: i for i, d in enumerate(parts.domains)}
-
-    # Device accumulators, read on log steps only.
-    zeros = lambda *shape: torch.zeros(*shape, device=backend.device)  # noqa: E731
-    skipped, loss_sum, applied = zeros(()), zeros(()), zeros(())
-    domain_loss, domain_count = zeros(len(domain_index)), zeros(len(domain_index))
-    for logger in parts.loggers:
-        logger.start(total, run_dir, parts.ctx.recipe)
-
-    first_loss = last_loss = None
-    checkpoint, failed_saves, stopped = None, [], None
-    last_log_time, last_log_step, skipped_seen = time.perf_counter(), start_step, 0.0
-    run_start = time.perf_counter()
-    update_step = start_step
-    try:
-        for update_step in range(start_step, total):
-            lr = parts.schedule.lr(update_step)
-            lr_now = engine.base_lr if lr is None else lr
-            wd = parts.schedule.weight_decay(update_step)
-            for group in optimizer.param_groups:
-                if lr is not None:
-                    group["lr"] = lr
-                if wd is not None and group.get("weight_decay", 0.0) > 0.0:
-                    group["weight_decay"] = wd
-
-            step_loss = zeros(())
-            provenance = []
-            for _micro in range(accum):
-                batch = next(batches)
-                quarantine.record(batch["quarantined"])
-                provenance += batch["provenance"]
-                with backend.autocast():
-                    out: ModelOutput = forward(batch["tensors"])
-                (out.loss / accum).backward()
-                step_loss += out.loss.detach().float() / accum
-                onehot = torch.zeros(len(batch["provenance"]), len(domain_index))
-                for row, p in enumerate(batch["provenance"]):
-                    onehot[row, domain_index[p.domain]] = 1.0
-                onehot = onehot.to(backend.device)
-                domain_loss += (out.per_sample_loss.detach().float()[:, None] * onehot).sum(0)
-                domain_count += onehot.sum(0)
-            samples_done += accum * batch_size
-            guard_log.remember(update_step, provenance)
-
-            # Measured once, before clipping and before zero_grad.
-            norm = grad_norm(parameters)
-            inputs = GuardInputs(update_step, step_loss, norm, tuple(parameters), lr_now)
-            verdict = None
-            for guard in parts.guards:
-                vote = guard.before_step(inputs)
-                if vote is not None:
-                    verdict = vote if verdict is None else verdict & vote
-            guarded_step(verdict)
-            ok = torch.ones((), dtype=torch.bool, device=backend.device) if verdict is None else verdict
-            momentum = parts.schedule.ema_momentum(update_step)
-            if momentum is not None and hasattr(model, "ema_update"):
-                # Momentum 1.0 leaves the EMA untouched on a skipped update.
-                model.ema_update(torch.where(ok, torch.tensor(momentum, device=backend.device), 1.0))
-            optimizer.zero_grad(set_to_none=True)
-            skipped += (~ok).float()
-            loss_sum += torch.where(ok, step_loss, 0.0)
-            applied += ok.float()
-            backend.step_boundary()
-
-            done = update_step + 1
-            if done % engine.log_every_steps == 0 or done == total:
-                host = backend.read({"loss": loss_sum / applied.clamp(min=1.0), "grad_norm": norm,
-                                     "skipped_updates": skipped, "applied": applied,
-                                     **{f"metric/{k}": v for k, v in out.metrics.items()}})
-                domain_means = (domain_loss / domain_count.clamp(min=1.0)).cpu().tolist()
-                now = time.perf_counter()
-                metrics = {
-                    "loss": host["loss"] if host["applied"] > 0 else float("nan"),
-                    "lr": lr_now,
-                    "grad_norm": host["grad_norm"],
-                    "skipped_updates": host["skipped_updates"],
-                    "updates_since_log": float(done - last_log_step),
-                    "samples_per_s": (done - last_log_step) * accum * batch_size
-                    * backend.world_size / max(now - last_log_time, 1e-9),
-                    "epoch": samples_done / len(parts.dataset),
-                    **{k: v for k, v in host.items() if k.startswith("metric/")},
-                    **{f"loss/{d}": domain_means[i] for d, i in domain_index.items()},
-                }
-                if momentum is not None:
-                    metrics["ema_momentum"] = momentum
-                if host["skipped_updates"] > skipped_seen:
-                    guard_log.write(update_step, "skipped update", host["skipped_updates"])
-                    skipped_seen = host["skipped_updates"]
-                first_loss = metrics["loss"] if first_loss is None else first_loss
-                last_loss = metrics["loss"]
-                for logger in parts.loggers:
-                    logger.log(done, metrics)
-                for guard in parts.guards:
-                    guard.at_log_step(done, metrics)
-                loss_sum.zero_(), applied.zero_(), domain_loss.zero_(), domain_count.zero_()
-                last_log_time, last_log_step = now, done
-
-            every = engine.checkpoint_every_steps
-            if (every and done % every == 0) or done == total:
-                location, error = save(parts, model, optimizer, done, samples_done, recipe)
-                if error:
-                    failed_saves.append(f"step {done}: {error}")
-                else:
-                    checkpoint = location
-    except StopTraining as reason:
-        stopped = str(reason)
-        guard_log.write(update_step, stopped, -1)
-
-    elapsed = time.perf_counter() - run_start
-    steps_run = (update_step + 1 if stopped is None else update_step) - start_step
-    summary = RunSummary(
-        run_dir=run_dir, update_steps=start_step + max(steps_run, 0), total_update_steps=total,
-        first_loss=first_loss, last_loss=last_loss, skipped_updates=int(skipped.cpu().item()),
-        samples_per_s=max(steps_run, 0) * accum * batch_size * backend.world_size / max(elapsed, 1e-9),
-        checkpoint=checkpoint, failed_saves=failed_saves, quarantined=len(quarantine),
-        stopped_early=stopped,
-    )
-    write_summary(run_dir, summary.as_dict(), quarantine)
-    for logger in parts.loggers:
-        logger.finish(summary.as_dict())
-    return summary
+    return Trainer(recipe, registry, run_dir, resume).run()

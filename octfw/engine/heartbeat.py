@@ -1,0 +1,58 @@
+"""Says so when training makes no progress.
+
+The seeds watched validation metrics arrive for minutes while training had
+silently stopped. A background thread warns when no update step completes
+within ``engine.heartbeat_s`` (from the start, or between two steps), naming
+what the loop is waiting on.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Callable
+
+__all__ = ["Heartbeat"]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Heartbeat:
+    def __init__(self, timeout_s: float, report: Callable[[str], None] = _stderr):
+        self.timeout_s = timeout_s
+        self.report = report
+        self.phase = "start-up"
+        self.last_step: int | None = None
+        self._last_beat = time.monotonic()
+        self._warned_for: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="octfw-heartbeat", daemon=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self._last_beat = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def waiting_on(self, phase: str) -> None:
+        self.phase = phase
+
+    def beat(self, update_step: int) -> None:
+        self.last_step = update_step
+        self._last_beat = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self.timeout_s / 4, 5.0)):
+            beat = self._last_beat
+            silent = time.monotonic() - beat
+            if silent >= self.timeout_s and self._warned_for != beat:
+                self._warned_for = beat
+                since = "since start" if self.last_step is None else f"since update step {self.last_step}"
+                self.report(f"octfw heartbeat: no update step completed in {silent:.0f} s {since}; "
+                            f"waiting on {self.phase}")

@@ -1,0 +1,168 @@
+"""The training engine on the CPU: guarded updates, quarantine, resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from octfw.engine.trainer import train
+from octfw.recipe import load_recipe
+from octfw.registry import load_registry
+from octfw.rundir import create_run_dir
+
+from conftest import make_dist
+
+# A test plugin: a model that wraps vjepa3d and poisons the loss on chosen
+# micro-steps (counted on the device, no sync), plus a guard that records what
+# it sees on every update step.
+PROBE_PLUGIN = '''
+import attrs, torch
+from octfw.hookspecs import hookimpl
+from octfw.types import ModelOutput
+
+RECORD = []
+
+@attrs.frozen
+class PoisonConfig:
+    patch_size: tuple[int, int, int] = (4, 16, 16)
+    nan_at: tuple[int, ...] = ()
+    where: str = "loss"
+
+class Poisoned(torch.nn.Module):
+    def __init__(self, inner, nan_at, where):
+        super().__init__()
+        self.inner, self.where = inner, where
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("bad", torch.tensor(list(nan_at) or [-1]))
+    def forward(self, batch):
+        out = self.inner(batch)
+        self.calls += 1
+        poison = torch.isin(self.calls, self.bad)
+        if self.where == "grad":  # a non-finite gradient in one parameter only
+            p = self.inner.predictor_norm_weight()
+            return ModelOutput(out.loss + (p * torch.where(poison, float("nan"), 0.0)).sum(), out.per_sample_loss, out.metrics)
+        return ModelOutput(torch.where(poison, float("nan"), out.loss), out.per_sample_loss, out.metrics)
+    def ema_update(self, momentum):
+        self.inner.ema_update(momentum)
+    def param_groups(self, weight_decay):
+        return self.inner.param_groups(weight_decay)
+
+def build_model(config, ctx):
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
+    inner = build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx)
+    inner.predictor_norm_weight = lambda: next(p for n, p in inner.predictor.named_parameters() if p.ndim == 1)
+    return Poisoned(inner, config.nan_at, config.where)
+
+@attrs.frozen
+class RecorderConfig:
+    pass
+
+class Recorder:
+    def before_step(self, inputs):
+        RECORD.append({"step": inputs.update_step, "grad_norm": inputs.grad_norm.detach().clone(),
+                       "params": [p.detach().clone() for p in inputs.parameters]})
+        return None
+    def at_log_step(self, update_step, metrics):
+        pass
+
+@hookimpl
+def octfw_register_models(register):
+    register("poisoned", PoisonConfig, build_model, "vjepa3d with NaN losses on chosen micro-steps")
+
+@hookimpl
+def octfw_register_guards(register):
+    register("recorder", RecorderConfig, lambda c, ctx: Recorder(), "records guard inputs")
+'''
+
+
+@pytest.fixture
+def probe(tmp_path_factory, monkeypatch):
+    root = tmp_path_factory.mktemp("probe-site")
+    make_dist(root, "octfw-probe", "plug_probe", PROBE_PLUGIN)
+    monkeypatch.syspath_prepend(str(root))
+    import importlib
+    import sys
+
+    sys.modules.pop("plug_probe", None)
+    module = importlib.import_module("plug_probe")
+    yield module
+    sys.modules.pop("plug_probe", None)
+
+
+def run(recipe_path: Path, overrides=(), resume=None, run_dir=None):
+    registry = load_registry()
+    recipe = load_recipe(recipe_path, overrides, registry)
+    run_dir = run_dir or create_run_dir(recipe, registry)
+    return train(recipe, registry, run_dir, resume=resume), run_dir
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_non_finite_update_is_skipped_bitwise_and_the_run_completes(tiny_recipe, probe, where):
+    recipe_overrides = ["run.max_steps=8", "model.name=poisoned", "model.nan_at=[5]", f"model.where={where}",
+                        "engine.log_every_steps=1"]
+    text = tiny_recipe.read_text() + '\n[[guard]]\nname = "recorder"\n[[guard]]\nname = "nan-skip"\n' \
+        '[[guard]]\nname = "grad-clip"\nmax_norm = 1.0\n'
+    tiny_recipe.write_text(text)
+    summary, run_dir = run(tiny_recipe, recipe_overrides)
+    assert summary.update_steps == 8 and summary.skipped_updates == 1
+    record = probe.RECORD
+    assert [r["step"] for r in record] == list(range(8))
+    # Micro-step 5 is update step 4: what step 5 starts from equals what step 4 started from.
+    for before, after in zip(record[4]["params"], record[5]["params"]):
+        assert torch.equal(before, after)
+    assert any(not torch.equal(a, b) for a, b in zip(record[3]["params"], record[4]["params"]))
+    applied = [r["grad_norm"] for i, r in enumerate(record) if i != 4]
+    assert all(torch.isfinite(g) and g > 0 for g in applied)
+    if where == "grad":
+        assert not torch.isfinite(record[4]["grad_norm"])
+    lines = metrics(run_dir)
+    assert [line["skipped_updates"] for line in lines] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # The only update of log step 5 was skipped: no loss to report, never a fake one.
+    assert [line["loss"] is None for line in lines] == [i == 4 for i in range(8)]
+    events = [json.loads(line) for line in (run_dir / "guard_events.jsonl").read_text().splitlines()]
+    assert events[0]["step"] == 4 and events[0]["recent_batches"][-1]["step"] == 4
+    assert all(s["source"].endswith(".dcm") for s in events[0]["recent_batches"][-1]["samples"])
+
+
+def test_lr_is_monotonic_after_warmup_and_positive_from_the_first_update(tiny_recipe):
+    summary, run_dir = run(tiny_recipe, ["run.max_steps=12", "scheduler.warmup=3"])
+    lrs = [line["lr"] for line in metrics(run_dir)]
+    assert lrs[0] > 0
+    assert lrs[:3] == sorted(lrs[:3]) and lrs[2:] == sorted(lrs[2:], reverse=True)
+
+
+def test_corrupt_files_are_skipped_listed_once_and_no_good_file_is_dropped(tiny_recipe):
+    summary, run_dir = run(tiny_recipe, ["dataset.n_volumes=10", "dataset.corrupt_fraction=0.2",
+                                         "run.max_steps=10", "engine.per_device_batch=2"])
+    assert summary.update_steps == 10
+    quarantined = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
+    assert len(quarantined) == len({q["url"] for q in quarantined}) == 2
+    assert summary.quarantined == 2
+    assert all(q["reason"] for q in quarantined)
+
+
+def test_resume_continues_bitwise_equal_to_an_uninterrupted_run(tiny_recipe, tmp_path):
+    overrides = ["run.max_steps=6", "engine.checkpoint_every_steps=3"]
+    full, full_dir = run(tiny_recipe, overrides)
+    reference = metrics(full_dir)
+
+    # An interrupted twin: the same run, killed after its step-3 checkpoint.
+    twin_dir = tmp_path / "twin"
+    shutil.copytree(full_dir, twin_dir)
+    checkpoints = twin_dir / "checkpoints"
+    (checkpoints / "step_00000006.pt").unlink()
+    (checkpoints / "latest").write_text("step_00000003.pt")
+    (twin_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in reference[:3]))
+    resumed, _ = run(tiny_recipe, overrides, resume="auto", run_dir=twin_dir)
+    after = metrics(twin_dir)
+    assert resumed.update_steps == 6
+    assert [m["loss"] for m in after[3:]] == [m["loss"] for m in reference[3:]]
+    assert [m["grad_norm"] for m in after[3:]] == [m["grad_norm"] for m in reference[3:]]
