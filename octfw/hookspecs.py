@@ -3,6 +3,9 @@
 Writing a plugin
 ----------------
 
+One registration hook per stage: dataset, transform, model, scheduler, guard,
+logger, checkpointer and evaluator.
+
 A plugin is a module with one or more functions marked ``@hookimpl``. Each
 registration hook receives a ``register`` callback; call it once per
 component::
@@ -194,6 +197,25 @@ class OctfwSpecs:
         """
 
     @hookspec
+    def octfw_register_evaluators(self, register: Register) -> None:
+        """Register evaluator components (recipe array ``[[evaluator]]``).
+
+        The factory returns an :class:`octfw.types.Evaluator`: its
+        ``every_steps`` (None: only at the end) and
+        ``evaluate(model, device, update_step) -> dict[str, float]``, which
+        measures the frozen encoder (for example a linear probe on pooled
+        features of a labelled dataset) and returns host floats that are
+        logged as ``eval/<name>/<metric>``.
+
+        Hot path: no. Runs at its interval, between update steps, under
+        ``torch.no_grad`` and with the training RNG state saved and restored
+        by the engine, so a run with evaluation has the same training losses
+        as one without. It may sync freely.
+
+        :return: None; components are announced through ``register``.
+        """
+
+    @hookspec
     def octfw_register_checkpointers(self, register: Register) -> None:
         """Register checkpointer components (recipe table ``[checkpointer]``).
 
@@ -219,4 +241,5 @@ STAGES: dict[str, tuple[str, str, bool]] = {
     "guard": ("octfw_register_guards", "guard", True),
     "logger": ("octfw_register_loggers", "logger", True),
     "checkpointer": ("octfw_register_checkpointers", "checkpointer", False),
+    "evaluator": ("octfw_register_evaluators", "evaluator", True),
 }

@@ -46,6 +46,7 @@ DEFAULT_STAGES: dict[str, Any] = {
     "guard": [{"name": "nan-skip"}],
     "logger": [{"name": "console"}, {"name": "jsonl"}],
     "checkpointer": {"name": "local"},
+    "evaluator": [],
 }
 CORE_TABLES = {"run": RunConfig, "engine": EngineConfig}
 TOP_LEVEL_KEYS = ["extends", *CORE_TABLES, *STAGES]
@@ -94,6 +95,7 @@ class Recipe:
     guards: tuple[StageSpec, ...]
     loggers: tuple[StageSpec, ...]
     checkpointer: StageSpec
+    evaluators: tuple[StageSpec, ...] = ()
 
     @property
     def name(self) -> str:
@@ -108,6 +110,7 @@ class Recipe:
         yield from self.guards
         yield from self.loggers
         yield self.checkpointer
+        yield from self.evaluators
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe with every default filled in (None values left out)."""
@@ -121,6 +124,7 @@ class Recipe:
         out["guard"] = [{"name": s.name, **_plain(s.config)} for s in self.guards]
         out["logger"] = [{"name": s.name, **_plain(s.config)} for s in self.loggers]
         out["checkpointer"] = {"name": self.checkpointer.name, **_plain(self.checkpointer.config)}
+        out["evaluator"] = [{"name": s.name, **_plain(s.config)} for s in self.evaluators]
         return out
 
 
@@ -500,6 +504,7 @@ def validate(data: Mapping[str, Any], registry: Registry, source: Path) -> Recip
         guards=stages["guard"],
         loggers=stages["logger"],
         checkpointer=stages["checkpointer"],
+        evaluators=stages["evaluator"],
     )
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "GuardInputs",
     "Logger",
     "Checkpointer",
+    "Evaluator",
     "StopTraining",
     "BATCH_KEYS",
 ]
@@ -209,3 +210,19 @@ class Checkpointer(Protocol):
     def load(self, location: str) -> dict[str, Any]: ...
 
 
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """Measures the representation during or after training.
+
+    ``every_steps``: evaluate every N update steps (None: only at the end).
+    ``evaluate`` receives the training model (use its frozen target encoder,
+    e.g. ``model.embed``), the device, and the update step; it returns host
+    floats. The engine calls it under ``torch.no_grad`` with the RNG state
+    saved and restored.
+    """
+
+    every_steps: int | None
+
+    def evaluate(self, model: Any, device: Any, update_step: int) -> Mapping[str, float]: ...

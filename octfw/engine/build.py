@@ -27,6 +27,7 @@ class Components:
     checkpointer: Any
     steps_per_epoch: int
     domains: list[str]
+    evaluators: list[Any] = attrs.field(factory=list)
 
 
 def cache_dir_for(recipe: Recipe) -> Path:
@@ -92,5 +93,6 @@ def build_components(
     loggers = [spec.build(ctx) for spec in recipe.loggers] if with_loggers and rank == 0 else []
     checkpointer = recipe.checkpointer.build(ctx)
     domains = sorted({dataset.domain(i) for i in range(len(dataset))})
+    evaluators = [spec.build(ctx) for spec in recipe.evaluators]
     return Components(ctx, dataset, transform, model, schedule, guards, loggers,
-                      checkpointer, steps_per_epoch, domains)
+                      checkpointer, steps_per_epoch, domains, evaluators)

@@ -252,6 +252,22 @@ class Trainer:
         totals.reset_interval()
         self._last_log = (now, done)
 
+    def evaluate(self, done: int) -> None:
+        """Run the evaluators due at this step; they never touch the training RNG stream."""
+        due = [(spec, ev) for spec, ev in zip(self.recipe.evaluators, self.parts.evaluators)
+               if (ev.every_steps and done % ev.every_steps == 0) or done == self.total]
+        if not due:
+            return
+        self.heartbeat.waiting_on("evaluation")
+        results: dict[str, float] = {}
+        devices = [self.backend.device] if self.backend.kind == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for spec, evaluator in due:
+                for key, value in evaluator.evaluate(self.model, self.backend.device, done).items():
+                    results[f"eval/{spec.name}/{key}"] = float(value)
+        for logger in self.parts.loggers:
+            logger.log(done, results)
+
     def save_checkpoint(self, done: int) -> None:
         self.heartbeat.waiting_on("the checkpoint save")
         location, error = save(self.parts, self.model, self.optimizer, done, self.samples_done, self.recipe)
@@ -278,6 +294,7 @@ class Trainer:
                     self.heartbeat.beat(done)
                     if done % engine.log_every_steps == 0 or done == total:
                         self.log(done, norm, out)
+                    self.evaluate(done)
                     every = engine.checkpoint_every_steps
                     if (every and done % every == 0) or done == total:
                         self.save_checkpoint(done)

@@ -10,4 +10,5 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "octfw.plugins.guards",
     "octfw.plugins.loggers",
     "octfw.plugins.checkpointers",
+    "octfw.plugins.evaluators",
 )

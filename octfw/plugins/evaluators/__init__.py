@@ -1,0 +1,1 @@
+"""Built-in evaluators: measure the frozen encoder on labelled data."""
