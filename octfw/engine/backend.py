@@ -78,15 +78,21 @@ class Backend:
 
             torch_xla.sync()
 
-    def read(self, values: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """Device scalars to host floats in one transfer. This is a sync point:
-        the engine calls it on log steps only."""
+    def read(self, values: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Device tensors to host values in one transfer: a float per scalar,
+        a list per vector. This is a sync point: the engine calls it on log
+        steps only."""
         if not values:
             return {}
-        names = list(values)
-        stacked = torch.stack([values[n].detach().float().reshape(()) for n in names])
-        host = stacked.cpu().tolist()
-        return dict(zip(names, host))
+        flat = [values[name].detach().float().reshape(-1) for name in values]
+        host = torch.cat(flat).cpu().tolist()
+        out: dict[str, Any] = {}
+        start = 0
+        for name, tensor in zip(values, flat):
+            n = tensor.numel()
+            out[name] = host[start] if values[name].dim() == 0 else host[start:start + n]
+            start += n
+        return out
 
     def synchronize(self) -> None:
         """Wait for queued device work (for honest timings at log steps)."""

@@ -102,6 +102,14 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     report(f"model     {recipe.model.name}: loss {float(out.loss.detach()):.4f}, grad norm {norm:.4g}, "
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 
+    # FLOPs per sample, counted by FlopCounterMode on shape-only tensors (octfw.models.flops).
+    from octfw.models.flops import forward_flops_per_sample, training_flops_per_sample
+
+    flops = {"forward": forward_flops_per_sample(model, batch),
+             "training_step": training_flops_per_sample(model, batch)}
+    report(f"flops     forward {flops['forward'] / 1e9:.4g} GFLOP/sample, "
+           f"training step {flops['training_step'] / 1e9:.4g} GFLOP/sample")
+
     total = ctx.total_update_steps
     problems = validate_schedule(parts.schedule, total, recipe.engine.base_lr)
     if problems:
@@ -109,4 +117,5 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
     report(f"schedule  {recipe.scheduler.name}: {total} update steps ({parts.steps_per_epoch} per epoch); lr "
            + ", ".join(f"step {s}: {effective_lr(parts.schedule, s, recipe.engine.base_lr):.3g}" for s in steps))
-    return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach())}
+    return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach()),
+            "flops": flops}

@@ -77,6 +77,11 @@ class EngineConfig:
         "seeds' compile-worker storm).",
         default=False,
     )
+    domain_sampling: str = doc(
+        "natural (every file once per epoch) or balanced (each epoch draws the same "
+        "number of samples from every domain, repeating files of small domains).",
+        default="natural", validator=choices("natural", "balanced"),
+    )
     heartbeat_s: float = doc(
         "Warn when no update step completes for this many seconds.",
         default=600.0, validator=positive,

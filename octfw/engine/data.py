@@ -5,6 +5,17 @@ not depend on worker count or timing and can be rebuilt later. A file the
 dataset cannot use is quarantined and replaced by the next usable sample in
 the same epoch order; no good file is dropped, and training never stops for
 one bad file.
+
+Prepared volumes are cached: when the transform has a deterministic
+``prepare`` half with a ``cache`` (:class:`octfw.types.PreparingTransform`)
+and the dataset names each volume's ``source`` without I/O
+(:class:`octfw.types.SourcedDataset`), a cached volume skips reading and
+decoding its file entirely; only the random half (views, masks) runs.
+
+Domains: ``natural`` order draws every file once per epoch; ``balanced``
+draws the same number of samples from every domain each epoch
+(:class:`BalancedEpochOrder`), repeating files of small domains and
+spreading those of large ones over epochs.
 """
 
 from __future__ import annotations
@@ -19,7 +30,20 @@ import torch
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.types import BATCH_KEYS, Dataset, Provenance, Transform
 
-__all__ = ["EpochOrder", "SampleSource", "collate", "make_loader", "Quarantine"]
+__all__ = [
+    "DOMAIN_SAMPLING",
+    "EpochOrder",
+    "BalancedEpochOrder",
+    "SampleSource",
+    "collate",
+    "make_loader",
+    "Quarantine",
+    "domain_counts",
+    "domain_report",
+]
+
+#: Values of ``[engine] domain_sampling``.
+DOMAIN_SAMPLING = ("natural", "balanced")
 
 
 class EpochOrder(torch.utils.data.Sampler):
@@ -43,11 +67,92 @@ class EpochOrder(torch.utils.data.Sampler):
             position += self.world_size
 
 
+class BalancedEpochOrder(torch.utils.data.Sampler):
+    """Like :class:`EpochOrder`, but every domain gets an equal share of each epoch.
+
+    An epoch keeps the dataset's length ``N`` (so steps per epoch do not
+    change). Each of the ``K`` domains gets ``N // K`` draws; the ``N % K``
+    left over go to domains chosen at random per epoch. A domain's draws walk
+    through its files in a fresh permutation per pass, continuing across
+    epochs, so a large domain is covered over several epochs without
+    repeats and a small one repeats evenly. Everything is a function of
+    ``(seed, epoch)``; positions, ``start``, ``rank`` and ``world_size`` work
+    exactly as in :class:`EpochOrder`.
+    """
+
+    def __init__(self, domains: list[str], seed: int, start: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        if not domains:
+            raise UserError("balanced domain sampling needs a non-empty dataset")
+        self.size, self.seed, self.start = len(domains), seed, start
+        self.rank, self.world_size = rank, world_size
+        names = sorted(set(domains))
+        self.members = [np.array([i for i, d in enumerate(domains) if d == name]) for name in names]
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def _counts(self, epoch: int) -> np.ndarray:
+        k = len(self.members)
+        counts = np.full(k, self.size // k)
+        extra = np.random.default_rng([self.seed, epoch, 1]).permutation(k)[: self.size % k]
+        counts[extra] += 1
+        return counts
+
+    def _draws(self, domain: int, first: int, count: int) -> list[int]:
+        """Draws ``first .. first + count`` of one domain's endless stream of passes."""
+        members = self.members[domain]
+        out: list[int] = []
+        position = first
+        while len(out) < count:
+            passes, offset = divmod(position, len(members))
+            order = np.random.default_rng([self.seed, domain, passes, 2]).permutation(len(members))
+            take = min(len(members) - offset, count - len(out))
+            out.extend(int(i) for i in members[order[offset:offset + take]])
+            position += take
+        return out
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The dataset indices of ``epoch``, in the order they are drawn."""
+        if epoch not in self._epochs:
+            consumed = np.zeros(len(self.members), dtype=np.int64)
+            for earlier in range(epoch):
+                consumed += self._counts(earlier)
+            counts = self._counts(epoch)
+            chosen = [i for d in range(len(self.members))
+                      for i in self._draws(d, int(consumed[d]), int(counts[d]))]
+            order = np.array(chosen)[np.random.default_rng([self.seed, epoch, 3]).permutation(self.size)]
+            self._epochs = {epoch: order}  # one epoch at a time is all a stream needs
+        return self._epochs[epoch]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        position = self.start * self.world_size + self.rank
+        while True:
+            epoch, offset = divmod(position, self.size)
+            yield epoch, int(self.epoch_order(epoch)[offset])
+            position += self.world_size
+
+
 class SampleSource(torch.utils.data.Dataset):
-    """Loads and transforms one ``(epoch, index)``; quarantines unusable files."""
+    """Loads and transforms one ``(epoch, index)``; quarantines unusable files.
+
+    With a caching transform and a dataset that names its sources, a
+    prepared volume is read from the transform's cache; see the module
+    docstring. A file found unusable is remembered (per process) so later
+    epochs skip it without reading it again; it is still reported each time,
+    and :class:`Quarantine` records it once.
+    """
 
     def __init__(self, dataset: Dataset, transform: Transform, seed: int):
         self.dataset, self.transform, self.seed = dataset, transform, seed
+        self._bad: dict[int, tuple[str, str]] = {}
+
+    @property
+    def cache(self) -> Any:
+        """The transform's prepared-volume cache when both sides support it, else None."""
+        cache = getattr(self.transform, "cache", None)
+        usable = (cache is not None and callable(getattr(self.transform, "prepare", None))
+                  and callable(getattr(self.transform, "augment_and_mask", None))
+                  and callable(getattr(self.dataset, "source", None)))
+        return cache if usable else None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -57,18 +162,43 @@ class SampleSource(torch.utils.data.Dataset):
         skipped: list[tuple[str, str]] = []
         for attempt in range(len(self.dataset)):
             candidate = (index + attempt) % len(self.dataset)
+            if candidate in self._bad:
+                skipped.append(self._bad[candidate])
+                continue
             rng = np.random.default_rng([self.seed, epoch, candidate])
             try:
-                sample = self.dataset.load(candidate)
-                arrays = self.transform(sample, rng)
+                arrays, provenance = self._load(candidate, rng)
             except CorruptFile as bad:  # from decoding, or from a transform that cannot use it
+                self._bad[candidate] = (bad.url, bad.reason)
                 skipped.append((bad.url, bad.reason))
                 continue
-            return {"arrays": arrays, "provenance": sample.provenance, "quarantined": skipped}
+            return {"arrays": arrays, "provenance": provenance, "quarantined": skipped}
         raise UserError(
             f"no usable file in the dataset: all {len(self.dataset)} files failed to load "
             f"(first: {skipped[0][0]}: {skipped[0][1]})"
         )
+
+    def _load(self, index: int, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], Provenance]:
+        cache = self.cache
+        if cache is None:
+            sample = self.dataset.load(index)
+            return self.transform(sample, rng), sample.provenance
+        source = self.dataset.source(index)
+        hit = cache.get(source)
+        if hit is not None:
+            label_of = getattr(self.dataset, "label", None)
+            provenance = Provenance(
+                source=source,
+                domain=self.dataset.domain(index),
+                spacing=hit.spacing,
+                original_shape=hit.original_shape,
+                label=label_of(index) if callable(label_of) else hit.label,
+            )
+            return self.transform.augment_and_mask(hit.prepared, rng), provenance
+        sample = self.dataset.load(index)
+        prepared = self.transform.prepare(sample)
+        cache.put(source, prepared, sample.provenance)
+        return self.transform.augment_and_mask(prepared, rng), sample.provenance
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -90,8 +220,22 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
-                num_workers: int, rank: int = 0, world_size: int = 1) -> torch.utils.data.DataLoader:
-    order = EpochOrder(len(source), seed, start=start, rank=rank, world_size=world_size)
+                num_workers: int, rank: int = 0, world_size: int = 1,
+                domain_sampling: str = "natural") -> torch.utils.data.DataLoader:
+    """Batches of ``source`` in the ``(epoch, index)`` stream from sample ``start`` on.
+
+    ``domain_sampling`` is ``"natural"`` (:class:`EpochOrder`) or
+    ``"balanced"`` (:class:`BalancedEpochOrder`, over ``source.dataset``'s domains).
+    """
+    if domain_sampling == "balanced":
+        dataset = source.dataset
+        domains = [dataset.domain(i) for i in range(len(dataset))]
+        order: torch.utils.data.Sampler = BalancedEpochOrder(
+            domains, seed, start=start, rank=rank, world_size=world_size)
+    elif domain_sampling == "natural":
+        order = EpochOrder(len(source), seed, start=start, rank=rank, world_size=world_size)
+    else:
+        raise UserError(f"engine.domain_sampling must be one of {DOMAIN_SAMPLING}, got {domain_sampling!r}")
     return torch.utils.data.DataLoader(
         source,
         batch_size=batch_size,
@@ -125,3 +269,28 @@ class Quarantine:
 
 def provenance_record(provenance: Provenance) -> dict[str, Any]:
     return {"source": provenance.source, "domain": provenance.domain}
+
+
+def domain_counts(dataset: Dataset) -> dict[str, int]:
+    """Samples per domain, sorted by domain name (without decoding pixels)."""
+    counts_of = getattr(dataset, "domain_counts", None)
+    if callable(counts_of):
+        return dict(counts_of())
+    counts: dict[str, int] = {}
+    for index in range(len(dataset)):
+        domain = dataset.domain(index)
+        counts[domain] = counts.get(domain, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def domain_report(dataset: Dataset, domain_sampling: str = "natural") -> str:
+    """One line for the start of a run: samples per domain, and how they are drawn.
+
+    For example ``dataset: 48 samples in 3 domains: heidelberg 16, topcon 16,
+    zeiss 16 (natural sampling)``.
+    """
+    counts = domain_counts(dataset)
+    noun = "domain" if len(counts) == 1 else "domains"
+    listed = ", ".join(f"{domain} {count}" for domain, count in counts.items())
+    return (f"dataset: {len(dataset)} samples in {len(counts)} {noun}: {listed} "
+            f"({domain_sampling} sampling)")

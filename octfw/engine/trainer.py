@@ -67,10 +67,12 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> 
     else:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     # capturable keeps the step counter on the device (xla, cuda), so a skipped
-    # update can restore it without a host sync.
+    # update can restore it without a host sync. torch's multi-tensor AdamW
+    # refuses capturable on xla; the per-tensor path traces into the same graph.
     return torch.optim.AdamW(
         groups, lr=engine.base_lr, betas=engine.betas, eps=engine.eps,
-        weight_decay=engine.weight_decay, foreach=True, capturable=backend.kind != "cpu",
+        weight_decay=engine.weight_decay, foreach=backend.kind != "xla",
+        capturable=backend.kind != "cpu",
     )
 
 
@@ -140,7 +142,8 @@ class Trainer:
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed)
         loader = make_loader(source, recipe.engine.per_device_batch, recipe.run.seed, self.samples_done,
-                             recipe.engine.num_workers, backend.rank, backend.world_size)
+                             recipe.engine.num_workers, backend.rank, backend.world_size,
+                             domain_sampling=recipe.engine.domain_sampling)
         self.batches = iter(backend.device_batches(loader))
         self.quarantine, self.guard_log = Quarantine(run_dir), GuardLog(run_dir)
         self.domain_index = {d: i for i, d in enumerate(parts.domains)}
@@ -150,6 +153,7 @@ class Trainer:
         self.checkpoint, self.failed_saves = None, []
         self._last_log = (time.perf_counter(), self.start_step)
         self._skipped_seen = 0.0
+        self._data_wait_s = 0.0  # host time blocked on the data loader since the last log step
 
     # --- one update step ------------------------------------------------
 
@@ -167,7 +171,9 @@ class Trainer:
         provenance = []
         for _micro in range(engine.grad_accum_steps):
             self.heartbeat.waiting_on("the data loader")
+            waited = time.perf_counter()
             batch = next(self.batches)
+            self._data_wait_s += time.perf_counter() - waited
             self.heartbeat.waiting_on("forward/backward (tracing or compiling on xla)")
             self.quarantine.record(batch["quarantined"])
             provenance += batch["provenance"]
@@ -219,23 +225,29 @@ class Trainer:
         host = backend.read({
             "loss": totals.loss / totals.applied.clamp(min=1.0), "applied": totals.applied,
             "grad_norm": norm, "skipped_updates": totals.skipped,
+            "domain_loss": totals.domain_loss / totals.domain_count.clamp(min=1.0),
             **{f"metric/{k}": v for k, v in out.metrics.items()},
         })
-        domain_means = (totals.domain_loss / totals.domain_count.clamp(min=1.0)).cpu().tolist()
         now = time.perf_counter()
         last_time, last_step = self._last_log
-        samples = (done - last_step) * engine.grad_accum_steps * engine.per_device_batch * backend.world_size
+        interval = max(now - last_time, 1e-9)
+        steps = done - last_step
+        samples = steps * engine.grad_accum_steps * engine.per_device_batch * backend.world_size
         metrics = {
             "loss": host["loss"] if host["applied"] > 0 else float("nan"),
             "lr": effective_lr(self.parts.schedule, done - 1, engine.base_lr),
             "grad_norm": host["grad_norm"],
             "skipped_updates": host["skipped_updates"],
-            "updates_since_log": float(done - last_step),
-            "samples_per_s": samples / max(now - last_time, 1e-9),
+            "updates_since_log": float(steps),
+            "samples_per_s": samples / interval,
+            "samples_per_s_per_device": samples / interval / backend.world_size,
+            "step_time_s": interval / steps,
+            "data_wait_share": min(self._data_wait_s / interval, 1.0),
             "epoch": self.samples_done * backend.world_size / len(self.parts.dataset),
             **{k: v for k, v in host.items() if k.startswith("metric/")},
-            **{f"loss/{d}": domain_means[i] for d, i in self.domain_index.items()},
+            **{f"loss/{d}": host["domain_loss"][i] for d, i in self.domain_index.items()},
         }
+        self._data_wait_s = 0.0
         momentum = self.parts.schedule.ema_momentum(done - 1)
         if momentum is not None:
             metrics["ema_momentum"] = momentum
