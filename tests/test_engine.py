@@ -59,12 +59,15 @@ def build_model(config, ctx):
 
 @attrs.frozen
 class RecorderConfig:
-    pass
+    params_at: tuple[int, ...] = ()  # update steps whose parameters are kept (empty: all)
 
 class Recorder:
+    def __init__(self, config):
+        self.params_at = set(config.params_at)
     def before_step(self, inputs):
+        keep = not self.params_at or inputs.update_step in self.params_at
         RECORD.append({"step": inputs.update_step, "grad_norm": inputs.grad_norm.detach().clone(),
-                       "params": [p.detach().clone() for p in inputs.parameters]})
+                       "lr": inputs.lr, "params": [p.detach().clone() for p in inputs.parameters] if keep else None})
         return None
     def at_log_step(self, update_step, metrics):
         pass
@@ -75,7 +78,7 @@ def octfw_register_models(register):
 
 @hookimpl
 def octfw_register_guards(register):
-    register("recorder", RecorderConfig, lambda c, ctx: Recorder(), "records guard inputs")
+    register("recorder", RecorderConfig, lambda c, ctx: Recorder(c), "records guard inputs")
 '''
 
 
@@ -166,3 +169,40 @@ def test_resume_continues_bitwise_equal_to_an_uninterrupted_run(tiny_recipe, tmp
     assert resumed.update_steps == 6
     assert [m["loss"] for m in after[3:]] == [m["loss"] for m in reference[3:]]
     assert [m["grad_norm"] for m in after[3:]] == [m["grad_norm"] for m in reference[3:]]
+
+
+def test_nan_at_update_514_is_skipped_and_the_run_goes_on(tiny_recipe, probe):
+    """The seeds' step 514: a non-finite loss there skips exactly that update."""
+    text = tiny_recipe.read_text() + '\n[[guard]]\nname = "recorder"\nparams_at = [514, 515]\n' \
+        '[[guard]]\nname = "nan-skip"\n[[guard]]\nname = "grad-clip"\nmax_norm = 1.0\n'
+    tiny_recipe.write_text(text)
+    summary, run_dir = run(tiny_recipe, [
+        "run.max_steps=530", "model.name=poisoned", "model.nan_at=[515]",  # micro-step 515 = update 514
+        "engine.log_every_steps=10", "scheduler.warmup=20", "transform.image_size=[4, 16, 16]",
+        "model.patch_size=[2, 8, 8]"])
+    assert summary.update_steps == 530 and summary.skipped_updates == 1 and summary.stopped is None
+    record = probe.RECORD
+    for before, after in zip(record[514]["params"], record[515]["params"]):
+        assert torch.equal(before, after)
+    norms = [r["grad_norm"] for r in record]
+    assert all(torch.isfinite(n) and n > 0 for i, n in enumerate(norms) if i != 514)
+    lrs = [r["lr"] for r in record]
+    assert lrs[19:] == sorted(lrs[19:], reverse=True) and min(lrs) > 0
+    lines = metrics(run_dir)
+    assert [line["skipped_updates"] for line in lines if line["step"] in (510, 520)] == [0, 1]
+
+
+def test_loss_spike_guard_warns_with_the_step(capsys):
+    from octfw.plugins.guards.loss_spike import LossSpike, LossSpikeConfig
+    from octfw.types import StopTraining
+
+    guard = LossSpike(LossSpikeConfig(factor=3.0, min_history=3))
+    for step, loss in enumerate([1.0, 0.9, 1.1, 1.0, 5.0], start=1):
+        guard.at_log_step(step * 10, {"loss": loss})
+    assert "loss-spike: loss 5 at update step 50 is 5.0x the running median 1" in capsys.readouterr().err
+    stopper = LossSpike(LossSpikeConfig(factor=2.0, min_history=2, action="stop"))
+    stopper.at_log_step(1, {"loss": 1.0})
+    stopper.at_log_step(2, {"loss": 1.0})
+    stopper.at_log_step(3, {"loss": float("nan")})  # ignored, not a spike
+    with pytest.raises(StopTraining, match="update step 4"):
+        stopper.at_log_step(4, {"loss": 2.5})
