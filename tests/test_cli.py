@@ -29,14 +29,14 @@ def test_list_shows_every_stage_with_origin():
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["STAGE", "NAME", "DISTRIBUTION", "VERSION", "SUMMARY"]
     stages = {line.split()[0] for line in lines[1:]}
-    assert stages == {"dataset", "transform", "model", "scheduler", "guard", "logger", "checkpointer"}
+    assert stages == {"dataset", "transform", "model", "scheduler", "guard", "logger", "checkpointer", "evaluator"}
     assert any(line.split()[:3] == ["model", "vjepa3d", "octfw"] for line in lines)
 
 
 def test_list_json_and_stage_filter():
     out = octfw("list", "--stage", "guard", "--json")
     rows = json.loads(out.stdout)["components"]
-    assert {r["name"] for r in rows} == {"nan-skip", "grad-clip", "lr-positive"}
+    assert {"nan-skip", "grad-clip", "lr-positive", "loss-spike"} <= {r["name"] for r in rows}
     assert all(r["stage"] == "guard" and r["distribution"] == "octfw" for r in rows)
 
 

@@ -31,13 +31,15 @@ class PoisonConfig:
     patch_size: tuple[int, int, int] = (4, 16, 16)
     nan_at: tuple[int, ...] = ()
     where: str = "loss"
+    rank_only: int = -1  # poison on this torchrun rank only (-1: every rank)
 
 class Poisoned(torch.nn.Module):
     def __init__(self, inner, nan_at, where):
         super().__init__()
         self.inner, self.where = inner, where
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-        self.register_buffer("bad", torch.tensor(list(nan_at) or [-1]))
+        # A plain attribute, not a buffer: DDP would overwrite buffers with rank 0's.
+        self.bad = torch.tensor(list(nan_at) or [-1])
     def forward(self, batch):
         out = self.inner(batch)
         self.calls += 1
@@ -54,6 +56,8 @@ class Poisoned(torch.nn.Module):
 def build_model(config, ctx):
     from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
     inner = build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx)
+    if config.rank_only >= 0 and ctx.rank != config.rank_only:
+        config = attrs.evolve(config, nan_at=())
     inner.predictor_norm_weight = lambda: next(p for n, p in inner.predictor.named_parameters() if p.ndim == 1)
     return Poisoned(inner, config.nan_at, config.where)
 
@@ -72,6 +76,22 @@ class Recorder:
     def at_log_step(self, update_step, metrics):
         pass
 
+@attrs.frozen
+class ChecksumConfig:
+    pass
+
+class Checksum:
+    """Writes this rank's parameter checksum at every log step (for DDP tests)."""
+    def __init__(self, ctx):
+        self.rank, self.run_dir, self.params = ctx.rank, ctx.run_dir, None
+    def before_step(self, inputs):
+        self.params = inputs.parameters
+        return None
+    def at_log_step(self, update_step, metrics):
+        total = float(sum(p.detach().double().sum() for p in self.params))
+        with open(self.run_dir / f"checksum_rank{self.rank}.txt", "a") as f:
+            f.write(f"{update_step} {total!r}\\n")
+
 @hookimpl
 def octfw_register_models(register):
     register("poisoned", PoisonConfig, build_model, "vjepa3d with NaN losses on chosen micro-steps")
@@ -79,6 +99,7 @@ def octfw_register_models(register):
 @hookimpl
 def octfw_register_guards(register):
     register("recorder", RecorderConfig, lambda c, ctx: Recorder(c), "records guard inputs")
+    register("checksum", ChecksumConfig, lambda c, ctx: Checksum(ctx), "per-rank parameter checksums")
 '''
 
 

@@ -18,6 +18,9 @@ from octfw.errors import UserError
 
 __all__ = ["Backend", "select_backend"]
 
+#: Rank of each batch tensor (with the batch dimension), for SPMD input sharding.
+BATCH_NDIMS = {"context": 5, "target": 5, "context_idx": 2, "target_idx": 2}
+
 
 def _tpu_present() -> bool:
     return any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists()
@@ -42,8 +45,10 @@ class Backend:
     kind: str  #: "cpu", "cuda" or "xla"
     device: torch.device
     precision: str  #: "fp32" or "bf16"
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  #: this process among the data-parallel processes (DDP rank or SPMD host)
+    world_size: int = 1  #: number of data-parallel processes
+    local_devices: int = 1  #: devices this process drives (SPMD); 1 otherwise
+    mesh: Any = None  #: the SPMD device mesh, one axis "data"; None without SPMD
 
     @property
     def is_main_process(self) -> bool:
@@ -51,7 +56,8 @@ class Backend:
 
     @property
     def device_count(self) -> int:
-        return self.world_size
+        """Devices taking part in data parallelism, over all processes."""
+        return self.world_size * self.local_devices
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision != "bf16":
@@ -62,14 +68,35 @@ class Backend:
         """Batches with their tensors on the device. On xla through the parallel
         loader, which uploads the next batch while the current one runs."""
         if self.kind == "xla":
-            import torch_xla.distributed.parallel_loader as pl
-
-            yield from pl.MpDeviceLoader(loader, self.device)
+            yield from self._xla_batches(loader)
             return
         non_blocking = self.kind == "cuda"
         for batch in loader:
             tensors = {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch["tensors"].items()}
             yield {**batch, "tensors": tensors}
+
+    def _xla_batches(self, loader: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+        # The parallel loader moves only tensors; provenance travels beside it
+        # in a FIFO, in the same order (one producer thread).
+        import collections
+
+        import torch_xla.distributed.parallel_loader as pl
+
+        host_parts: collections.deque = collections.deque()
+
+        def tensors_only() -> Iterator[dict[str, torch.Tensor]]:
+            for batch in loader:
+                host_parts.append({k: v for k, v in batch.items() if k != "tensors"})
+                yield batch["tensors"]
+
+        sharding = None
+        if self.mesh is not None:  # SPMD: split the batch dimension over the "data" axis
+            import torch_xla.distributed.spmd as xs
+
+            sharding = {key: xs.ShardingSpec(self.mesh, ("data",) + (None,) * (ndim - 1))
+                        for key, ndim in BATCH_NDIMS.items()}
+        for tensors in pl.MpDeviceLoader(tensors_only(), self.device, input_sharding=sharding):
+            yield {"tensors": tensors, **host_parts.popleft()}
 
     def step_boundary(self) -> None:
         """End of one update step: cut and launch the XLA graph; nothing elsewhere."""
@@ -104,25 +131,45 @@ class Backend:
             xm.wait_device_ops()
 
 
+def _xla_backend(precision: str) -> Backend:
+    try:
+        import torch_xla
+        import torch_xla.runtime as xr
+    except ImportError as exc:
+        raise UserError(
+            "run.device = \"xla\" needs torch_xla: pip install 'octfw[xla]' "
+            f"(torch_xla 2.9.0 with torch 2.9.0); import failed: {exc}"
+        ) from None
+    mesh, local = None, 1
+    if xr.global_runtime_device_count() > 1:
+        # SPMD: one process per host drives every local device; XLA inserts
+        # the gradient all-reduce. Must be enabled before any XLA tensor exists.
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        xr.use_spmd()
+        devices = xr.global_runtime_device_count()
+        mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
+        local = xr.addressable_runtime_device_count()
+    return Backend(kind="xla", device=torch_xla.device(), precision=precision,
+                   rank=xr.process_index(), world_size=xr.process_count(),
+                   local_devices=local, mesh=mesh)
+
+
 def select_backend(requested: str, precision: str) -> Backend:
+    from octfw.engine.distributed import init_process_group
+
     kind = resolve_device(requested)
+    if precision == "auto":
+        precision = "fp32" if kind == "cpu" else "bf16"
+    if kind == "xla":
+        return _xla_backend(precision)
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device = \"cuda\" but torch sees no CUDA device; use \"cpu\" or \"auto\"")
-    if kind == "xla":
-        try:
-            import torch_xla
-        except ImportError as exc:
-            raise UserError(
-                "run.device = \"xla\" needs torch_xla: pip install 'octfw[xla]' "
-                f"(torch_xla 2.9.0 with torch 2.9.0); import failed: {exc}"
-            ) from None
-        device = torch_xla.device()
-    elif kind == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
+    rank, world = init_process_group(kind)
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if precision == "auto":
-        precision = "fp32" if kind == "cpu" else "bf16"
-    return Backend(kind=kind, device=device, precision=precision)
+    return Backend(kind=kind, device=device, precision=precision, rank=rank, world_size=world)

@@ -8,6 +8,7 @@ steps. Device-to-host syncs happen at log steps and checkpoint steps only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import random
 import time
@@ -20,6 +21,7 @@ import torch
 
 from octfw.engine.backend import Backend, select_backend
 from octfw.engine.build import Components, build_components
+from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.data import Quarantine, SampleSource, make_loader, provenance_record
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.state import restore, save
@@ -128,24 +130,28 @@ class Trainer:
             raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
                             "storm); torch_xla compiles its graphs itself")
         self.parts = parts = build_components(recipe, run_dir=run_dir, rank=backend.rank,
-                                              world_size=backend.world_size)
+                                              world_size=backend.device_count)
         check_schedule(recipe, parts)
         self.model = parts.model.to(backend.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, recipe, backend)
         self.guarded_step = GuardedStep(self.optimizer, self.parameters)
         self.forward = torch.compile(self.model) if recipe.engine.compile else self.model
+        if is_ddp():  # gradients averaged across torchrun processes
+            self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.total = parts.ctx.total_update_steps
         self.start_step, self.samples_done = 0, 0
         if resume is not None:
             self.start_step, self.samples_done = restore(resume, parts, self.model, self.optimizer)
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed)
-        loader = make_loader(source, recipe.engine.per_device_batch, recipe.run.seed, self.samples_done,
+        loader = make_loader(source, recipe.engine.per_device_batch * backend.local_devices,
+                             recipe.run.seed, self.samples_done,
                              recipe.engine.num_workers, backend.rank, backend.world_size,
                              domain_sampling=recipe.engine.domain_sampling)
         self.batches = iter(backend.device_batches(loader))
-        self.quarantine, self.guard_log = Quarantine(run_dir), GuardLog(run_dir)
+        writes = run_dir if backend.is_main_process else None  # only rank 0 writes files
+        self.quarantine, self.guard_log = Quarantine(writes), GuardLog(writes)
         self.domain_index = {d: i for i, d in enumerate(parts.domains)}
         self.totals = DeviceTotals(backend.device, len(self.domain_index))
         self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
@@ -177,13 +183,19 @@ class Trainer:
             self.heartbeat.waiting_on("forward/backward (tracing or compiling on xla)")
             self.quarantine.record(batch["quarantined"])
             provenance += batch["provenance"]
-            with backend.autocast():
-                out: ModelOutput = self.forward(batch["tensors"])
-            (out.loss / engine.grad_accum_steps).backward()
+            last_micro = _micro == engine.grad_accum_steps - 1
+            # DDP all-reduces gradients on the last micro-step only.
+            sync = self.forward.no_sync() if is_ddp() and not last_micro else contextlib.nullcontext()
+            with sync:
+                with backend.autocast():
+                    out: ModelOutput = self.forward(batch["tensors"])
+                (out.loss / engine.grad_accum_steps).backward()
             step_loss += out.loss.detach().float() / engine.grad_accum_steps
             self._add_domain_losses(out, batch["provenance"])
-        self.samples_done += engine.grad_accum_steps * engine.per_device_batch
+        self.samples_done += engine.grad_accum_steps * engine.per_device_batch * backend.local_devices
         self.guard_log.remember(update_step, provenance)
+        all_reduce_(step_loss)  # DDP: every rank's guards see the same (mean) loss
+        step_loss /= backend.world_size
 
         # Measured once per update: before clipping, before zero_grad.
         norm = grad_norm(self.parameters)
@@ -194,6 +206,8 @@ class Trainer:
             vote = guard.before_step(inputs)
             if vote is not None:
                 verdict = vote if verdict is None else verdict & vote
+        if verdict is not None:
+            verdict = min_across_ranks(verdict)  # every rank takes the same decision
         self.guarded_step(verdict)
         ok = torch.ones((), dtype=torch.bool, device=backend.device) if verdict is None else verdict
         momentum = schedule.ema_momentum(update_step)
@@ -222,8 +236,10 @@ class Trainer:
         """Read every metric from the device in one transfer; hand host floats to loggers."""
         self.heartbeat.waiting_on("the device (reading metrics)")
         engine, totals, backend = self.recipe.engine, self.totals, self.backend
+        all_reduce_(totals.loss, totals.applied, totals.domain_loss, totals.domain_count)
         host = backend.read({
-            "loss": totals.loss / totals.applied.clamp(min=1.0), "applied": totals.applied,
+            "loss": totals.loss / totals.applied.clamp(min=1.0),
+            "applied": totals.applied / backend.world_size,
             "grad_norm": norm, "skipped_updates": totals.skipped,
             "domain_loss": totals.domain_loss / totals.domain_count.clamp(min=1.0),
             **{f"metric/{k}": v for k, v in out.metrics.items()},
@@ -232,7 +248,7 @@ class Trainer:
         last_time, last_step = self._last_log
         interval = max(now - last_time, 1e-9)
         steps = done - last_step
-        samples = steps * engine.grad_accum_steps * engine.per_device_batch * backend.world_size
+        samples = steps * engine.grad_accum_steps * engine.per_device_batch * backend.device_count
         metrics = {
             "loss": host["loss"] if host["applied"] > 0 else float("nan"),
             "lr": effective_lr(self.parts.schedule, done - 1, engine.base_lr),
@@ -240,7 +256,7 @@ class Trainer:
             "skipped_updates": host["skipped_updates"],
             "updates_since_log": float(steps),
             "samples_per_s": samples / interval,
-            "samples_per_s_per_device": samples / interval / backend.world_size,
+            "samples_per_s_per_device": samples / interval / backend.device_count,
             "step_time_s": interval / steps,
             "data_wait_share": min(self._data_wait_s / interval, 1.0),
             "epoch": self.samples_done * backend.world_size / len(self.parts.dataset),
@@ -281,6 +297,8 @@ class Trainer:
             logger.log(done, results)
 
     def save_checkpoint(self, done: int) -> None:
+        if not self.backend.is_main_process:
+            return
         self.heartbeat.waiting_on("the checkpoint save")
         location, error = save(self.parts, self.model, self.optimizer, done, self.samples_done, self.recipe)
         if error:
@@ -316,7 +334,7 @@ class Trainer:
 
         elapsed = time.perf_counter() - started
         steps_run = done - self.start_step
-        samples = steps_run * engine.grad_accum_steps * engine.per_device_batch * self.backend.world_size
+        samples = steps_run * engine.grad_accum_steps * engine.per_device_batch * self.backend.device_count
         summary = RunSummary(
             run_dir=self.run_dir, update_steps=done, total_update_steps=total,
             first_loss=self.first_loss, last_loss=self.last_loss,
@@ -325,7 +343,8 @@ class Trainer:
             checkpoint=self.checkpoint, failed_saves=self.failed_saves,
             quarantined=len(self.quarantine), stopped=stopped,
         )
-        write_summary(self.run_dir, summary.as_dict(), self.quarantine)
+        if self.backend.is_main_process:
+            write_summary(self.run_dir, summary.as_dict(), self.quarantine)
         for logger in self.parts.loggers:
             logger.finish(summary.as_dict())
         return summary
