@@ -82,6 +82,11 @@ class EngineConfig:
         "number of samples from every domain, repeating files of small domains).",
         default="natural", validator=choices("natural", "balanced"),
     )
+    peak_flops_per_device: float | None = doc(
+        "Peak FLOP/s of one device for the MFU metric; unset: known accelerators are "
+        "recognised, others report 'unknown peak'.",
+        default=None, validator=positive,
+    )
     heartbeat_s: float = doc(
         "Warn when no update step completes for this many seconds.",
         default=600.0, validator=positive,

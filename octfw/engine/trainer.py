@@ -24,6 +24,7 @@ from octfw.engine.build import Components, build_components
 from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.data import Quarantine, SampleSource, make_loader, provenance_record
 from octfw.engine.heartbeat import Heartbeat
+from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.state import restore, save
 from octfw.engine.update import GuardedStep, grad_norm
 from octfw.errors import UserError
@@ -51,6 +52,8 @@ class RunSummary:
     failed_saves: list[str]
     quarantined: int
     stopped: str | None = None
+    device: str = ""
+    mfu: float | str | None = None  #: model FLOPs utilisation, or "unknown peak"
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
@@ -160,6 +163,10 @@ class Trainer:
         self._last_log = (time.perf_counter(), self.start_step)
         self._skipped_seen = 0.0
         self._data_wait_s = 0.0  # host time blocked on the data loader since the last log step
+        self.peak_flops, self.device_name = device_peak_flops(
+            backend.kind, backend.device, recipe.engine.peak_flops_per_device)
+        self.flops_per_sample: int | None = None  # counted once, on meta tensors, at the first log
+        self._batch_shapes: Any = None
 
     # --- one update step ------------------------------------------------
 
@@ -183,6 +190,7 @@ class Trainer:
             self.heartbeat.waiting_on("forward/backward (tracing or compiling on xla)")
             self.quarantine.record(batch["quarantined"])
             provenance += batch["provenance"]
+            self._batch_shapes = batch["tensors"]
             last_micro = _micro == engine.grad_accum_steps - 1
             # DDP all-reduces gradients on the last micro-step only.
             sync = self.forward.no_sync() if is_ddp() and not last_micro else contextlib.nullcontext()
@@ -264,6 +272,11 @@ class Trainer:
             **{f"loss/{d}": host["domain_loss"][i] for d, i in self.domain_index.items()},
         }
         self._data_wait_s = 0.0
+        if self.flops_per_sample is None and self._batch_shapes is not None:
+            self.flops_per_sample = flops_per_sample(self.model, self._batch_shapes) or 0
+        if self.flops_per_sample and self.peak_flops:
+            metrics["mfu"] = (self.flops_per_sample * metrics["samples_per_s"]
+                              / (self.peak_flops * backend.device_count))
         momentum = self.parts.schedule.ema_momentum(done - 1)
         if momentum is not None:
             metrics["ema_momentum"] = momentum
@@ -307,6 +320,13 @@ class Trainer:
         elif location:
             self.checkpoint = location
 
+    def _mfu(self, samples_per_s: float) -> float | str | None:
+        if not self.flops_per_sample:
+            return None
+        if not self.peak_flops:
+            return "unknown peak"
+        return self.flops_per_sample * samples_per_s / (self.peak_flops * self.backend.device_count)
+
     # --- the loop ----------------------------------------------------------
 
     def run(self) -> RunSummary:
@@ -341,7 +361,8 @@ class Trainer:
             skipped_updates=int(self.totals.skipped.cpu().item()),
             samples_per_s=samples / max(elapsed, 1e-9), elapsed_s=elapsed,
             checkpoint=self.checkpoint, failed_saves=self.failed_saves,
-            quarantined=len(self.quarantine), stopped=stopped,
+            quarantined=len(self.quarantine), stopped=stopped, device=self.device_name,
+            mfu=self._mfu(samples / max(elapsed, 1e-9)),
         )
         if self.backend.is_main_process:
             write_summary(self.run_dir, summary.as_dict(), self.quarantine)

@@ -1,0 +1,64 @@
+"""Model FLOPs utilisation: achieved FLOP/s over the device's peak.
+
+Peaks are dense bf16 matmul figures from the vendors' data sheets, per
+device as torch sees it. Where the peak is not known (CPUs, unlisted
+accelerators) octfw says "unknown peak" rather than inventing one; set
+``engine.peak_flops_per_device`` to supply it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["device_peak_flops", "flops_per_sample"]
+
+#: (substring of the device name, dense bf16 FLOP/s per device)
+KNOWN_PEAKS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L4", 121e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5e", 197e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v4", 275e12),
+)
+
+
+def device_name(kind: str, device: torch.device) -> str:
+    if kind == "cuda":
+        return torch.cuda.get_device_name(device)
+    if kind == "xla":
+        import torch_xla.core.xla_model as xm
+
+        hw = xm.xla_device_hw(device)
+        if hw == "TPU":
+            import torch_xla
+
+            return f"TPU v{torch_xla.tpu.version()}"
+        return hw
+    return "CPU"
+
+
+def device_peak_flops(kind: str, device: torch.device, override: float | None) -> tuple[float | None, str]:
+    """(peak FLOP/s per device or None, device name)."""
+    name = device_name(kind, device)
+    if override is not None:
+        return override, name
+    for key, peak in KNOWN_PEAKS:
+        if key.lower() in name.lower():
+            return peak, name
+    return None, name
+
+
+def flops_per_sample(model: torch.nn.Module, batch: Mapping[str, Any]) -> int | None:
+    """Training FLOPs per sample, counted on meta tensors (no device work); None if the
+    model cannot be traced on meta tensors."""
+    from octfw.models.flops import _count_on_meta, _batch_size
+
+    try:
+        return _count_on_meta(model, batch, backward=True) // _batch_size(batch)
+    except (NotImplementedError, RuntimeError, ValueError, TypeError):
+        return None
