@@ -152,7 +152,7 @@ def test_non_finite_update_is_skipped_bitwise_and_the_run_completes(tiny_recipe,
     # The only update of log step 5 was skipped: no loss to report, never a fake one.
     assert [line["loss"] is None for line in lines] == [i == 4 for i in range(8)]
     events = [json.loads(line) for line in (run_dir / "guard_events.jsonl").read_text().splitlines()]
-    assert events[0]["step"] == 4 and events[0]["recent_batches"][-1]["step"] == 4
+    assert events[0]["step"] == 5 and events[0]["recent_batches"][-1]["step"] == 5  # the 5th update
     assert all(s["source"].endswith(".dcm") for s in events[0]["recent_batches"][-1]["samples"])
 
 
@@ -194,19 +194,20 @@ def test_resume_continues_bitwise_equal_to_an_uninterrupted_run(tiny_recipe, tmp
 
 def test_nan_at_update_514_is_skipped_and_the_run_goes_on(tiny_recipe, probe):
     """The seeds' step 514: a non-finite loss there skips exactly that update."""
-    text = tiny_recipe.read_text() + '\n[[guard]]\nname = "recorder"\nparams_at = [514, 515]\n' \
+    text = tiny_recipe.read_text() + '\n[[guard]]\nname = "recorder"\nparams_at = [513, 514]\n' \
         '[[guard]]\nname = "nan-skip"\n[[guard]]\nname = "grad-clip"\nmax_norm = 1.0\n'
     tiny_recipe.write_text(text)
     summary, run_dir = run(tiny_recipe, [
-        "run.max_steps=530", "model.name=poisoned", "model.nan_at=[515]",  # micro-step 515 = update 514
+        "run.max_steps=530", "model.name=poisoned", "model.nan_at=[514]",  # micro-step 514 = update 514
         "engine.log_every_steps=10", "scheduler.warmup=20", "transform.image_size=[4, 16, 16]",
         "model.patch_size=[2, 8, 8]"])
     assert summary.update_steps == 530 and summary.skipped_updates == 1 and summary.stopped is None
     record = probe.RECORD
-    for before, after in zip(record[514]["params"], record[515]["params"]):
+    # record[i] is taken before the (i+1)-th update: update 514 changed nothing.
+    for before, after in zip(record[513]["params"], record[514]["params"]):
         assert torch.equal(before, after)
     norms = [r["grad_norm"] for r in record]
-    assert all(torch.isfinite(n) and n > 0 for i, n in enumerate(norms) if i != 514)
+    assert all(torch.isfinite(n) and n > 0 for i, n in enumerate(norms) if i != 513)
     lrs = [r["lr"] for r in record]
     assert lrs[19:] == sorted(lrs[19:], reverse=True) and min(lrs) > 0
     lines = metrics(run_dir)

@@ -92,7 +92,10 @@ def check_schedule(recipe: Recipe, parts: Components) -> None:
 
 
 class GuardLog:
-    """Writes which samples fed the update steps around a guard event."""
+    """Writes which samples fed the update steps around a guard event.
+
+    Step numbers here, as in metrics.jsonl, count updates from 1: step N is
+    the N-th update (``octfw replay RUN_DIR --step N`` rebuilds it)."""
 
     def __init__(self, run_dir: Path | None):
         self.path = run_dir / "guard_events.jsonl" if run_dir else None
@@ -201,7 +204,7 @@ class Trainer:
             step_loss += out.loss.detach().float() / engine.grad_accum_steps
             self._add_domain_losses(out, batch["provenance"])
         self.samples_done += engine.grad_accum_steps * engine.per_device_batch * backend.local_devices
-        self.guard_log.remember(update_step, provenance)
+        self.guard_log.remember(update_step + 1, provenance)
         all_reduce_(step_loss)  # DDP: every rank's guards see the same (mean) loss
         step_loss /= backend.world_size
 
@@ -281,7 +284,7 @@ class Trainer:
         if momentum is not None:
             metrics["ema_momentum"] = momentum
         if host["skipped_updates"] > self._skipped_seen:
-            self.guard_log.write(done - 1, "skipped update (non-finite loss or gradient)")
+            self.guard_log.write(done, "skipped update (non-finite loss or gradient) since the last log step")
             self._skipped_seen = host["skipped_updates"]
         if host["applied"] > 0:
             self.first_loss = metrics["loss"] if self.first_loss is None else self.first_loss
