@@ -22,7 +22,9 @@ __all__ = [
     "ModelOutput",
     "BuildContext",
     "Dataset",
+    "SourcedDataset",
     "Transform",
+    "PreparingTransform",
     "Schedule",
     "Guard",
     "GuardInputs",
@@ -130,6 +132,27 @@ class Dataset(Protocol):
 
 
 @runtime_checkable
+class SourcedDataset(Dataset, Protocol):
+    """Optional additions to :class:`Dataset` that let octfw cache prepared volumes.
+
+    A dataset with ``source`` (and a transform with a cache, see
+    :class:`PreparingTransform`) gets a cache hit without ``load`` being
+    called: the file is neither read nor decoded. The provenance of a hit is
+    rebuilt from ``source(i)``, ``domain(i)``, ``label(i)`` when the dataset
+    has it, and the spacing and original shape stored with the cached volume.
+    Both methods must be cheap (no I/O).
+    """
+
+    def source(self, index: int) -> str:
+        """The URL ``load(index)`` reports as ``provenance.source`` (file or series folder)."""
+        ...
+
+    def label(self, index: int) -> int | None:
+        """The volume's class label, or None."""
+        ...
+
+
+@runtime_checkable
 class Transform(Protocol):
     """Turns a :class:`Sample` into the arrays of :data:`BATCH_KEYS`.
 
@@ -138,6 +161,28 @@ class Transform(Protocol):
     """
 
     def __call__(self, sample: Sample, rng: "np.random.Generator") -> dict[str, "np.ndarray"]: ...
+
+
+@runtime_checkable
+class PreparingTransform(Transform, Protocol):
+    """Optional: a transform split into a cacheable half and a random half.
+
+    ``transform(sample, rng)`` must equal
+    ``augment_and_mask(prepare(sample), rng)``. ``prepare`` is deterministic
+    (a function of the volume, its spacing and the transform's options) and
+    returns float32 ``[D, H, W]``; it may raise
+    :class:`octfw.errors.CorruptFile`. ``cache`` is None (no caching) or an
+    object with ``get(source) -> CachedVolume | None`` and
+    ``put(source, prepared, provenance)``, such as
+    :class:`octfw.data.prepared_cache.PreparedCache`, keyed so that a
+    changed option never reuses an entry.
+    """
+
+    cache: Any
+
+    def prepare(self, sample: Sample) -> "np.ndarray": ...
+
+    def augment_and_mask(self, prepared: "np.ndarray", rng: "np.random.Generator") -> dict[str, "np.ndarray"]: ...
 
 
 @runtime_checkable
@@ -185,7 +230,12 @@ class Guard(Protocol):
 
 @runtime_checkable
 class Logger(Protocol):
-    """Receives host scalars once per log step. Only rank 0 has loggers."""
+    """Receives host scalars once per log step. Only rank 0 has loggers.
+
+    An optional ``on_step(update_step: int)`` is called after every update
+    step with the host step count only (no device value, no sync), for
+    progress displays.
+    """
 
     def start(self, total_update_steps: int, run_dir: Path, recipe: Mapping[str, Any]) -> None: ...
 

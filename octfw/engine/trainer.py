@@ -165,6 +165,7 @@ class Trainer:
         self.checkpoint, self.failed_saves = None, []
         self._last_log = (time.perf_counter(), self.start_step)
         self._skipped_seen = 0.0
+        self._step_listeners = [lg for lg in parts.loggers if hasattr(lg, "on_step")]
         self._data_wait_s = 0.0  # host time blocked on the data loader since the last log step
         self.peak_flops, self.device_name = device_peak_flops(
             backend.kind, backend.device, recipe.engine.peak_flops_per_device)
@@ -345,6 +346,8 @@ class Trainer:
                     norm, out = self.update(update_step)
                     done = update_step + 1
                     self.heartbeat.beat(done)
+                    for logger in self._step_listeners:
+                        logger.on_step(done)
                     if done % engine.log_every_steps == 0 or done == total:
                         self.log(done, norm, out)
                     self.evaluate(done)

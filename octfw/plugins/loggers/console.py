@@ -197,7 +197,22 @@ class ConsoleLogger:
         self._task = self._progress.add_task("train", total=self._total, metrics="")
         self._progress.start()
 
+    def on_step(self, update_step: int) -> None:
+        """Every update step (a host int, no device value): moves the bar and its ETA."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=update_step)
+
     def log(self, update_step: int, metrics: Mapping[str, float]) -> None:
+        evaluation = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if evaluation:  # evaluator results arrive on their own and get their own line
+            shown = " ".join(f"{k[len('eval/'):]} {v:.4g}" for k, v in sorted(evaluation.items()))
+            target = self._progress.console if self._progress is not None else None
+            if target is not None:
+                target.print(f"eval at step {update_step}: {shown}", markup=False, highlight=False)
+            else:
+                print(f"eval at step {update_step}: {shown}", file=self.stream, flush=True)
+            if len(evaluation) == len(metrics):
+                return
         text = format_metrics(metrics)
         if self._progress is not None:
             self._progress.update(self._task, completed=update_step, metrics=text)
