@@ -166,3 +166,16 @@ def test_jsonl_refuses_reserved_metric_names_and_bad_filenames(tmp_path):
     logger.finish({})
     with pytest.raises(ValueError, match="file name"):
         JsonlConfig(filename="../escape.jsonl")
+
+
+def test_console_prints_evaluator_results_on_their_own_line():
+    import io
+
+    from octfw.plugins.loggers.console import ConsoleLogger
+
+    stream = io.StringIO()
+    logger = ConsoleLogger(mode="plain", stream=stream)
+    logger.start(10, Path("."), {})
+    logger.on_step(3)  # plain mode: nothing to move
+    logger.log(10, {"eval/linear-probe/accuracy": 0.875, "eval/knn/accuracy": 0.75})
+    assert stream.getvalue() == "eval at step 10: knn/accuracy 0.75 linear-probe/accuracy 0.875\n"
