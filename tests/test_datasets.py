@@ -327,10 +327,10 @@ def test_missing_manifest_is_a_user_error(tmp_path):
 # --- components -----------------------------------------------------------
 
 
-def test_both_components_register_with_documented_configs():
+def test_all_components_register_with_documented_configs():
     registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
-    assert registry.names("dataset") == ["dicom", "synthetic-oct"]
-    for name in ("dicom", "synthetic-oct"):
+    assert registry.names("dataset") == ["dicom", "oct-vendor", "synthetic-oct"]
+    for name in ("dicom", "oct-vendor", "synthetic-oct"):
         component = registry.get("dataset", name)
         for field in attrs.fields(component.config):
             assert field.metadata.get("doc"), f"{name}.{field.name} has no doc"
@@ -396,9 +396,128 @@ def test_configs_refuse_bad_values(component, options, message):
 def test_plugin_modules_import_without_heavy_packages():
     code = (
         "import sys, octfw.plugins.datasets, octfw.plugins.datasets.dicom, "
-        "octfw.plugins.datasets.synthetic_oct\n"
-        "heavy = [m for m in ('torch', 'pydicom', 'gcsfs', 'fsspec', 'torch_xla') if m in sys.modules]\n"
+        "octfw.plugins.datasets.synthetic_oct, octfw.plugins.datasets.oct_vendor\n"
+        "heavy = [m for m in ('torch', 'pydicom', 'gcsfs', 'fsspec', 'torch_xla', 'oct_converter') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+# --- series of single-frame files -------------------------------------------
+
+
+def _write_series(folder, volume, *, series_uid="1.2.3.4.5", manufacturer="Heidelberg Engineering",
+                  order=None, instance_numbers=True, positions=False, spacing=(0.2, 0.01, 0.02),
+                  names=None):
+    """One single-frame OPT file per B-scan, written in a shuffled file-name order."""
+    import io
+
+    from octfw.data.dicom_io import encode_oct_dicom
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    order = list(order if order is not None else range(len(volume)))
+    paths = []
+    for slot, frame in enumerate(order):
+        data = encode_oct_dicom(volume[frame:frame + 1], spacing, manufacturer, "S")
+        ds = pydicom.dcmread(io.BytesIO(data))
+        ds.SeriesInstanceUID = series_uid
+        if instance_numbers:
+            ds.InstanceNumber = frame + 1
+        else:
+            del ds.InstanceNumber
+        if positions:
+            ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+            ds.ImagePositionPatient = [0.0, 0.0, 5.0 + spacing[0] * frame]
+            del ds.SpacingBetweenSlices
+            del ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].SpacingBetweenSlices
+            del ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].SliceThickness
+        name = names[slot] if names else f"img{slot:03d}.dcm"
+        ds.save_as(folder / name, enforce_file_format=True)
+        paths.append(folder / name)
+    return paths
+
+
+def test_single_frame_files_of_one_series_are_one_volume_in_instance_order(tmp_path):
+    volume = _volume(4, shape=(5, 12, 10))
+    _write_series(tmp_path / "heidelberg" / "scan1", volume, order=[3, 0, 4, 1, 2])
+    write_oct_dicom(tmp_path / "heidelberg" / "multi.dcm", _volume(5), (0.1, 0.01, 0.01),
+                    "Heidelberg Engineering", "S")
+    dataset = DicomDataset.from_location(tmp_path)
+    assert len(dataset) == 2
+    index = [dataset.source(i) for i in range(2)].index(str(tmp_path / "heidelberg" / "scan1"))
+    assert dataset.is_series(index) and not dataset.is_series(1 - index)
+    sample = dataset.load(index)
+    np.testing.assert_array_equal(sample.volume, volume.astype(np.float32))
+    assert sample.provenance.source == str(tmp_path / "heidelberg" / "scan1")
+    assert sample.provenance.spacing == pytest.approx((0.2, 0.01, 0.02))
+    assert sample.provenance.original_shape == (5, 12, 10)
+    assert sample.provenance.domain == "heidelberg"
+    assert dataset.domain_counts() == {"heidelberg": 2}
+
+
+def test_series_without_instance_numbers_are_ordered_by_position_and_spaced_by_it(tmp_path):
+    volume = _volume(6, shape=(4, 10, 10))
+    _write_series(tmp_path / "s", volume, order=[2, 0, 3, 1], instance_numbers=False,
+                  positions=True, spacing=(0.25, 0.01, 0.02))
+    dataset = DicomDataset.from_location(tmp_path)
+    sample = dataset.load(0)
+    np.testing.assert_array_equal(sample.volume, volume.astype(np.float32))
+    assert sample.provenance.spacing == pytest.approx((0.25, 0.01, 0.02))
+
+
+def test_two_series_in_one_folder_are_two_volumes_and_a_lone_frame_stays_a_file(tmp_path):
+    _write_series(tmp_path / "f", _volume(1, (3, 8, 8)), series_uid="1.2.3.1", names=["a1", "a2", "a3"])
+    _write_series(tmp_path / "f", _volume(2, (2, 8, 8)), series_uid="1.2.3.2", names=["b1", "b2"])
+    _write_series(tmp_path / "f", _volume(3, (1, 8, 8)), series_uid="1.2.3.3", names=["c1"])
+    dataset = DicomDataset.from_location(tmp_path, extensions=("",))
+    shapes = sorted(dataset.load(i).provenance.original_shape for i in range(len(dataset)))
+    assert shapes == [(1, 8, 8), (2, 8, 8), (3, 8, 8)]
+    sources = [dataset.source(i) for i in range(len(dataset))]
+    assert str(tmp_path / "f" / "c1") in sources
+    assert sum(s.startswith(f"{tmp_path / 'f'}#series-") for s in sources) == 2
+    assert "1.2.3" not in " ".join(sources)  # the UID itself is never part of a URL
+
+
+def test_series_false_keeps_every_file_a_volume(tmp_path):
+    _write_series(tmp_path / "s", _volume(1, (3, 8, 8)))
+    assert len(DicomDataset.from_location(tmp_path, series=False)) == 3
+
+
+def test_a_series_with_one_bad_frame_is_quarantined_by_its_folder(tmp_path):
+    paths = _write_series(tmp_path / "s", _volume(1, (4, 8, 8)))
+    data = paths[2].read_bytes()
+    paths[2].write_bytes(data[: len(data) - 40])  # cut inside the pixel data
+    dataset = DicomDataset.from_location(tmp_path)
+    assert len(dataset) == 1
+    with pytest.raises(CorruptFile) as info:
+        dataset.load(0)
+    assert info.value.url == str(tmp_path / "s")
+    assert "img002.dcm" in info.value.reason and "truncated" in info.value.reason
+
+
+def test_a_constant_series_and_frames_of_different_sizes_are_corrupt(tmp_path):
+    _write_series(tmp_path / "flat", np.full((3, 8, 8), 7, np.uint16))
+    with pytest.raises(CorruptFile, match="constant volume"):
+        DicomDataset.from_location(tmp_path / "flat").load(0)
+    _write_series(tmp_path / "mixed", _volume(1, (2, 8, 8)), names=["a.dcm", "b.dcm"])
+    _write_series(tmp_path / "mixed", _volume(1, (1, 8, 6)), names=["c.dcm"])
+    with pytest.raises(CorruptFile, match="frames differ in size"):
+        DicomDataset.from_location(tmp_path / "mixed").load(0)
+
+
+def test_a_manifest_row_ending_in_a_slash_is_a_series(tmp_path):
+    volume = _volume(9, (3, 8, 8))
+    _write_series(tmp_path / "scans" / "s1", volume, order=[1, 2, 0])
+    (tmp_path / "m.csv").write_text("path,domain,label\nscans/s1/,topcon,1\n")
+    dataset = DicomDataset.from_location(tmp_path / "m.csv", domain_from="manifest")
+    sample = dataset.load(0)
+    np.testing.assert_array_equal(sample.volume, volume.astype(np.float32))
+    assert sample.provenance.source == f"{tmp_path}/scans/s1"
+    assert (sample.provenance.domain, sample.provenance.label) == ("topcon", 1)
+
+
+def test_domain_from_folder_names_the_folder_that_holds_the_series(tmp_path):
+    _write_series(tmp_path / "zeiss" / "visit1", _volume(1, (2, 8, 8)))
+    assert DicomDataset.from_location(tmp_path, domain_from="folder").domain(0) == "zeiss"

@@ -7,6 +7,18 @@ recursively), a glob, or a manifest. ``load`` reads one file with
 without decoding pixels: from the manifest, the parent folder's name, or the
 file's header (read once, then remembered).
 
+Series of single-frame files: OCT devices and PACS exports often store a
+volume as one file per B-scan. With ``series=True`` (the default) a folder
+or glob listing reads every file's header once, at build time, and the
+single-frame files (NumberOfFrames 1) that share a SeriesInstanceUID *and a
+folder* become one sample, read by
+:func:`octfw.data.dicom_io.read_oct_series`. Its source URL is the folder
+(``.../scan_0001``), or ``<folder>#series-<hash>`` when that folder holds
+more than one such series. A lone single-frame file stays a sample of its
+own. A manifest row names a series by a path ending in ``/`` (the folder);
+other rows are single files. The header reads also give every file's
+domain, which the engine needs at start anyway.
+
 The object holds only strings and small records, so it pickles into
 data-loader workers; each worker opens files itself.
 """
@@ -21,7 +33,7 @@ from typing import Sequence
 
 import attrs
 
-from octfw.data.dicom_io import UNKNOWN_DOMAIN, read_header, read_oct_volume
+from octfw.data.dicom_io import UNKNOWN_DOMAIN, read_header, read_oct_series, read_oct_volume
 from octfw.data.manifest import is_manifest, read_manifest
 from octfw.errors import CorruptFile, UserError
 from octfw.types import Sample
@@ -38,11 +50,16 @@ _HEADER_THREADS = 8
 
 @attrs.frozen
 class DicomEntry:
-    """One file of the dataset."""
+    """One volume of the dataset: a file, or a series of single-frame files."""
 
-    url: str
+    url: str  #: the file, or the series' folder URL
     domain: str | None = None  #: known from the manifest or folder; None: read the header
     label: int | None = None
+    files: tuple[str, ...] = ()  #: a series' files (unordered); () for a single file
+
+    @property
+    def first_file(self) -> str:
+        return self.files[0] if self.files else self.url
 
 
 def _extension_matches(name: str, extensions: Sequence[str]) -> bool:
@@ -53,6 +70,61 @@ def _extension_matches(name: str, extensions: Sequence[str]) -> bool:
     if suffix.lower() in wanted:
         return True
     return "" in wanted and (suffix == "" or suffix[1:].isdigit())
+
+
+def _parent(url: str) -> str:
+    return url.replace(os.sep, "/").rsplit("/", 1)[0] if "/" in url.replace(os.sep, "/") else "."
+
+
+def _headers(urls: Sequence[str]) -> list[dict | None]:
+    """Every file's header facts (None for an unreadable header), read in threads."""
+
+    def one(url: str) -> dict | None:
+        try:
+            return read_header(url)
+        except CorruptFile:
+            return None
+
+    if len(urls) <= 1:
+        return [one(u) for u in urls]
+    with ThreadPoolExecutor(max_workers=_HEADER_THREADS) as pool:
+        return list(pool.map(one, urls))
+
+
+def group_series(urls: Sequence[str]) -> list[tuple[str, tuple[str, ...], str | None]]:
+    """Group listed files into volumes: ``(source, files, header domain)``.
+
+    Single-frame files sharing a SeriesInstanceUID in one folder (two or
+    more of them) become one series; every other file is its own volume
+    with ``files == ()``. The header domain is None when the header could
+    not be read (loading the file will quarantine it). Volumes come in the
+    order of their first file.
+    """
+    headers = _headers(urls)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, (url, header) in enumerate(zip(urls, headers)):
+        if header is not None and header["number_of_frames"] == 1 and header["series_key"]:
+            groups.setdefault((_parent(url), header["series_key"]), []).append(index)
+    series = {key: members for key, members in groups.items() if len(members) >= 2}
+    per_folder: dict[str, int] = {}
+    for folder, _key in series:
+        per_folder[folder] = per_folder.get(folder, 0) + 1
+    member_of = {i: key for key, members in series.items() for i in members}
+
+    volumes = []
+    for index, (url, header) in enumerate(zip(urls, headers)):
+        domain = header["domain"] if header is not None else None
+        key = member_of.get(index)
+        if key is None:
+            volumes.append((url, (), domain))
+            continue
+        members = series[key]
+        if index != members[0]:
+            continue  # the series was added at its first file
+        folder, series_key = key
+        source = folder if per_folder[folder] == 1 else f"{folder}#series-{series_key[:8]}"
+        volumes.append((source, tuple(urls[i] for i in members), domain))
+    return volumes
 
 
 def list_dicom_files(path: str, extensions: Sequence[str] = (".dcm", "")) -> list[str]:
@@ -93,11 +165,11 @@ def list_dicom_files(path: str, extensions: Sequence[str] = (".dcm", "")) -> lis
 class DicomDataset:
     """OCT DICOM volumes listed at build time; see the module docstring."""
 
-    def __init__(self, entries: Sequence[DicomEntry], source: str) -> None:
+    def __init__(self, entries: Sequence[DicomEntry], location: str) -> None:
         if not entries:
-            raise UserError(f"no DICOM files in {source}")
+            raise UserError(f"no DICOM files in {location}")
         self.entries: tuple[DicomEntry, ...] = tuple(entries)
-        self.source = source
+        self.location = location  #: the folder, glob or manifest the entries came from
         # Domains read from headers, by index; filled lazily, per process.
         self._header_domains: dict[int, str] = {}
 
@@ -109,13 +181,17 @@ class DicomDataset:
         split: str | None = None,
         domain_from: str = "header",
         extensions: Sequence[str] = (".dcm", ""),
+        series: bool = True,
     ) -> "DicomDataset":
         """List the files at ``path``: a folder, a glob, or a ``.csv`` / ``.jsonl`` manifest.
 
         ``split`` keeps the manifest rows of that split. ``domain_from`` is
         ``"header"`` (the Manufacturer), ``"manifest"`` (its domain column,
-        required on every row) or ``"folder"`` (the parent folder's name).
-        Raises UserError naming ``path`` when it lists no file.
+        required on every row) or ``"folder"`` (the parent folder's name; for
+        a series, the name of the folder that holds the series folder).
+        ``series`` groups single-frame files of one series into one volume
+        (see the module docstring). Raises UserError naming ``path`` when it
+        lists no file.
         """
         path = os.fspath(path)
         if domain_from not in DOMAIN_SOURCES:
@@ -138,34 +214,58 @@ class DicomDataset:
                         f"{path}: {len(missing)} rows have no domain (first: {missing[0]}); "
                         "fill the domain column or use domain_from = 'header'"
                     )
-            pairs = [(row.path, row.domain, row.label) for row in rows]
+            volumes = []
+            for row in rows:
+                if row.path.endswith("/"):  # a series folder
+                    files = tuple(list_dicom_files(row.path, extensions))
+                    if not files:
+                        raise UserError(f"{path}: series folder {row.path} holds no DICOM files")
+                    volumes.append((row.path.rstrip("/"), files, row.domain, row.label, None))
+                else:
+                    volumes.append((row.path, (), row.domain, row.label, None))
         else:
             urls = list_dicom_files(path, extensions)
             if not urls:
                 raise UserError(
                     f"no DICOM files in {path} (extensions {list(extensions)}; '' = none)"
                 )
-            pairs = [(url, None, None) for url in urls]
+            if series:
+                volumes = [(source, files, None, None, header_domain)
+                           for source, files, header_domain in group_series(urls)]
+            else:
+                volumes = [(url, (), None, None, None) for url in urls]
 
-        entries = []
-        for url, manifest_domain, label in pairs:
+        entries, header_domains = [], {}
+        for source, files, manifest_domain, label, header_domain in volumes:
             if domain_from == "manifest":
                 domain = manifest_domain
             elif domain_from == "folder":
-                domain = posixpath.basename(posixpath.dirname(url.replace(os.sep, "/"))) or UNKNOWN_DOMAIN
+                domain = posixpath.basename(_parent(source)) or UNKNOWN_DOMAIN
             else:
                 domain = None
-            entries.append(DicomEntry(url=url, domain=domain, label=label))
-        return cls(entries, source=path)
+                if header_domain is not None:
+                    header_domains[len(entries)] = header_domain
+            entries.append(DicomEntry(url=source, domain=domain, label=label, files=files))
+        dataset = cls(entries, location=path)
+        dataset._header_domains.update(header_domains)
+        return dataset
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def __repr__(self) -> str:
-        return f"DicomDataset({len(self)} files from {self.source})"
+        return f"DicomDataset({len(self)} volumes from {self.location})"
 
     def url(self, index: int) -> str:
         return self.entries[index].url
+
+    def source(self, index: int) -> str:
+        """The URL ``load(index)`` reports (file or series folder), without I/O:
+        the key of the volume's cached prepared form."""
+        return self.entries[index].url
+
+    def is_series(self, index: int) -> bool:
+        return bool(self.entries[index].files)
 
     def label(self, index: int) -> int | None:
         return self.entries[index].label
@@ -173,7 +273,10 @@ class DicomDataset:
     def load(self, index: int) -> Sample:
         """Decode volume ``index``; raises CorruptFile for an unusable file."""
         entry = self.entries[index]
-        sample = read_oct_volume(entry.url, domain=entry.domain, label=entry.label)
+        if entry.files:
+            sample = read_oct_series(entry.files, entry.url, domain=entry.domain, label=entry.label)
+        else:
+            sample = read_oct_volume(entry.url, domain=entry.domain, label=entry.label)
         if entry.domain is None:
             self._header_domains[index] = sample.provenance.domain
         return sample
@@ -190,7 +293,7 @@ class DicomDataset:
         cached = self._header_domains.get(index)
         if cached is None:
             try:
-                cached = read_header(entry.url)["domain"]
+                cached = read_header(entry.first_file)["domain"]
             except CorruptFile:
                 cached = UNKNOWN_DOMAIN
             self._header_domains[index] = cached

@@ -42,6 +42,7 @@ __all__ = [
     "write_bytes",
     "open_file",
     "read_oct_volume",
+    "read_oct_series",
     "read_header",
     "is_local",
 ]
@@ -306,6 +307,10 @@ def _read_dataset(url: str, fs: Any, stop_before_pixels: bool) -> tuple[Any, byt
     from pydicom.errors import InvalidDicomError
 
     try:
+        if stop_before_pixels and fs is None and not is_local(url):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return pydicom.dcmread(io.BytesIO(_remote_head(url)), stop_before_pixels=True), None
         with open_file(url, fs) as f, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if stop_before_pixels:
@@ -322,6 +327,27 @@ def _read_dataset(url: str, fs: Any, stop_before_pixels: bool) -> tuple[Any, byt
         raise CorruptFile(url, f"cannot read the file ({type(exc).__name__})") from exc
     except Exception as exc:  # noqa: BLE001 - any parser failure means an unusable file
         raise CorruptFile(url, f"unreadable DICOM header ({type(exc).__name__})") from exc
+
+
+_HEAD_BYTES = 64 * 1024
+
+
+def _remote_head(url: str) -> bytes:
+    """The start of a remote file, up to and including its Pixel Data tag.
+
+    Range requests instead of a file object: a partly read gcsfs file makes
+    its background prefetcher wait seconds at close, and a header is a small
+    prefix of the object. The range grows until the tag (or the end) is in it.
+    """
+    import fsspec
+
+    filesystem, path = fsspec.core.url_to_fs(url)
+    length = _HEAD_BYTES
+    while True:
+        data = filesystem.cat_file(path, start=0, end=length)
+        if len(data) < length or _PIXEL_DATA_TAG_LE in data or _PIXEL_DATA_TAG_BE in data:
+            return data
+        length *= 4
 
 
 def read_header(url: str | os.PathLike[str], fs: Any = None) -> dict[str, Any]:
@@ -354,7 +380,18 @@ def _header_facts(ds: Any) -> dict[str, Any]:
         "number_of_frames": int(ds.get("NumberOfFrames") or 1),
         "rows": int(ds.get("Rows") or 0),
         "columns": int(ds.get("Columns") or 0),
+        "series_key": _series_key(ds),
     }
+
+
+def _series_key(ds: Any) -> str:
+    """A short hash of the SeriesInstanceUID ('' when absent), for grouping
+    single-frame files. Hashed because a UID can be looked up in the
+    hospital's systems; the UID itself is never kept."""
+    import hashlib
+
+    uid = str(ds.get("SeriesInstanceUID", "") or "").strip()
+    return hashlib.sha256(uid.encode("ascii", "replace")).hexdigest()[:16] if uid else ""
 
 
 def read_oct_volume(
@@ -397,8 +434,136 @@ def read_oct_volume(
     return Sample(volume=volume, provenance=provenance)
 
 
-def _decode_volume(url: str, ds: Any, raw: bytes) -> np.ndarray:
-    """Validate the pixel module, decode, and return float32 [D, H, W]."""
+def read_oct_series(
+    urls: Sequence[str],
+    source: str,
+    fs: Any = None,
+    *,
+    domain: str | None = None,
+    label: int | None = None,
+) -> Sample:
+    """Read a series of single-frame files (one B-scan each) as one volume.
+
+    ``source`` names the series (its folder URL) in the provenance and in
+    every error. Each file must hold one grayscale frame of the same Rows x
+    Columns, from the same SeriesInstanceUID; one unusable frame makes the
+    whole series unusable (a volume with a hole is not a volume). Frames
+    are ordered by InstanceNumber when every file has a distinct one, else
+    by ImagePositionPatient along the slice normal, else by URL. Spacing:
+    PixelSpacing of the first frame; between frames SpacingBetweenSlices or
+    SliceThickness, else the median distance between consecutive
+    ImagePositionPatient. Raises CorruptFile (with ``source`` as its URL).
+    """
+    if len(urls) == 0:
+        raise CorruptFile(source, "empty series: no files")
+    frames = []
+    for url in urls:
+        name = url.rsplit("/", 1)[-1]
+        try:
+            ds, raw = _read_dataset(url, fs, stop_before_pixels=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                count = int(ds.get("NumberOfFrames") or 1)
+                if count != 1:
+                    raise CorruptFile(url, f"{count} frames; a file of a series holds one B-scan")
+                pixels = _decode_volume(url, ds, raw, frame_of_series=True)
+                frames.append({
+                    "url": url,
+                    "pixels": pixels[0],
+                    "series": _series_key(ds),
+                    "instance": _int_or_none(ds.get("InstanceNumber")),
+                    "position": _floats(ds.get("ImagePositionPatient"), 3),
+                    "orientation": _floats(ds.get("ImageOrientationPatient"), 6),
+                    "spacing": _spacing(ds),
+                    "manufacturer": str(ds.get("Manufacturer", "") or ""),
+                })
+        except CorruptFile as bad:
+            raise CorruptFile(source, f"frame {name}: {bad.reason}") from None
+        except Exception as exc:  # noqa: BLE001 - no pydicom error escapes as anything else
+            raise CorruptFile(source, f"frame {name}: unreadable DICOM ({type(exc).__name__})") from exc
+
+    if len({f["series"] for f in frames}) > 1:
+        raise CorruptFile(source, "files from more than one series (SeriesInstanceUID differs)")
+    shapes = sorted({f["pixels"].shape for f in frames})
+    if len(shapes) > 1:
+        raise CorruptFile(source, f"frames differ in size: {[list(s) for s in shapes]}")
+    frames = _order_frames(frames)
+    volume = np.stack([f["pixels"] for f in frames])
+    _check_not_constant(source, volume)
+
+    (dz, dy, dx), missing = frames[0]["spacing"]
+    if "slice spacing" in missing:
+        gap = _position_gap(frames)
+        if gap is not None:
+            dz = gap
+            missing = [m for m in missing if m != "slice spacing"]
+    if len(frames) == 1 and "slice spacing" in missing:
+        missing = [m for m in missing if m != "slice spacing"]  # one B-scan has no depth to space
+    domain = domain if domain is not None else normalise_manufacturer(frames[0]["manufacturer"])
+    if missing:
+        warnings.warn(SpacingDefaulted(source, domain, missing), stacklevel=2)
+    provenance = Provenance(
+        source=source,
+        domain=domain,
+        spacing=(dz, dy, dx),
+        original_shape=tuple(int(n) for n in volume.shape),
+        label=label,
+    )
+    return Sample(volume=volume, provenance=provenance)
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None and str(value).strip() != "" else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _floats(value: Any, count: int) -> tuple[float, ...] | None:
+    try:
+        numbers = tuple(float(v) for v in value) if value is not None else ()
+    except (TypeError, ValueError):
+        return None
+    return numbers if len(numbers) == count and all(np.isfinite(numbers)) else None
+
+
+def _normal(frame: dict[str, Any]) -> np.ndarray:
+    orientation = frame["orientation"]
+    if orientation is None:
+        return np.array([0.0, 0.0, 1.0])
+    row, column = np.array(orientation[:3]), np.array(orientation[3:])
+    return np.cross(row, column)
+
+
+def _order_frames(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    instances = [f["instance"] for f in frames]
+    if None not in instances and len(set(instances)) == len(instances):
+        return sorted(frames, key=lambda f: f["instance"])
+    if all(f["position"] is not None for f in frames):
+        normal = _normal(frames[0])
+        along = [float(np.dot(f["position"], normal)) for f in frames]
+        if len(set(along)) == len(along):
+            return [f for _, f in sorted(zip(along, frames), key=lambda pair: pair[0])]
+    return sorted(frames, key=lambda f: f["url"])
+
+
+def _position_gap(frames: list[dict[str, Any]]) -> float | None:
+    """Median distance between consecutive frames along the normal, or None."""
+    if len(frames) < 2 or any(f["position"] is None for f in frames):
+        return None
+    normal = _normal(frames[0])
+    along = np.array([float(np.dot(f["position"], normal)) for f in frames])
+    gap = float(np.median(np.abs(np.diff(along))))
+    return gap if np.isfinite(gap) and gap > 0 else None
+
+
+def _decode_volume(url: str, ds: Any, raw: bytes, *, frame_of_series: bool = False) -> np.ndarray:
+    """Validate the pixel module, decode, and return float32 [D, H, W].
+
+    ``frame_of_series``: the file is one B-scan of a series of single-frame
+    files; any grayscale 2-D image is accepted and its constancy is checked
+    on the whole series instead.
+    """
     keyword = next((k for k in _PIXEL_KEYWORDS if k in ds), None)
     if keyword is None:
         # pydicom drops an element the file ends inside of (compressed pixel
@@ -428,7 +593,7 @@ def _decode_volume(url: str, ds: Any, raw: bytes) -> np.ndarray:
         name = transfer_syntax.name if transfer_syntax is not None else "unknown transfer syntax"
         raise CorruptFile(url, f"cannot decode pixel data ({name}, {type(exc).__name__})") from exc
 
-    single_bscan = frames == 1 and _is_oct(ds)
+    single_bscan = frames == 1 and (frame_of_series or _is_oct(ds))
     if frames == 1 and array.ndim == 2:
         if not single_bscan:
             raise CorruptFile(url, f"a single 2-D image of {rows} x {columns}, not a volume")
@@ -446,10 +611,15 @@ def _decode_volume(url: str, ds: Any, raw: bytes) -> np.ndarray:
     if not np.isfinite(volume).all():
         bad = int(np.size(volume) - np.count_nonzero(np.isfinite(volume)))
         raise CorruptFile(url, f"{bad} non-finite voxels")
+    if not frame_of_series:
+        _check_not_constant(url, volume)
+    return volume
+
+
+def _check_not_constant(url: str, volume: np.ndarray) -> None:
     low, high = float(volume.min()), float(volume.max())
     if low == high:
         raise CorruptFile(url, f"constant volume (every voxel is {low:g})")
-    return volume
 
 
 def _is_oct(ds: Any) -> bool:

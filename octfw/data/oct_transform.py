@@ -20,14 +20,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from monai.transforms import Affine, Resize, ResizeWithPadOrCrop, ScaleIntensityRangePercentiles
+from monai.transforms import Affine, Resize, ResizeWithPadOrCrop
 
 from octfw.data.masks import Grid, mask_generator_from_config
+from octfw.data.prepared_cache import PreparedCache
 from octfw.errors import ContractError, CorruptFile
 from octfw.types import Sample
 
@@ -38,7 +39,7 @@ __all__ = ["OCTStandardTransform", "PREPARE_VERSION"]
 
 #: Bumped whenever :meth:`OCTStandardTransform.prepare` changes what it
 #: computes, so volumes cached by an older version are not reused.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2
 
 
 def _to_numpy(image: torch.Tensor) -> np.ndarray:
@@ -51,8 +52,12 @@ class OCTStandardTransform:
     """Turns a :class:`~octfw.types.Sample` into the arrays of ``BATCH_KEYS``.
 
     ``patch_size`` is the model's ``[pd, ph, pw]``; ``config.image_size`` must
-    be divisible by it (the factory checks).
+    be divisible by it (the factory checks). ``cache`` is the
+    :class:`~octfw.data.prepared_cache.PreparedCache` the data pipeline keeps
+    :meth:`prepare`'s output in, or None (set by :meth:`enable_cache`).
     """
+
+    cache: PreparedCache | None = None
 
     def __init__(self, config: "OCTStandardConfig", patch_size: tuple[int, int, int]):
         self.config = config
@@ -61,10 +66,6 @@ class OCTStandardTransform:
         self.grid: Grid = tuple(s // p for s, p in zip(self.image_size, self.patch_size))
         self.mask_generator = mask_generator_from_config(config.mask)
         self.num_context, self.num_target = self.mask_generator.counts(self.grid)
-        low, high = config.percentiles
-        self._normalise = ScaleIntensityRangePercentiles(
-            lower=low, upper=high, b_min=0.0, b_max=1.0, clip=True
-        )
         if config.fit == "resize":
             self._fit = Resize(self.image_size, mode="trilinear",
                                anti_aliasing=config.anti_aliasing)
@@ -93,16 +94,26 @@ class OCTStandardTransform:
         image = torch.tensor(volume)[None]  # [1, D, H, W]
         if self.config.target_spacing is not None:
             image = self._resample(image, sample.provenance.spacing, source)
-        with warnings.catch_warnings():
-            # A constant volume has equal percentiles; MONAI then warns and
-            # returns zeros, which is the right answer for it.
-            warnings.filterwarnings("ignore", message="Divide by zero")
-            image = self._normalise(image)
+        image = self._normalise(image)
         image = self._fit(image)
         prepared = _to_numpy(image)
         # Interpolation can overshoot by rounding; keep the documented range.
         np.clip(prepared, 0.0, 1.0, out=prepared)
         return prepared
+
+    def _normalise(self, image: torch.Tensor) -> torch.Tensor:
+        """Map the per-volume percentiles ``[low, high]`` to [0, 1] and clip.
+
+        numpy's partition-based percentile, not ``torch.quantile`` (which
+        sorts the whole volume and was most of the preparation time); both
+        interpolate linearly. A constant volume has equal percentiles and
+        becomes zeros.
+        """
+        plain = image.as_tensor() if hasattr(image, "as_tensor") else image  # MetaTensor after resampling
+        low, high = np.percentile(plain.numpy(), self.config.percentiles)
+        if not high > low:
+            return torch.zeros_like(image)
+        return ((image - float(low)) / float(high - low)).clamp_(0.0, 1.0)
 
     def _resample(self, image: torch.Tensor, spacing: tuple[float, float, float],
                   source: str) -> torch.Tensor:
@@ -137,6 +148,11 @@ class OCTStandardTransform:
         }
         text = json.dumps(options, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def enable_cache(self, cache_dir: str | Path) -> PreparedCache:
+        """Keep prepared volumes under ``<cache_dir>/prepared/<cache_key()>``."""
+        self.cache = PreparedCache(Path(cache_dir) / "prepared" / self.cache_key(), self.image_size)
+        return self.cache
 
     # --- random half -----------------------------------------------------
 

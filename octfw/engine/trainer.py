@@ -22,7 +22,7 @@ import torch
 from octfw.engine.backend import Backend, select_backend
 from octfw.engine.build import Components, build_components
 from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
-from octfw.engine.data import Quarantine, SampleSource, make_loader, provenance_record
+from octfw.engine.data import Quarantine, SampleSource, domain_report, make_loader, provenance_record
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.state import restore, save
@@ -337,6 +337,8 @@ class Trainer:
         from octfw.rundir import write_summary
 
         engine, total = self.recipe.engine, self.total
+        if self.backend.is_main_process:
+            print(domain_report(self.parts.dataset, self.recipe.engine.domain_sampling), flush=True)
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
         started, done, stopped = time.perf_counter(), self.start_step, None

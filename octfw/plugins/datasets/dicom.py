@@ -1,4 +1,8 @@
-"""The ``dicom`` dataset: OCT volumes from a folder, a glob or a manifest."""
+"""The ``dicom`` dataset: OCT volumes from a folder, a glob or a manifest.
+
+Multi-frame files are volumes; single-frame files of one series in one
+folder are read as one volume (see :mod:`octfw.data.dicom_dataset`).
+"""
 
 from __future__ import annotations
 
@@ -39,6 +43,11 @@ class DicomConfig:
         default=(".dcm", ""),
         validator=_extensions,
     )
+    series: bool = doc(
+        "Read single-frame files that share a SeriesInstanceUID in one folder as one "
+        "volume (reads every header when the dataset is built); false: each file is a volume.",
+        default=True,
+    )
 
 
 def build(config: DicomConfig, ctx: Any):
@@ -49,4 +58,5 @@ def build(config: DicomConfig, ctx: Any):
         split=config.split,
         domain_from=config.domain_from,
         extensions=config.extensions,
+        series=config.series,
     )

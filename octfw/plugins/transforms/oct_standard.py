@@ -143,6 +143,12 @@ class OCTStandardConfig:
     mask: MaskConfig = doc(
         "patch masking, table [transform.mask]", factory=MaskConfig
     )
+    cache: bool = doc(
+        "keep prepared volumes (decoded, resampled, normalised, fitted) on disk under "
+        "<run.cache_dir>/prepared/<options hash>, so each volume is decoded once across "
+        "epochs and runs",
+        default=True,
+    )
 
 
 def build(config: OCTStandardConfig, ctx: Any) -> Any:
@@ -168,4 +174,7 @@ def build(config: OCTStandardConfig, ctx: Any) -> Any:
         )
     from octfw.data.oct_transform import OCTStandardTransform
 
-    return OCTStandardTransform(config, patch)
+    transform = OCTStandardTransform(config, patch)
+    if config.cache:
+        transform.enable_cache(ctx.cache_dir)
+    return transform
