@@ -22,32 +22,6 @@ from octfw.hookspecs import STAGES
 __all__ = ["main"]
 
 
-def _type_name(t: Any) -> str:
-    if t is None:
-        return "?"
-    if isinstance(t, type) and not getattr(t, "__args__", None):
-        return t.__name__
-    return str(t).replace("typing.", "").replace("octfw.fields.", "")
-
-
-def _component_options(component) -> list[dict[str, Any]]:
-    rows = []
-    for field in attrs.fields(component.config):
-        default = field.default
-        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-            default = default.factory()
-        if attrs.has(type(default)):
-            default = attrs.asdict(default)
-        rows.append({
-            "key": field.name,
-            "type": _type_name(field.type),
-            "default": None if default is attrs.NOTHING else default,
-            "required": default is attrs.NOTHING,
-            "doc": field.metadata.get("doc", ""),
-        })
-    return rows
-
-
 def cmd_list(args: argparse.Namespace) -> int:
     from octfw.registry import load_registry
 
@@ -57,8 +31,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.name:
         if not args.stage:
             raise UserError("--name needs --stage, e.g. octfw list --stage model --name vjepa3d")
+        from octfw.reference import config_rows
+
         component = registry.get(args.stage, args.name)
-        options = _component_options(component)
+        options = config_rows(component.config)
         if args.json:
             print(json.dumps({"stage": component.stage, "name": component.name,
                               "distribution": component.distribution, "version": component.version,
