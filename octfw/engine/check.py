@@ -55,6 +55,12 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     """Build, run one batch forward and backward on the CPU, and report each boundary."""
     from octfw.schedules import effective_lr, validate_schedule
 
+    from octfw.engine.backend import resolve_device
+
+    if recipe.engine.compile and resolve_device(recipe.run.device) == "xla":
+        # The same refusal as the Trainer's, before an accelerator hour is spent.
+        raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
+                        "storm); torch_xla compiles its graphs itself")
     torch.manual_seed(recipe.run.seed)
     parts = build_components(recipe, run_dir=None, with_loggers=False)
     ctx = parts.ctx
@@ -102,6 +108,16 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     report(f"model     {recipe.model.name}: loss {float(out.loss.detach()):.4f}, grad norm {norm:.4g}, "
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 
+    # --- memory (octfw.engine.memory): estimated per device, warned before the run ---
+    from octfw.engine.memory import device_memory, estimate_memory, memory_report
+
+    estimate = estimate_memory(model, batch, guarded=bool(recipe.guards))
+    memory_line, memory_warning = memory_report(estimate, *device_memory(resolve_device(recipe.run.device)))
+    report(memory_line)
+    if memory_warning:
+        report(f"warning: {memory_warning}")
+    # --- end of the memory block ---
+
     # FLOPs per sample, counted by FlopCounterMode on shape-only tensors (octfw.models.flops).
     from octfw.models.flops import forward_flops_per_sample, training_flops_per_sample
 
@@ -118,4 +134,4 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     report(f"schedule  {recipe.scheduler.name}: {total} update steps ({parts.steps_per_epoch} per epoch); lr "
            + ", ".join(f"step {s}: {effective_lr(parts.schedule, s, recipe.engine.base_lr):.3g}" for s in steps))
     return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach()),
-            "flops": flops}
+            "flops": flops, "memory": {**estimate.parts, "total": estimate.total}}

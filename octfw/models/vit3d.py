@@ -189,6 +189,10 @@ class ViT3DEncoder(nn.Module):
         super().__init__()
         self.image_size = tuple(image_size)
         self.patch_size = tuple(patch_size)
+        self.in_channels = in_channels
+        self.depth = depth
+        self.num_heads = num_heads
+        self.mlp_ratio = mlp_ratio
         self.grid_size = grid_shape(self.image_size, self.patch_size)
         self.num_patches = math.prod(self.grid_size)
         self.embed_dim = embed_dim
@@ -202,6 +206,19 @@ class ViT3DEncoder(nn.Module):
         self.norm = nn.LayerNorm(embed_dim)
         self.apply(init_weights)
         rescale_residual_branches(self.blocks)
+
+    def architecture(self) -> dict:
+        """The constructor arguments, as plain data: ``ViT3DEncoder(**enc.architecture())``
+        rebuilds this network (an exported encoder records them)."""
+        return {
+            "image_size": list(self.image_size),
+            "patch_size": list(self.patch_size),
+            "in_channels": self.in_channels,
+            "embed_dim": self.embed_dim,
+            "depth": self.depth,
+            "num_heads": self.num_heads,
+            "mlp_ratio": self.mlp_ratio,
+        }
 
     def forward(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None) -> torch.Tensor:
         tokens = self.patch_embed(volume)

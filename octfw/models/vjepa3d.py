@@ -13,6 +13,7 @@ branch on tensor values and never read a tensor on the host.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Mapping
 
@@ -30,10 +31,27 @@ from octfw.models.vit3d import (
 )
 from octfw.types import ModelOutput
 
-__all__ = ["LOSSES", "Predictor", "VJEPA3D", "masked_feature_loss", "embedding_std"]
+__all__ = [
+    "LOSSES",
+    "RANK_TOKENS",
+    "Predictor",
+    "VJEPA3D",
+    "masked_feature_loss",
+    "embedding_std",
+    "effective_rank",
+]
 
 #: Loss names accepted by :class:`VJEPA3D` (and the ``loss`` config key).
 LOSSES = ("l1", "mse", "nmse")
+
+#: Tokens :func:`effective_rank` looks at: a fixed-size, evenly strided subset
+#: of the batch's target tokens, so its cost is bounded and its shape static.
+RANK_TOKENS = 512
+
+#: Mean squared distance of unit embeddings from their centroid below which
+#: :func:`effective_rank` reports full collapse (rank 1) instead of the rank
+#: of rounding noise.
+COLLAPSED_SPREAD = 1e-6
 
 
 class Predictor(nn.Module):
@@ -125,6 +143,45 @@ def embedding_std(features: torch.Tensor) -> torch.Tensor:
     return unit.std(dim=0, correction=0).mean()
 
 
+def _without_autocast(device_type: str):
+    """A context that runs matmuls in the dtype of their inputs (float32 here)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def effective_rank(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> torch.Tensor:
+    """Collapse signal: how many directions the embeddings really use. ``[..., E]`` -> scalar float32.
+
+    On an evenly strided subset of at most ``max_tokens`` tokens, L2-normalised
+    and centred, this is the participation ratio of the covariance spectrum,
+    ``(sum(l))**2 / sum(l**2)`` over its eigenvalues ``l``: the exponential of
+    the order-2 Renyi entropy of the normalised eigenvalues. It is about ``k``
+    when the embeddings spread evenly over ``k`` directions (at most
+    ``min(tokens - 1, E)``) and 1 when they have collapsed onto one direction
+    or one point. Computed in float32 with two matrix products and no
+    decomposition: eigen/singular value solvers are slow on TPUs, and on CUDA
+    ``torch.linalg.svdvals``/``eigvalsh`` synchronise the device with the CPU
+    (documented), a sync every step.
+    """
+    x = features.detach().reshape(-1, features.shape[-1])
+    stride = max(1, x.shape[0] // max_tokens)  # Python ints: a static slice
+    x = x[::stride][:max_tokens].float()
+    with _without_autocast(x.device.type):
+        unit = F.normalize(x, dim=-1)
+        centred = unit - unit.mean(dim=0, keepdim=True)
+        # The smaller Gram matrix has the same non-zero eigenvalues.
+        if centred.shape[0] <= centred.shape[1]:
+            gram = centred @ centred.T
+        else:
+            gram = centred.T @ centred
+        trace = torch.diagonal(gram).sum()  # sum of the eigenvalues
+        squares = gram.square().sum()  # sum of the squared eigenvalues
+        ratio = trace.square() / squares.clamp_min(torch.finfo(torch.float32).tiny)
+        collapsed = trace <= COLLAPSED_SPREAD * centred.shape[0]
+        return torch.where(collapsed, torch.ones_like(ratio), ratio)
+
+
 class VJEPA3D(nn.Module):
     """V-JEPA with a 3D ViT context encoder, predictor and EMA target encoder.
 
@@ -132,7 +189,9 @@ class VJEPA3D(nn.Module):
     (``context`` and ``target`` float32 ``[B, C, D, H, W]``, ``context_idx``
     int64 ``[B, Nc]``, ``target_idx`` int64 ``[B, Nt]``) and returns an
     :class:`~octfw.types.ModelOutput` with the loss on masked patches and the
-    scalar metrics ``target_std`` and ``pred_std`` (see :func:`embedding_std`).
+    scalar metrics ``target_std``, ``pred_std`` (see :func:`embedding_std`)
+    and ``effective_rank`` of the target features (see :func:`effective_rank`),
+    the signals the ``collapse`` guard watches.
 
     Trainable parameters are those of ``context_encoder`` and ``predictor``;
     ``target_encoder`` (also :attr:`encoder`) is a copy updated only by
@@ -209,7 +268,11 @@ class VJEPA3D(nn.Module):
         return ModelOutput(
             loss=per_sample.mean(),
             per_sample_loss=per_sample,
-            metrics={"target_std": embedding_std(target), "pred_std": embedding_std(predicted)},
+            metrics={
+                "target_std": embedding_std(target),
+                "pred_std": embedding_std(predicted),
+                "effective_rank": effective_rank(target),
+            },
         )
 
     @torch.no_grad()

@@ -1,0 +1,29 @@
+"""``octfw export RUN_DIR_OR_CHECKPOINT --out encoder.pt``: write the pretrained encoder."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser"]
+
+HELP = ("Write the target (EMA) encoder of a run's latest checkpoint, or of a checkpoint file, "
+        "with the configuration to rebuild it; load it with octfw.load_encoder(path).")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("export", help=HELP, description=HELP)
+    parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a run folder (its latest checkpoint is used) or a checkpoint file (.pt)")
+    parser.add_argument("--out", required=True, metavar="FILE", help="encoder file to write, e.g. encoder.pt")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from octfw.export import export_encoder  # imports torch: only when the command runs
+
+    summary = export_encoder(args.source, args.out)
+    config = summary["config"]
+    print(f"exported the target encoder of {summary['checkpoint']} (update step {summary['update_step']}) "
+          f"to {summary['out']}: {summary['parameters']:,} parameters, embed_dim {config['embed_dim']}, "
+          f"image_size {config['image_size']}, patch_size {config['patch_size']}")
+    return 0

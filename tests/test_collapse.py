@@ -1,0 +1,199 @@
+"""Collapse watch: the effective-rank metric and the `collapse` guard."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from octfw.cli import main
+from octfw.errors import RecipeError
+from octfw.models.vjepa3d import RANK_TOKENS, effective_rank, embedding_std
+from octfw.plugins.guards.collapse import CollapseConfig, CollapseGuard, build
+from octfw.recipe import load_recipe
+from octfw.types import StopTraining
+
+from conftest import TINY_RECIPE
+from test_vjepa3d import RecordOps, make_batch, make_model
+
+# --- the metrics -------------------------------------------------------------
+
+
+def test_a_collapsed_embedding_has_std_zero_and_effective_rank_one():
+    same = torch.randn(64).expand(2, 100, 64)  # every token the same vector
+    assert embedding_std(same) == 0
+    assert effective_rank(same) == pytest.approx(1.0)
+
+
+def test_embeddings_on_one_direction_have_effective_rank_one():
+    direction = torch.randn(64)
+    scales = torch.rand(2, 100, 1) + 0.5
+    assert effective_rank(scales * direction) == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("k", [2, 5, 12])
+def test_effective_rank_counts_the_directions_used(k):
+    torch.manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(64, k)).Q.T  # k orthonormal directions in 64-D
+    tokens = torch.randn(1, 2000, k) @ basis
+    assert k * 0.8 < effective_rank(tokens) <= k + 1e-3
+
+
+def test_healthy_embeddings_have_a_high_effective_rank():
+    torch.manual_seed(0)
+    assert effective_rank(torch.randn(2, 1000, 64)) > 48
+
+
+def test_effective_rank_is_float32_under_bf16_autocast():
+    torch.manual_seed(0)
+    tokens = torch.randn(2, 300, 32, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rank = effective_rank(tokens)
+    assert rank.dtype == torch.float32 and rank.dim() == 0
+    assert rank == pytest.approx(float(effective_rank(tokens.float())), rel=1e-4)
+
+
+def test_effective_rank_cost_does_not_grow_with_the_number_of_tokens():
+    def flops(n_tokens: int) -> int:
+        with FlopCounterMode(display=False) as counter:
+            effective_rank(torch.randn(1, n_tokens, 64))
+        return counter.get_total_flops()
+
+    assert flops(RANK_TOKENS * 4) == flops(RANK_TOKENS * 40) > 0
+
+
+def test_effective_rank_never_syncs_or_decomposes():
+    with RecordOps() as recorder:
+        effective_rank(torch.randn(2, 700, 48))
+    forbidden = {"aten._local_scalar_dense", "aten.nonzero", "aten.item"}
+    assert not recorder.ops & forbidden
+    # Decompositions check their convergence on the host on CUDA.
+    assert not [op for op in recorder.ops if "svd" in op or "eig" in op]
+
+
+def test_model_reports_effective_rank_with_target_std():
+    torch.manual_seed(0)
+    model = make_model()
+    out = model(make_batch(model))
+    assert {"target_std", "pred_std", "effective_rank"} <= set(out.metrics)
+    rank = out.metrics["effective_rank"]
+    assert rank.dim() == 0 and rank.dtype == torch.float32 and 1.0 <= float(rank)
+
+
+# --- the guard ----------------------------------------------------------------
+
+
+def feed(guard: CollapseGuard, stds, ranks=None, start: int = 10, every: int = 10) -> None:
+    ranks = ranks or [50.0] * len(stds)
+    for i, (std, rank) in enumerate(zip(stds, ranks)):
+        guard.at_log_step(start + i * every, {"metric/target_std": std, "metric/effective_rank": rank})
+
+
+def test_guard_is_quiet_on_healthy_metrics(capsys):
+    guard = CollapseGuard(CollapseConfig(min_std=0.01, min_effective_rank=4.0, action="stop"))
+    feed(guard, [0.05, 0.04, 0.011, 0.03] * 5, [40.0, 30.0, 4.5, 20.0] * 5)
+    assert capsys.readouterr().err == ""
+
+
+def test_guard_warns_once_naming_metric_value_threshold_and_step(capsys):
+    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3))
+    feed(guard, [0.05, 0.002, 0.0015, 0.001, 0.001, 0.0009])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1  # one line per episode, not one per log step
+    line = lines[0]
+    assert "metric/target_std" in line and "0.001" in line and "min_std = 0.01" in line
+    assert "update step 40" in line  # the third low value in a row
+
+
+def test_guard_counts_log_steps_in_a_row(capsys):
+    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    feed(guard, [0.001, 0.001, 0.05, 0.001, 0.001, 0.05])  # never three in a row
+    assert capsys.readouterr().err == ""
+
+
+def test_guard_warns_again_after_recovering_and_collapsing_again(capsys):
+    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=2))
+    feed(guard, [0.001, 0.001, 0.05, 0.001, 0.001])
+    assert len(capsys.readouterr().err.strip().splitlines()) == 2
+
+
+def test_guard_stops_on_a_low_effective_rank():
+    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=3.0, patience=2, action="stop"))
+    with pytest.raises(StopTraining, match=r"metric/effective_rank = 1\.2 < min_effective_rank = 3 .*step 20"):
+        feed(guard, [0.0, 0.0], [1.2, 1.2])
+
+
+def test_a_threshold_left_out_is_not_watched():
+    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=None, patience=1, action="stop"))
+    feed(guard, [0.0, 0.0], [1.0, 1.0])  # no exception
+
+
+def test_a_nan_metric_neither_counts_nor_breaks_the_streak():
+    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    feed(guard, [0.001, math.nan, 0.001])
+    with pytest.raises(StopTraining):
+        feed(guard, [0.001], start=40)
+
+
+def test_guard_warns_once_when_the_model_reports_no_such_metric(capsys):
+    guard = CollapseGuard(CollapseConfig(min_std=0.01, min_effective_rank=None, action="stop"))
+    for step in (1, 2, 3, 4):
+        guard.at_log_step(step, {"loss": 1.0})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no metric/target_std" in err[0]
+
+
+def test_guard_does_no_device_work_and_its_streak_survives_a_resume():
+    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    assert guard.before_step(None) is None
+    feed(guard, [0.001, 0.001])
+    resumed = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    with pytest.raises(StopTraining):
+        feed(resumed, [0.001], start=30)
+
+
+def test_guard_config_is_validated_in_recipes(write_recipe, registry):
+    path = write_recipe(TINY_RECIPE + '\n[[guard]]\nname = "collapse"\naction = "explode"\npatience = 0\n')
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, registry=registry)
+    text = str(info.value)
+    assert "guard[0].action" in text and "guard[0].patience" in text
+
+
+def test_guard_is_registered_and_its_module_imports_without_torch(registry):
+    component = registry.get("guard", "collapse")
+    assert component.config is CollapseConfig
+    assert isinstance(build(CollapseConfig(), None), CollapseGuard)
+    code = "import sys, octfw.plugins.guards.collapse; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# --- in a run -------------------------------------------------------------------
+
+
+def run_tiny(write_recipe, tmp_path, guard: str) -> tuple[int, dict]:
+    path = write_recipe(TINY_RECIPE + '\n[[guard]]\nname = "nan-skip"\n\n[[guard]]\nname = "collapse"\n' + guard)
+    code = main(["run", str(path), "--set", f"run.output_dir={tmp_path / 'runs'}"])
+    run_dir = next((tmp_path / "runs" / "recipe").iterdir())
+    return code, json.loads((run_dir / "summary.json").read_text())
+
+
+def test_tiny_run_with_the_guard_warning_completes(write_recipe, tmp_path, capsys):
+    # A threshold no embedding reaches: the guard must warn, and the run go on.
+    code, summary = run_tiny(write_recipe, tmp_path, 'min_std = 0.9\npatience = 2\naction = "warn"\n')
+    assert code == 0
+    assert summary["update_steps"] == summary["total_update_steps"] == 4 and summary["stopped"] is None
+    err = capsys.readouterr().err
+    assert "collapse: metric/target_std" in err and "min_std = 0.9" in err and "update step 2" in err
+
+
+def test_tiny_run_with_the_guard_stopping_ends_cleanly(write_recipe, tmp_path):
+    code, summary = run_tiny(write_recipe, tmp_path, 'min_effective_rank = 1000.0\npatience = 1\naction = "stop"\n')
+    assert code == 1
+    assert summary["update_steps"] == 1 and "metric/effective_rank" in summary["stopped"]
