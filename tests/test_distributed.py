@@ -12,6 +12,7 @@ from pathlib import Path
 
 from conftest import TINY_RECIPE, make_dist
 from test_engine import PROBE_PLUGIN
+from test_xla_engine import FAST_COMPILE
 
 REPO = Path(__file__).resolve().parents[1]
 # Different reduction order (two batch-1 gradients averaged vs one batch-2
@@ -72,9 +73,9 @@ def test_spmd_on_four_cpu_devices_matches_one_device(tmp_path):
     common = ["--set", "run.device=xla", "--set", "model.depth=1", "--set", "model.predictor_depth=1",
               "--set", "run.max_steps=3"]
     spmd = launch(tmp_path, [*common, "--set", "engine.per_device_batch=1"],
-                  env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+                  env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_FLAGS": FAST_COMPILE})
     single = launch(tmp_path, [*common, "--set", "engine.per_device_batch=4"],
-                    env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
+                    env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "XLA_FLAGS": FAST_COMPILE})
     assert len(losses(spmd)) == 3
     for a, b in zip(losses(spmd), losses(single)):
         assert abs(a - b) <= LOSS_TOLERANCE * abs(b)

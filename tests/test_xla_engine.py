@@ -19,6 +19,8 @@ from conftest import TINY_RECIPE
 
 SCRIPT = Path(__file__).parent / "xla" / "engine_hygiene.py"
 STEPS, LOG_EVERY = 100, 10
+# Cheaper XLA CPU compilation: same graphs and caching, about 10x faster compiles.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,8 @@ def xla_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("xla")
     recipe = folder / "tiny.toml"
     recipe.write_text(TINY_RECIPE)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "XLA_FLAGS": FAST_COMPILE}
     out = subprocess.run([sys.executable, str(SCRIPT), str(recipe), str(STEPS)], capture_output=True,
                          text=True, cwd=folder, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

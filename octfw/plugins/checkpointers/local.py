@@ -29,18 +29,14 @@ import attrs
 
 from octfw.errors import UserError
 from octfw.fields import Location, doc, positive
+from octfw.plugins.checkpointers.common import (
+    LATEST, check_plain, checkpoint_name, checkpoint_step, prunable, safe_load,
+)
 from octfw.types import BuildContext
 
 __all__ = ["LocalCheckpointConfig", "LocalCheckpointer", "build", "checkpoint_name", "LATEST"]
 
-LATEST = "latest"
-_COMPLETE = re.compile(r"^step_(\d{8,})\.pt$")
 _PARTIAL = re.compile(r"^step_(\d{8,})\.pt\.tmp$")
-
-
-def checkpoint_name(update_step: int) -> str:
-    """File name of the checkpoint taken at ``update_step``."""
-    return f"step_{update_step:08d}.pt"
 
 
 @attrs.frozen
@@ -55,28 +51,6 @@ class LocalCheckpointConfig:
         "how many of the newest checkpoints to keep (the one 'latest' names is never deleted)",
         default=3,
         validator=positive,
-    )
-
-
-def _check_plain(value: Any, where: str) -> None:
-    """Raise TypeError naming the first value ``torch.load(weights_only=True)`` would refuse."""
-    import torch
-
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.Tensor,
-                                           torch.dtype, torch.device)):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_plain(key, f"{where} key {key!r}")
-            _check_plain(item, f"{where}[{key!r}]")
-        return
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _check_plain(item, f"{where}[{index}]")
-        return
-    raise TypeError(
-        f"{where} is a {type(value).__module__}.{type(value).__qualname__}; a checkpoint holds only "
-        "tensors and plain Python data (convert it to a tensor or a list)"
     )
 
 
@@ -100,17 +74,6 @@ def _write_atomically(path: Path, write) -> None:
         os.close(fd)
 
 
-# Lines of torch's weights_only message that say nothing about this file.
-_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
-
-
-def _reason(exc: Exception) -> str:
-    """The line of a ``torch.load`` error that names what was refused."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    specific = [line for line in lines if not line.startswith(_BOILERPLATE)]
-    return (specific or lines or [""])[0]
-
-
 class LocalCheckpointer:
     """Saves on rank 0 only; every rank may ask for ``latest()`` and ``load()`` to resume."""
 
@@ -125,9 +88,9 @@ class LocalCheckpointer:
             return []
         found = []
         for entry in self.folder.iterdir():
-            match = _COMPLETE.match(entry.name)
-            if match and entry.is_file():
-                found.append((int(match.group(1)), entry))
+            step = checkpoint_step(entry.name)
+            if step is not None and entry.is_file():
+                found.append((step, entry))
         return sorted(found)
 
     def _pointed(self) -> Path | None:
@@ -139,7 +102,7 @@ class LocalCheckpointer:
         except FileNotFoundError:
             return None
         # Only a bare checkpoint name is followed: never a path out of the folder.
-        if not _COMPLETE.match(name):
+        if checkpoint_step(name) is None:
             return None
         path = self.folder / name
         return path if path.is_file() else None
@@ -152,7 +115,7 @@ class LocalCheckpointer:
             raise UserError("checkpointer: no folder to save into (no run folder and no checkpointer.dir)")
         import torch
 
-        _check_plain(state, "state")
+        check_plain(state, "state")
         self.folder.mkdir(parents=True, exist_ok=True)
         name = checkpoint_name(update_step)
         path = self.folder / name
@@ -163,11 +126,10 @@ class LocalCheckpointer:
 
     def _prune(self, keep: Path) -> None:
         """Delete checkpoints older than the newest ``keep_last``, and leftover ``.tmp`` files."""
-        complete = self._complete()
-        protected = {keep, self._pointed()}
-        for _, path in complete[: max(0, len(complete) - self.keep_last)]:
-            if path not in protected:
-                path.unlink(missing_ok=True)
+        pointed = self._pointed()
+        protected = {keep.name} | ({pointed.name} if pointed is not None else set())
+        for name in prunable((path.name for _, path in self._complete()), self.keep_last, protected):
+            (self.folder / name).unlink(missing_ok=True)
         # Only rank 0 writes here, and its own save has finished: any .tmp left
         # is an interrupted save that would otherwise fill the disk.
         for entry in self.folder.iterdir():
@@ -184,21 +146,10 @@ class LocalCheckpointer:
 
     def load(self, location: str) -> dict[str, Any]:
         """Read a checkpoint onto the CPU; raises UserError for a missing or refused file."""
-        import torch
-
         path = Path(Location(location).local_path)
         if not path.is_file():
             raise UserError(f"checkpoint {location} does not exist")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the file's name
-            raise UserError(
-                f"checkpoint {location} cannot be loaded safely ({type(exc).__name__}: {_reason(exc)}); "
-                "octfw loads tensors and plain Python data only"
-            ) from exc
-        if not isinstance(state, dict):
-            raise UserError(f"checkpoint {location} holds a {type(state).__name__}, not a dict")
-        return state
+        return safe_load(str(path), location)
 
 
 def build(config: LocalCheckpointConfig, ctx: BuildContext) -> LocalCheckpointer:

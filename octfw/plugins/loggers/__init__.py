@@ -1,8 +1,9 @@
-"""Built-in loggers: ``console`` and ``jsonl``."""
+"""Built-in loggers: ``console``, ``jsonl`` and ``wandb``."""
 
 from octfw.hookspecs import hookimpl
 from octfw.plugins.loggers.console import ConsoleConfig
 from octfw.plugins.loggers.jsonl import JsonlConfig
+from octfw.plugins.loggers.wandb import WandbConfig
 
 
 @hookimpl
@@ -18,4 +19,10 @@ def octfw_register_loggers(register):
         JsonlConfig,
         "octfw.plugins.loggers.jsonl:build",
         "One JSON line per log step in <run_dir>/metrics.jsonl (non-finite values as null).",
+    )
+    register(
+        "wandb",
+        WandbConfig,
+        "octfw.plugins.loggers.wandb:build",
+        "Weights & Biases, rank 0 only: one run per job, its id kept in checkpoints to continue on resume.",
     )

@@ -1,0 +1,94 @@
+"""``octfw lr RECIPE --png lr.png``: simulate a recipe's schedule, draw it, give the verdict.
+
+Builds only what the schedule needs: the scheduler, and the dataset when the
+run is given in epochs (its size fixes the total update steps). No model, no
+device. The PNG is drawn before the verdict, so a refused schedule can be seen;
+a refused schedule then exits with code 2 and names the update step and values.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_parser", "schedule_for"]
+
+HELP = ("Simulate the recipe's LR, weight decay and EMA momentum over every update step, "
+        "optionally draw them (--png), and refuse a schedule that restarts or reaches 0 early.")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("lr", help=HELP, description=HELP)
+    parser.add_argument("recipe", help="recipe file (.toml)")
+    parser.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE",
+                        help="override a recipe value, e.g. --set run.epochs=150 (repeatable)")
+    parser.add_argument("--png", metavar="FILE", help="draw the schedule into this PNG, e.g. lr.png")
+    parser.add_argument("--devices", type=int, default=1, metavar="N",
+                        help="devices the run will train on (the world size): with run.epochs the "
+                             "total update steps depend on it (default 1)")
+    parser.set_defaults(func=run)
+
+
+def schedule_for(recipe: Any, devices: int = 1) -> tuple[Any, int, int | None]:
+    """(schedule, total update steps, steps per epoch or None) for ``recipe`` on ``devices`` devices.
+
+    The dataset is built only when ``run.epochs`` is set; with ``run.max_steps``
+    alone the total is known without it.
+    """
+    import attrs
+
+    from octfw.engine.build import cache_dir_for, plan_update_steps
+    from octfw.errors import UserError
+    from octfw.types import BuildContext
+
+    if devices < 1:
+        raise UserError(f"--devices {devices}: must be at least 1")
+    ctx = BuildContext(
+        recipe_dir=recipe.folder, cache_dir=cache_dir_for(recipe), run_dir=None, seed=recipe.run.seed,
+        world_size=devices, base_lr=recipe.engine.base_lr, weight_decay=recipe.engine.weight_decay,
+        recipe=recipe.to_dict(),
+    )
+    steps_per_epoch = None
+    total = recipe.run.max_steps
+    if recipe.run.epochs is not None:
+        dataset = recipe.dataset.build(ctx)
+        if len(dataset) == 0:
+            raise UserError(f"dataset {recipe.dataset.name!r} holds no samples")
+        steps_per_epoch, total = plan_update_steps(recipe, len(dataset), devices)
+    schedule = recipe.scheduler.build(attrs.evolve(ctx, total_update_steps=total))
+    return schedule, total, steps_per_epoch
+
+
+def run(args: argparse.Namespace) -> int:
+    import math
+    import sys
+
+    from octfw.errors import UserError
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
+    from octfw.schedules import plot_schedule, simulate, validate_schedule
+
+    registry = load_registry()
+    for failure in registry.failures:
+        print(f"warning: {failure}", file=sys.stderr)
+    recipe = load_recipe(args.recipe, args.set or (), registry)
+    schedule, total, per_epoch = schedule_for(recipe, args.devices)
+    base_lr = recipe.engine.base_lr
+    values = simulate(schedule, total, base_lr)
+    lr = values["lr"]
+    epochs = f", {per_epoch} per epoch" if per_epoch is not None else ""
+    devices = "device" if args.devices == 1 else "devices"
+    print(f"schedule  {recipe.scheduler.name}: {total} update steps{epochs} on {args.devices} {devices}")
+    peak = int(lr.argmax())
+    print(f"lr        first {lr[0]:.3g}, peak {lr[peak]:.3g} at update step {peak}, last {lr[-1]:.3g}")
+    for key, label in (("weight_decay", "wd"), ("ema_momentum", "ema")):
+        series = values[key]
+        if not all(math.isnan(v) for v in series):  # NaN everywhere: not scheduled
+            print(f"{label:<9} first {series[0]:.6g}, last {series[-1]:.6g}")
+    if args.png:
+        print(f"plot      {plot_schedule(values, args.png)}")
+    problems = validate_schedule(schedule, total, base_lr, getattr(schedule, "warmup_steps", None))
+    if problems:
+        raise UserError(f"[scheduler] {recipe.scheduler.name}: refused: " + "; ".join(problems))
+    print("verdict   ok: the LR stays above 0 and never rises after warmup")
+    return 0

@@ -1,0 +1,222 @@
+"""The gcs checkpointer against a real GCS emulator: pointer last, size-checked latest,
+pruning, retries, and whole training runs that save, resume, and survive a lost store."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from octfw.cli import main
+from octfw.errors import UserError
+from octfw.fields import Location
+from octfw.plugins.checkpointers.gcs import GcsCheckpointConfig, GcsCheckpointer, StorageError, build
+from octfw.types import BuildContext, Checkpointer
+
+from conftest import make_dist
+
+BUCKET = "octfw-test"
+
+
+def make_ctx(rank: int = 0) -> BuildContext:
+    return BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0, rank=rank)
+
+
+def small_state(step: int) -> dict:
+    return {"update_step": step, "model": {"w": torch.full((4, 4), float(step))},
+            "rng": {"torch": torch.random.get_rng_state(), "python": [3, (1, 2), None]}}
+
+
+@pytest.fixture
+def bucket(gcs):
+    gcs.make_bucket(BUCKET)
+    return gcs
+
+
+def objects(emulator, prefix: str) -> list[str]:
+    fs = emulator.filesystem()
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{BUCKET}/{prefix}", detail=False, refresh=True))
+
+
+def test_save_latest_load_and_keep_last_round_trip(bucket):
+    url = f"gs://{BUCKET}/run"
+    ckpt = build(GcsCheckpointConfig(dir=Location(url), keep_last=2), make_ctx())
+    assert isinstance(ckpt, Checkpointer)
+    assert ckpt.latest() is None
+    for step in (10, 20, 30):
+        assert ckpt.save(step, small_state(step)) == f"{url}/step_{step:08d}.pt"
+    assert objects(bucket, "run") == ["latest", "step_00000020.pt", "step_00000030.pt"]
+    pointer = json.loads(bucket.filesystem().cat_file(f"{BUCKET}/run/latest"))
+    assert [e["name"] for e in pointer["checkpoints"]] == ["step_00000030.pt", "step_00000020.pt"]
+    assert ckpt.latest() == f"{url}/step_00000030.pt"
+    loaded = ckpt.load(ckpt.latest())
+    assert loaded["update_step"] == 30
+    assert torch.equal(loaded["model"]["w"], torch.full((4, 4), 30.0))
+    assert torch.equal(loaded["rng"]["torch"], small_state(0)["rng"]["torch"])
+    # Another rank reads the same checkpoints but never writes.
+    reader = build(GcsCheckpointConfig(dir=Location(url)), make_ctx(rank=1))
+    assert reader.save(40, small_state(40)) == ""
+    assert reader.latest() == f"{url}/step_00000030.pt"
+
+
+def test_latest_never_names_a_truncated_or_unlisted_object(bucket):
+    url = f"gs://{BUCKET}/trunc"
+    ckpt = GcsCheckpointer(url)
+    ckpt.save(1, small_state(1))
+    ckpt.save(2, small_state(2))
+    fs = bucket.filesystem()
+    # The newest object lost its tail: latest falls back to the one before.
+    fs.pipe_file(f"{BUCKET}/trunc/step_00000002.pt", b"half a checkpoint")
+    assert ckpt.latest() == f"{url}/step_00000001.pt"
+    # An upload that finished without its pointer is not trusted.
+    fs.pipe_file(f"{BUCKET}/trunc/step_00000003.pt", b"no pointer names me")
+    assert ckpt.latest() == f"{url}/step_00000001.pt"
+    fs.rm_file(f"{BUCKET}/trunc/latest")
+    assert ckpt.latest() is None
+
+
+def test_load_refuses_a_pickled_arbitrary_object_and_names_a_missing_one(bucket):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    fs = bucket.filesystem()
+    buffer = io.BytesIO()
+    torch.save({"model": Payload()}, buffer)
+    fs.pipe_file(f"{BUCKET}/evil/step_00000001.pt", buffer.getvalue())
+    ckpt = GcsCheckpointer(f"gs://{BUCKET}/evil", retries=0)
+    with pytest.raises(UserError, match="cannot be loaded safely .*GLOBAL posix.system"):
+        ckpt.load(f"gs://{BUCKET}/evil/step_00000001.pt")
+    with pytest.raises(UserError, match="step_00000009.pt does not exist"):
+        ckpt.load(f"gs://{BUCKET}/evil/step_00000009.pt")
+
+
+def test_transient_failures_are_retried_with_exponential_backoff(tmp_path):
+    waits: list[float] = []
+    ckpt = GcsCheckpointer(f"memory://{tmp_path.name}/flaky", retries=3, backoff_s=0.5, sleep=waits.append)
+    real_pipe = ckpt.fs.pipe_file
+    failures = {"left": 2}
+
+    def flaky_pipe(path, data, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionResetError("connection reset by peer")
+        return real_pipe(path, data, **kwargs)
+
+    ckpt.fs.pipe_file = flaky_pipe
+    location = ckpt.save(5, small_state(5))
+    assert waits == [0.5, 1.0]
+    assert ckpt.latest() == location
+
+    failures["left"] = 100
+    waits.clear()
+    with pytest.raises(StorageError, match=r"upload .*step_00000006.pt failed after 4 attempts: "
+                                           r"ConnectionResetError"):
+        ckpt.save(6, small_state(6))
+    assert waits == [0.5, 1.0, 2.0]
+    assert ckpt.latest() == location
+
+
+def test_state_that_weights_only_cannot_load_is_refused_before_upload(tmp_path):
+    import numpy as np
+
+    ckpt = GcsCheckpointer(f"memory://{tmp_path.name}/plain")
+    with pytest.raises(TypeError, match=r"state\['rng'\] is a numpy.ndarray"):
+        ckpt.save(1, {"rng": np.zeros(3)})
+    assert ckpt.latest() is None
+
+
+def test_missing_gcsfs_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # `import gcsfs` now raises ImportError
+    with pytest.raises(UserError, match=r"pip install 'octfw\[gcs\]'"):
+        build(GcsCheckpointConfig(dir=Location("gs://bucket/run")), make_ctx())
+
+
+def test_dir_is_required():
+    with pytest.raises(TypeError):
+        GcsCheckpointConfig()  # type: ignore[call-arg]
+
+
+# --- whole runs -------------------------------------------------------------
+
+# A guard that calls a test's function at a chosen log step (here: stop the emulator).
+STOPPER_PLUGIN = '''
+import attrs
+from octfw.hookspecs import hookimpl
+
+ON_LOG_STEP = {}
+
+@attrs.frozen
+class StopperConfig:
+    pass
+
+class Stopper:
+    def before_step(self, inputs):
+        return None
+    def at_log_step(self, update_step, metrics):
+        action = ON_LOG_STEP.pop(update_step, None)
+        if action is not None:
+            action()
+
+@hookimpl
+def octfw_register_guards(register):
+    register("stopper", StopperConfig, lambda c, ctx: Stopper(), "runs a test's action at a log step")
+'''
+
+
+@pytest.fixture
+def stopper(tmp_path_factory, monkeypatch):
+    root = tmp_path_factory.mktemp("stopper-site")
+    make_dist(root, "octfw-stopper", "plug_stopper", STOPPER_PLUGIN)
+    monkeypatch.syspath_prepend(str(root))
+    sys.modules.pop("plug_stopper", None)
+    module = importlib.import_module("plug_stopper")
+    yield module
+    sys.modules.pop("plug_stopper", None)
+
+
+def octfw_run(recipe: Path, *extra: str) -> int:
+    return main(["run", str(recipe), *extra])
+
+
+def summary_of(recipe: Path) -> dict:
+    run_dir = sorted((recipe.parent / "runs" / recipe.stem).iterdir())[-1]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_training_checkpoints_to_gcs_and_resume_auto_continues(bucket, tiny_recipe):
+    url = f"gs://{BUCKET}/train"
+    sets = ["--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}"]
+    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=2") == 0
+    assert summary_of(tiny_recipe)["checkpoint"] == f"{url}/step_00000002.pt"
+
+    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=3", "--resume", "auto") == 0
+    summary = summary_of(tiny_recipe)
+    assert summary["update_steps"] == 3 and summary["failed_saves"] == []
+    assert summary["checkpoint"] == f"{url}/step_00000003.pt"
+    run_dir = Path(summary["run_dir"])
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # the resumed run went on from step 2, in the same folder
+    assert objects(bucket, "train") == ["latest", "step_00000002.pt", "step_00000003.pt"]
+
+
+def test_store_lost_mid_run_the_run_finishes_and_lists_failed_saves(bucket, tiny_recipe, stopper):
+    url = f"gs://{BUCKET}/lost"
+    stopper.ON_LOG_STEP[3] = bucket.stop  # after the step-2 save, before the step-4 save
+    text = tiny_recipe.read_text() + '\n[[guard]]\nname = "stopper"\n'
+    tiny_recipe.write_text(text)
+    code = octfw_run(tiny_recipe, "--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}",
+                     "--set", "checkpointer.retries=1", "--set", "checkpointer.backoff_s=0.05",
+                     "--set", "checkpointer.timeout_s=3", "--set", "engine.checkpoint_every_steps=2")
+    assert code == 0
+    summary = summary_of(tiny_recipe)
+    assert summary["update_steps"] == 4
+    assert summary["checkpoint"] == f"{url}/step_00000002.pt"
+    [failed] = summary["failed_saves"]
+    assert failed.startswith("step 4: StorageError") and "failed after 2 attempts" in failed
