@@ -84,9 +84,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_cadence(recipe) -> None:
+    from octfw.engine.cadence import cadence_warnings
+
+    for warning in cadence_warnings(recipe.engine):
+        print(f"octfw: warning: {warning}", file=sys.stderr)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     recipe, _ = _load(args)
     print(f"recipe    {recipe.source}: valid")
+    _warn_cadence(recipe)
     from octfw.engine.check import check_recipe
 
     check_recipe(recipe)
@@ -105,6 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     rank, _world = init_process_group(resolve_device(recipe.run.device))
     run_dir = None
     if rank == 0:
+        _warn_cadence(recipe)
         if args.resume == "auto":
             run_dir = latest_run_dir(recipe)
             if run_dir is None:

@@ -250,7 +250,9 @@ class Checkpointer(Protocol):
 
     ``save`` is atomic: a reader never sees a partial checkpoint, and
     ``latest`` never points at one. It raises on failure; the engine warns,
-    keeps training and lists the failed save in the summary.
+    keeps training and lists the failed save in the summary. An optional
+    ``checkpoints() -> list[(update_step, location)]`` lists the complete
+    ones, so ``octfw replay`` can start from the nearest.
     """
 
     def save(self, update_step: int, state: Mapping[str, Any]) -> str: ...

@@ -15,8 +15,9 @@ def test_replay_reproduces_the_logged_loss_and_gradient_norm(tiny_recipe, tmp_pa
     run_dir = next((tmp_path / "runs" / "tiny").iterdir())
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     capsys.readouterr()
-    for step in (1, 4):
+    for step, start in ((1, 0), (4, 2)):  # step 4 starts from the checkpoint of step 2
         result = replay(run_dir, step, report=lambda line: None)
+        assert result["from_step"] == start
         assert result["loss"] == pytest.approx(logged[step - 1]["loss"], rel=1e-6)
         assert result["grad_norm"] == pytest.approx(logged[step - 1]["grad_norm"], rel=1e-6)
         assert len(result["samples"]) == 2 and all(s.endswith(".dcm") for s in result["samples"])

@@ -12,7 +12,7 @@ from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.types import BuildContext
 
-__all__ = ["Components", "build_components", "plan_update_steps", "cache_dir_for"]
+__all__ = ["Components", "build_components", "plan_update_steps", "cache_dir_for", "check_schedule"]
 
 
 @attrs.define
@@ -96,3 +96,13 @@ def build_components(
     evaluators = [spec.build(ctx) for spec in recipe.evaluators]
     return Components(ctx, dataset, transform, model, schedule, guards, loggers,
                       checkpointer, steps_per_epoch, domains, evaluators)
+
+
+def check_schedule(recipe: Recipe, parts: Components) -> None:
+    """Pre-flight: simulate the whole schedule and refuse one that restarts or hits 0."""
+    from octfw.schedules import validate_schedule
+
+    problems = validate_schedule(parts.schedule, parts.ctx.total_update_steps, recipe.engine.base_lr,
+                                 getattr(parts.schedule, "warmup_steps", None))
+    if problems:
+        raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from octfw.engine.build import build_components
+from octfw.engine.build import build_components, check_schedule
 from octfw.engine.data import SampleSource, collate
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError, UserError
@@ -53,7 +53,7 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | No
 
 def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[str, Any]:
     """Build, run one batch forward and backward on the CPU, and report each boundary."""
-    from octfw.schedules import effective_lr, validate_schedule
+    from octfw.schedules import effective_lr
 
     from octfw.engine.backend import resolve_device
 
@@ -127,9 +127,7 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
            f"training step {flops['training_step'] / 1e9:.4g} GFLOP/sample")
 
     total = ctx.total_update_steps
-    problems = validate_schedule(parts.schedule, total, recipe.engine.base_lr)
-    if problems:
-        raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))
+    check_schedule(recipe, parts)
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
     report(f"schedule  {recipe.scheduler.name}: {total} update steps ({parts.steps_per_epoch} per epoch); lr "
            + ", ".join(f"step {s}: {effective_lr(parts.schedule, s, recipe.engine.base_lr):.3g}" for s in steps))

@@ -35,8 +35,9 @@ def _nearest_checkpoint(recipe: Any, run_dir: Path, step: int) -> tuple[int, str
     checkpointer = recipe.checkpointer.build(ctx)
     listing = getattr(checkpointer, "checkpoints", None)
     candidates = listing() if listing else []
-    if not listing and checkpointer.latest():
-        candidates = [(int(checkpointer.load(checkpointer.latest())["update_step"]), checkpointer.latest())]
+    latest = checkpointer.latest() if not listing else None
+    if latest:
+        candidates = [(int(checkpointer.load(latest)["update_step"]), latest)]
     usable = [(s, loc) for s, loc in candidates if s < step]
     return max(usable) if usable else (0, None)
 

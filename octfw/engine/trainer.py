@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from octfw.engine.backend import Backend, select_backend
-from octfw.engine.build import Components, build_components
+from octfw.engine.build import Components, build_components, check_schedule
 from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.data import Quarantine, SampleSource, domain_report, make_loader, provenance_record
 from octfw.engine.heartbeat import Heartbeat
@@ -79,16 +79,6 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> 
         weight_decay=engine.weight_decay, foreach=backend.kind != "xla",
         capturable=backend.kind != "cpu",
     )
-
-
-def check_schedule(recipe: Recipe, parts: Components) -> None:
-    """Pre-flight: simulate the whole schedule and refuse one that restarts or hits 0."""
-    from octfw.schedules import validate_schedule
-
-    problems = validate_schedule(parts.schedule, parts.ctx.total_update_steps, recipe.engine.base_lr,
-                                 getattr(parts.schedule, "warmup_steps", None))
-    if problems:
-        raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))
 
 
 class GuardLog:
@@ -254,6 +244,7 @@ class Trainer:
             "applied": totals.applied / backend.world_size,
             "grad_norm": norm, "skipped_updates": totals.skipped,
             "domain_loss": totals.domain_loss / totals.domain_count.clamp(min=1.0),
+            "domain_count": totals.domain_count,
             **{f"metric/{k}": v for k, v in out.metrics.items()},
         })
         now = time.perf_counter()
@@ -273,7 +264,9 @@ class Trainer:
             "data_wait_share": min(self._data_wait_s / interval, 1.0),
             "epoch": self.samples_done * backend.world_size / len(self.parts.dataset),
             **{k: v for k, v in host.items() if k.startswith("metric/")},
-            **{f"loss/{d}": host["domain_loss"][i] for d, i in self.domain_index.items()},
+            # A domain with no sample since the last log step has no loss to show.
+            **{f"loss/{d}": host["domain_loss"][i] for d, i in self.domain_index.items()
+               if host["domain_count"][i] > 0},
         }
         self._data_wait_s = 0.0
         if self.flops_per_sample is None and self._batch_shapes is not None:

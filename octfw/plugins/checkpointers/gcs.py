@@ -242,6 +242,12 @@ class GcsCheckpointer:
                 return f"{self.url}/{entry['name']}"
         return None
 
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """Complete checkpoints the pointer lists, as (update step, URL), oldest first."""
+        found = [(checkpoint_step(e["name"]), f"{self.url}/{e['name']}") for e in self._pointer()
+                 if self._size(e["name"]) == e["bytes"]]
+        return sorted(found)
+
     def load(self, location: str) -> dict[str, Any]:
         """Download a checkpoint and read it with ``torch.load(weights_only=True)``."""
         if not location.startswith(self.url + "/"):

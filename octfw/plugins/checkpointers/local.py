@@ -93,6 +93,10 @@ class LocalCheckpointer:
                 found.append((step, entry))
         return sorted(found)
 
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """Every complete checkpoint as (update step, path), oldest first (for ``octfw replay``)."""
+        return [(step, str(path)) for step, path in self._complete()]
+
     def _pointed(self) -> Path | None:
         """The checkpoint the ``latest`` file names, if it names one that exists."""
         if self.folder is None:
