@@ -1,0 +1,154 @@
+"""Shared by the benchmark scripts: the real Trainer fed from batches built once
+in memory, and the hand-written PyTorch loop it is compared with.
+
+Both sides get the same model (a deep copy taken before any step), the same
+batches (already on the device, so data loading is excluded) and the same
+AdamW (octfw's parameter groups and foreach/capturable settings).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def machine() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["load_average_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int = 8):
+    """The real Trainer, its loader replaced by ``n_batches`` pre-built device batches in a cycle."""
+    from octfw.engine.data import collate
+    from octfw.engine.trainer import Trainer
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
+    from octfw.rundir import create_run_dir
+
+    registry = load_registry()
+    run_root = Path(tempfile.mkdtemp(prefix="octfw-bench-"))
+    recipe = load_recipe(recipe_path, [f"run.output_dir={json.dumps(str(run_root))}", 'logger=[{name="jsonl"}]',
+                                       "run.max_steps=100000", *overrides], registry)
+    trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
+    for logger in trainer.parts.loggers:  # as Trainer.run does before its loop
+        logger.start(trainer.total, trainer.run_dir, trainer.parts.ctx.recipe)
+    source_batches = []
+    loader_items = trainer.batches  # the engine's own loader (already yields device tensors)
+    for _ in range(n_batches):
+        source_batches.append(next(loader_items))
+    trainer.batches = itertools.cycle(source_batches)
+    return trainer, [b["tensors"] for b in source_batches]
+
+
+class HandLoop:
+    """What one writes by hand: forward, backward (accumulated), optional clip,
+    AdamW step, EMA, zero_grad; the loss read on the host at log steps."""
+
+    def __init__(self, trainer, batches: list[dict[str, torch.Tensor]], clip: float | None):
+        from octfw.engine.trainer import make_optimizer
+
+        self.model = copy.deepcopy(trainer.model)
+        self.optimizer = make_optimizer(self.model, trainer.recipe, trainer.backend)
+        self.batches = itertools.cycle(batches)
+        self.schedule, self.engine, self.backend = trainer.parts.schedule, trainer.recipe.engine, trainer.backend
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.clip = clip
+        self.last_loss = None
+
+    def step(self, update_step: int, log: bool) -> None:
+        lr = self.schedule.lr(update_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        accum = self.engine.grad_accum_steps
+        for _ in range(accum):
+            with self.backend.autocast():
+                out = self.model(next(self.batches))
+            (out.loss / accum).backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        # A device tensor, as the engine passes it: a changing Python float would recompile on xla.
+        momentum = torch.tensor(self.schedule.ema_momentum(update_step), device=self.backend.device)
+        self.model.ema_update(momentum)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backend.step_boundary()
+        if log:
+            self.last_loss = float(out.loss.detach())
+
+
+def octfw_step(trainer, update_step: int, log: bool) -> None:
+    """One iteration of Trainer.run's loop body: the update, and the log at log steps."""
+    norm, out = trainer.update(update_step)
+    trainer.heartbeat.beat(update_step + 1)
+    if log:
+        trainer.log(update_step + 1, norm, out)
+
+
+def alternate(sides: dict[str, Callable[[int, bool], None]], rounds: int, block: int, log_every: int,
+              sync: Callable[[], None], warm_up: int = 3) -> dict[str, list[float]]:
+    """Per-step seconds of each side, measured in blocks of ``block`` steps that
+    alternate between the sides (the first side changes every round)."""
+    names = list(sides)
+    counters = {n: 0 for n in names}
+
+    def run_block(name: str, steps: int) -> float:
+        sync()
+        started = time.perf_counter()
+        for _ in range(steps):
+            counters[name] += 1
+            sides[name](counters[name] - 1, counters[name] % log_every == 0)
+        sync()
+        return (time.perf_counter() - started) / steps
+
+    for name in names:
+        run_block(name, warm_up)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(run_block(name, block))
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run_subprocess(args: list[str], env: dict[str, str] | None = None, timeout: float = 3600) -> str:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{result.stderr[-3000:]}")
+    return result.stdout

@@ -1,0 +1,97 @@
+"""Engine overhead: octfw's update step (the real Trainer) against a hand-written
+PyTorch loop, same model, batches, AdamW and device, in one process.
+
+Two pairs are measured, each side in alternating blocks of ``--block`` update
+steps (one log step per block) so that machine noise hits both alike:
+
+- ``bare``: octfw without guards against the hand loop without clipping;
+- ``guarded``: octfw with nan-skip + grad-clip against the hand loop with
+  ``clip_grad_norm_`` (a hand loop cannot skip a non-finite update without a
+  host sync; octfw's skip is part of what its figure pays for).
+
+Devices: the CPU (eager), and torch_xla on the CPU in a subprocess
+(``--device xla`` runs that side alone). Data loading is excluded: both sides
+cycle through the same batches, built once and already on the device.
+Prints one line per figure and writes ``benchmarks/results/engine_overhead.json``.
+
+    PJRT_DEVICE=CPU python benchmarks/engine_overhead.py [--rounds 15] [--block 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from _common import ROOT, HandLoop, alternate, machine, make_trainer, median, octfw_step, run_subprocess, write_result
+
+RECIPE = ROOT / "recipes" / "quickstart.toml"
+GUARDED = 'guard=[{name="nan-skip"},{name="grad-clip",max_norm=1.0}]'
+TARGET = 1.02  # octfw at most 2 % slower
+
+
+def measure(device: str, rounds: int, block: int, overrides: list[str]) -> dict:
+    import torch
+
+    figures = {}
+    for pair, guards, clip in (("bare", "guard=[]", None), ("guarded", GUARDED, 1.0)):
+        trainer, batches = make_trainer(RECIPE, [f"run.device={device}", f"engine.log_every_steps={block}",
+                                                 guards, *overrides])
+        hand = HandLoop(trainer, batches, clip)
+        times = alternate({"octfw": lambda s, log: octfw_step(trainer, s, log), "hand": hand.step},
+                          rounds=rounds, block=block, log_every=block, sync=trainer.backend.synchronize)
+        octfw_s, hand_s = median(times["octfw"]), median(times["hand"])
+        # Blocks of one round ran back to back: their ratio cancels most of the machine's drift.
+        paired = median([o / h for o, h in zip(times["octfw"], times["hand"])])
+        figures[pair] = {"octfw_step_s": octfw_s, "hand_step_s": hand_s, "ratio": paired,
+                         "ratio_of_medians": octfw_s / hand_s,
+                         "ratio_of_best": min(times["octfw"]) / min(times["hand"]),
+                         "octfw_blocks_s": times["octfw"], "hand_blocks_s": times["hand"]}
+    recipe = trainer.recipe
+    return {"device": device, "threads": torch.get_num_threads(), "rounds": rounds, "block": block,
+            "per_device_batch": recipe.engine.per_device_batch, "grad_accum_steps": recipe.engine.grad_accum_steps,
+            "image_size": list(recipe.transform.config.image_size), "model": recipe.model.config.preset,
+            "figures": figures}
+
+
+def report(result: dict) -> None:
+    for pair, f in result["figures"].items():
+        verdict = "within" if f["ratio"] <= TARGET else "ABOVE"
+        print(f"engine overhead [{result['device']}, {pair}]: octfw {f['octfw_step_s'] * 1e3:.1f} ms/step, "
+              f"hand-written {f['hand_step_s'] * 1e3:.1f} ms/step (medians), ratio {f['ratio']:.3f} "
+              f"(median of paired blocks; best-of ratio {f['ratio_of_best']:.3f}; {verdict} the 1.02 target)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["both", "cpu", "xla"], default="both")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--set", action="append", default=["engine.grad_accum_steps=2"],
+                        help="recipe override for both sides (default engine.grad_accum_steps=2)")
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    results = []
+    if args.device in ("both", "cpu"):
+        results.append(measure("cpu", args.rounds, args.block, args.set))
+    if args.device == "xla":
+        results.append(measure("xla", args.rounds, args.block, args.set))
+    if args.device == "both":  # torch_xla patches torch process-wide: its own process
+        command = [sys.executable, str(Path(__file__)), "--device", "xla", "--json-only",
+                   "--rounds", str(args.rounds), "--block", str(args.block)]
+        for item in args.set:
+            command += ["--set", item]
+        out = run_subprocess(command, env={"PJRT_DEVICE": "CPU"})
+        results.append(json.loads(out.strip().splitlines()[-1])[0])
+    if args.json_only:
+        print(json.dumps(results))
+        return
+    for result in results:
+        report(result)
+    path = write_result("engine_overhead", {"machine": machine(), "results": results})
+    print(f"written {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""``octfw bench``: a grid of settings, one subprocess per combination, a table and a CSV."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from octfw.engine.bench import BenchRow, combinations, format_table, parse_grid
+from octfw.errors import UserError
+
+
+def test_grid_is_the_cartesian_product_in_order():
+    grid = parse_grid(["engine.per_device_batch=1,2", "engine.grad_accum_steps=2,1",
+                       "transform.image_size=[8,32,32],[4,16,16]"])
+    assert grid[2] == ("transform.image_size", ["[8,32,32]", "[4,16,16]"])
+    combos = combinations(grid)
+    assert len(combos) == 8
+    assert combos[0] == ("engine.per_device_batch=1", "engine.grad_accum_steps=2", "transform.image_size=[8,32,32]")
+    assert combos[-1] == ("engine.per_device_batch=2", "engine.grad_accum_steps=1", "transform.image_size=[4,16,16]")
+
+
+@pytest.mark.parametrize("spec", ["per_device_batch=1,2", "engine.per_device_batch", "engine.x=1,,2", "=1"])
+def test_malformed_grid_is_a_user_error(spec):
+    with pytest.raises(UserError, match="--grid"):
+        parse_grid([spec])
+
+
+def test_table_marks_unstable_and_failed_combinations():
+    common = dict(grad_accum_steps=1, global_batch=2, samples_per_s=3.0, samples_per_s_per_device=3.0,
+                  peak_memory_bytes=2 * 1024**2, peak_memory_kind="peak RSS", last_loss=0.5)
+    rows = [BenchRow(overrides=("a=1",), per_device_batch=2, stable=True, skipped_updates=0, **common),
+            BenchRow(overrides=("a=2",), per_device_batch=2, stable=False, skipped_updates=1, **common),
+            BenchRow(overrides=("a=3",), per_device_batch=None, grad_accum_steps=None, global_batch=None,
+                     samples_per_s=None, samples_per_s_per_device=None, peak_memory_bytes=None,
+                     peak_memory_kind="peak RSS", stable=False, skipped_updates=None, last_loss=None,
+                     error="RuntimeError: out of memory")]
+    lines = format_table(rows).splitlines()
+    assert "peak memory (peak RSS)" in lines[0]
+    assert lines[1].endswith("ok") and "NO (1 skipped" in lines[2] and "FAILED: RuntimeError" in lines[3]
+
+
+def test_bench_runs_each_combination_end_to_end(tiny_recipe, tmp_path, capsys):
+    from octfw.cli import main
+
+    out_csv = tmp_path / "bench.csv"
+    code = main(["bench", str(tiny_recipe), "--grid", "engine.per_device_batch=1,2",
+                 "--grid", "engine.grad_accum_steps=2", "--steps", "4", "--csv", str(out_csv),
+                 "--set", "model.depth=1", "--set", "model.predictor_depth=1"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    header, first, second = [line for line in printed.splitlines() if not line.startswith(("bench ", "written"))]
+    assert header.startswith("per_device_batch  grad_accum  global_batch  samples/s  samples/s/device")
+    assert first.split()[:3] == ["1", "2", "2"] and second.split()[:3] == ["2", "2", "4"]
+    assert first.endswith("ok") and second.endswith("ok")
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [r["global_batch"] for r in rows] == ["2", "4"]
+    for r in rows:
+        assert float(r["samples_per_s"]) > 0 and r["samples_per_s"] == r["samples_per_s_per_device"]
+        assert int(r["peak_memory_bytes"]) > 100 * 1024**2 and r["peak_memory_kind"] == "peak RSS"
+        assert r["stable"] == "True" and r["skipped_updates"] == "0" and r["error"] == ""
