@@ -1,9 +1,10 @@
 """One optimizer update that a guard can veto on the device, without a host sync.
 
-The optimizer always steps; when the verdict is False, ``torch.where`` puts
-back the parameters and optimizer state saved just before, so a skipped
-update leaves them bitwise as they were. The snapshot is taken only when a
-guard can veto.
+On an accelerator the optimizer always steps; when the verdict is False,
+``torch.where`` puts back the parameters and optimizer state saved just
+before, so a skipped update leaves them bitwise as they were. The snapshot is
+taken only when a guard can veto. On the CPU the verdict already lives on the
+host, so reading it costs no sync and a vetoed step is simply not taken.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class GuardedStep:
     def __call__(self, verdict: torch.Tensor | None) -> None:
         if verdict is None:
             self.optimizer.step()
+            return
+        if verdict.device.type == "cpu":
+            if bool(verdict):
+                self.optimizer.step()
             return
         before = [t.clone() for t in (*self.parameters, *self._state_tensors())]
         self.optimizer.step()
