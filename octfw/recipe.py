@@ -270,6 +270,10 @@ def _structure_location(value: Any, _type: Any) -> Location:
         )
     text = str(value)
     if "://" in text:
+        bucket = text.split("://", 1)[1].split("/", 1)[0]
+        if bucket.strip().lower() in NULL_WORDS:
+            raise ValueError(f"{text!r} names no bucket or host ({bucket!r}); a null here once became "
+                             "a bucket named 'None'")
         return Location(text)
     path = Path(text).expanduser()
     if not path.is_absolute():

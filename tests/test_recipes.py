@@ -56,6 +56,8 @@ BAD_RECIPES = [
      "checkpointer.dir: 'None' is not a location; leave the key out to use the default"),
     ("null checkpoint dir from --set", TINY_RECIPE, ["checkpointer.dir=null"],
      "checkpointer.dir: 'null' is not a location"),
+    ("bucket named None", TINY_RECIPE, ["checkpointer.name=gcs", "checkpointer.dir=gs://None/ckpt"],
+     "checkpointer.dir: 'gs://None/ckpt' names no bucket or host ('None')"),
     ("guard listed twice", TINY_RECIPE + '\n[[guard]]\nname = "nan-skip"\n[[guard]]\nname = "nan-skip"\n', [],
      "guard: component 'nan-skip' is listed more than once"),
     ("unknown guard option", TINY_RECIPE + '\n[[guard]]\nname = "grad-clip"\nmax_nrom = 1.0\n', [],
