@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.engine.backend import Backend, select_backend
+from octfw.engine.backend import Backend, resolve_device, select_backend
 from octfw.engine.build import Components, build_components, check_schedule
 from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.data import Quarantine, SampleSource, domain_report, make_loader, provenance_record
@@ -121,10 +121,10 @@ class Trainer:
     def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None):
         seed_everything(recipe.run.seed)
         self.recipe, self.run_dir = recipe, run_dir
-        self.backend = backend = select_backend(recipe.run.device, recipe.engine.precision)
-        if recipe.engine.compile and backend.kind == "xla":
+        if recipe.engine.compile and resolve_device(recipe.run.device) == "xla":  # before importing torch_xla
             raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
                             "storm); torch_xla compiles its graphs itself")
+        self.backend = backend = select_backend(recipe.run.device, recipe.engine.precision)
         self.parts = parts = build_components(recipe, run_dir=run_dir, rank=backend.rank,
                                               world_size=backend.device_count)
         check_schedule(recipe, parts)
