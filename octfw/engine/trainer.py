@@ -176,7 +176,7 @@ class Trainer:
 
         step_loss = torch.zeros((), device=backend.device)
         provenance = []
-        for _micro in range(engine.grad_accum_steps):
+        for micro in range(engine.grad_accum_steps):
             self.heartbeat.waiting_on("the data loader")
             waited = time.perf_counter()
             batch = next(self.batches)
@@ -185,7 +185,7 @@ class Trainer:
             self.quarantine.record(batch["quarantined"])
             provenance += batch["provenance"]
             self._batch_shapes = batch["tensors"]
-            last_micro = _micro == engine.grad_accum_steps - 1
+            last_micro = micro == engine.grad_accum_steps - 1
             # DDP all-reduces gradients on the last micro-step only.
             sync = self.forward.no_sync() if is_ddp() and not last_micro else contextlib.nullcontext()
             with sync:
@@ -196,13 +196,14 @@ class Trainer:
             self._add_domain_losses(out, batch["provenance"])
         self.samples_done += engine.grad_accum_steps * engine.per_device_batch * backend.local_devices
         self.guard_log.remember(update_step + 1, provenance)
-        all_reduce_(step_loss)  # DDP: every rank's guards see the same (mean) loss
-        step_loss /= backend.world_size
+        if is_ddp():  # every rank's guards see the same (mean) loss; SPMD's is global already
+            all_reduce_(step_loss)
+            step_loss /= backend.world_size
 
         # Measured once per update: before clipping, before zero_grad.
         norm = grad_norm(self.parameters)
-        lr_now = engine.base_lr if lr is None else lr
-        inputs = GuardInputs(update_step, step_loss, norm, tuple(self.parameters), lr_now)
+        inputs = GuardInputs(update_step, step_loss, norm, tuple(self.parameters),
+                             effective_lr(schedule, update_step, engine.base_lr))
         verdict = None
         for guard in self.parts.guards:
             vote = guard.before_step(inputs)
@@ -238,10 +239,11 @@ class Trainer:
         """Read every metric from the device in one transfer; hand host floats to loggers."""
         self.heartbeat.waiting_on("the device (reading metrics)")
         engine, totals, backend = self.recipe.engine, self.totals, self.backend
-        all_reduce_(totals.loss, totals.applied, totals.domain_loss, totals.domain_count)
+        all_reduce_(totals.loss, totals.applied, totals.domain_loss, totals.domain_count)  # DDP: sums
+        ranks = backend.world_size if is_ddp() else 1
         host = backend.read({
             "loss": totals.loss / totals.applied.clamp(min=1.0),
-            "applied": totals.applied / backend.world_size,
+            "applied": totals.applied / ranks,
             "grad_norm": norm, "skipped_updates": totals.skipped,
             "domain_loss": totals.domain_loss / totals.domain_count.clamp(min=1.0),
             "domain_count": totals.domain_count,
