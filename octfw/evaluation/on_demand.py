@@ -1,0 +1,247 @@
+"""``octfw eval``: evaluate a checkpoint or an exported encoder against a random one.
+
+The evaluation recipe is a TOML file with ``[[evaluator]]`` tables and
+optionally ``[run]`` ``seed`` / ``device`` / ``cache_dir``. A training recipe
+with ``[[evaluator]]`` tables works as it is: its other tables are not used,
+because the encoder must see volumes prepared as *its* training prepared them
+(the ``[transform]`` recorded in the checkpoint or the export).
+
+The baseline is the same architecture, randomly initialised with the
+recipe's seed: a metric is only informative next to it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import attrs
+import torch
+
+from octfw.errors import RecipeError, UserError
+from octfw.evaluation.config import structure_table
+from octfw.fields import Location, choices, doc, non_negative
+from octfw.types import BuildContext
+
+__all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "load_eval_recipe", "load_target",
+           "evaluate_target", "format_report"]
+
+
+@attrs.frozen
+class EvalRunConfig:
+    """The ``[run]`` keys ``octfw eval`` uses; the other ``[run]`` keys are accepted and ignored."""
+
+    seed: int = doc("seed of the randomly initialised baseline encoder and of synthetic datasets",
+                    default=0, validator=non_negative)
+    device: str = doc("auto, cpu, cuda or xla", default="auto", validator=choices("auto", "cpu", "cuda", "xla"))
+    cache_dir: Location | None = doc("cache for synthetic cohorts; default $OCTFW_CACHE_DIR or ~/.cache/octfw",
+                                     default=None)
+
+
+@attrs.frozen
+class EvalRecipe:
+    source: Path
+    run: EvalRunConfig
+    evaluators: tuple[Any, ...]  #: octfw.recipe.StageSpec, one per [[evaluator]]
+
+
+def load_eval_recipe(path: str | Path, overrides: Sequence[str] = (), registry: Any = None) -> EvalRecipe:
+    """Read and validate an evaluation recipe; every problem is reported at once."""
+    from octfw.engine.config import RunConfig
+    from octfw.recipe import TOP_LEVEL_KEYS, _read_with_extends, apply_overrides, structure_config
+    from octfw.registry import did_you_mean, load_registry
+
+    source = Path(path)
+    if source.is_dir():
+        raise UserError(f"{source}: is a folder; give an evaluation recipe file (.toml)")
+    data = apply_overrides(_read_with_extends(source), overrides)
+    registry = registry if registry is not None else load_registry()
+    problems: list[str] = []
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            problems.append(f"{key}: unknown table{did_you_mean(key, TOP_LEVEL_KEYS)}; "
+                            "octfw eval reads [run] and [[evaluator]]")
+
+    run_table = data.get("run", {})
+    run = None
+    if not isinstance(run_table, dict):
+        problems.append("run: expected a table")
+    else:
+        known = {f.name for f in attrs.fields(RunConfig)}
+        for key in run_table:
+            if key not in known:
+                problems.append(f"run.{key}: unknown key{did_you_mean(key, known)}; valid keys: {', '.join(known)}")
+        used = {k: v for k, v in run_table.items() if k in attrs.fields_dict(EvalRunConfig)}
+        run, found = structure_config(EvalRunConfig, used, "run")
+        problems += found
+
+    raw = data.get("evaluator")
+    if isinstance(raw, dict):
+        raw = [raw]
+    specs = []
+    if not raw or not isinstance(raw, list):
+        choices_ = ", ".join(registry.names("evaluator")) or "none installed"
+        problems.append(f"evaluator: add one or more [[evaluator]] tables ({choices_})")
+    else:
+        for index, table in enumerate(raw):
+            spec, found = structure_table("evaluator", table, registry)
+            problems += [f"evaluator[{index}].{p}" for p in found]
+            specs.append(spec)
+        names = [s.name for s in specs if s is not None]
+        for dup in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(f"evaluator: component {dup!r} is listed more than once")
+    if problems:
+        raise RecipeError(str(source), problems)
+    return EvalRecipe(source.resolve(), run, tuple(specs))
+
+
+# --------------------------------------------------------------------------
+# what is evaluated
+
+
+@attrs.frozen(eq=False)
+class EvalTarget:
+    """A pretrained network, a randomly initialised one of the same architecture,
+    and the training recipe data they need (``transform`` at least)."""
+
+    location: str  #: the checkpoint or encoder file
+    update_step: int | None
+    pretrained: torch.nn.Module  #: ``.embed(volume)`` or ``module(volume)`` -> ``[B, N, E]``
+    random_init: torch.nn.Module
+    recipe: Mapping[str, Any]  #: the training recipe as plain data (``transform``, ``model``, ...)
+    image_size: tuple[int, int, int] | None
+    patch_size: tuple[int, int, int] | None
+
+
+def _geometry(recipe: Mapping[str, Any], model_config: Any = None) -> dict[str, Any]:
+    # The engine's convention (octfw.engine.build): the transform's image_size
+    # and the model's patch_size fix the patch grid.
+    image_size = recipe.get("transform", {}).get("image_size")
+    patch_size = getattr(model_config, "patch_size", None)
+    return {"image_size": tuple(image_size) if image_size is not None else None,
+            "patch_size": tuple(patch_size) if patch_size is not None else None}
+
+
+def _model_from_checkpoint(location: str, state: Mapping[str, Any], seed: int) -> EvalTarget:
+    recipe = state.get("recipe")
+    if not isinstance(recipe, Mapping) or "model" not in recipe or "transform" not in recipe:
+        raise UserError(f"{location}: the checkpoint records no recipe with [model] and [transform]")
+    spec, problems = structure_table("model", recipe["model"])
+    if problems:
+        raise UserError(f"{location}: its recorded [model] no longer validates: " + "; ".join(problems))
+    geometry = _geometry(recipe, spec.config)
+    ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=seed, recipe=recipe,
+                       **geometry)
+    pretrained = spec.build(ctx)
+    try:
+        pretrained.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"{location}: its weights do not fit the model its recipe describes ({first})") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random_init = spec.build(ctx)
+    return EvalTarget(location, int(state.get("update_step", 0)), pretrained, random_init, recipe, **geometry)
+
+
+def _model_from_export(path: Path, seed: int) -> EvalTarget:
+    from octfw.export import PretrainedEncoder, load_encoder
+    from octfw.models.vit3d import ViT3DEncoder
+
+    pretrained = load_encoder(path)
+    config = pretrained.info["config"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = ViT3DEncoder(tuple(config["image_size"]), tuple(config["patch_size"]), config["in_channels"],
+                               config["embed_dim"], config["depth"], config["num_heads"], config["mlp_ratio"])
+    random_init = PretrainedEncoder(encoder, pretrained.info).eval()
+    recipe = {"transform": pretrained.info["transform"], "model": pretrained.info.get("model", {})}
+    return EvalTarget(str(path), pretrained.info.get("update_step"), pretrained, random_init, recipe,
+                      tuple(pretrained.image_size), tuple(pretrained.patch_size))
+
+
+def load_target(source: str | Path, seed: int) -> EvalTarget:
+    """A run folder (its latest checkpoint), a checkpoint file, or an exported encoder file."""
+    from octfw.export import FORMAT, find_checkpoint
+
+    path = Path(source)
+    if path.is_file():
+        try:
+            head = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the file's name
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise UserError(f"{path}: cannot be read as a checkpoint or encoder ({type(exc).__name__}: {first})") from None
+        if isinstance(head, Mapping) and head.get("format") == FORMAT:
+            return _model_from_export(path, seed)
+        if not isinstance(head, Mapping) or "model" not in head:
+            raise UserError(f"{path}: neither an octfw checkpoint nor an exported encoder")
+        return _model_from_checkpoint(str(path), head, seed)
+    location, state = find_checkpoint(path)
+    return _model_from_checkpoint(location, state, seed)
+
+
+# --------------------------------------------------------------------------
+# evaluating
+
+
+@attrs.frozen
+class EvalReport:
+    location: str
+    update_step: int | None
+    seed: int
+    device: str
+    pretrained: dict[str, float]  #: "<evaluator>/<metric>" -> value
+    random_init: dict[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _cache_dir(run: EvalRunConfig) -> Path:
+    if run.cache_dir is not None:
+        return Path(run.cache_dir.local_path)
+    return Path(os.environ.get("OCTFW_CACHE_DIR") or Path.home() / ".cache" / "octfw")
+
+
+def evaluate_target(target: EvalTarget, recipe: EvalRecipe) -> EvalReport:
+    """Run every evaluator of ``recipe`` on the pretrained and the random network."""
+    from octfw.engine.backend import select_backend
+
+    device = select_backend(recipe.run.device, "fp32").device
+    ctx = BuildContext(recipe_dir=recipe.source.parent, cache_dir=_cache_dir(recipe.run), run_dir=None,
+                       seed=recipe.run.seed, image_size=target.image_size, patch_size=target.patch_size,
+                       recipe=target.recipe)
+    evaluators = [(spec.name, spec.build(ctx)) for spec in recipe.evaluators]
+    results: dict[str, dict[str, float]] = {}
+    for label, model in (("pretrained", target.pretrained), ("random_init", target.random_init)):
+        model = model.to(device)
+        scores: dict[str, float] = {}
+        with torch.no_grad():
+            for name, evaluator in evaluators:
+                update_step = target.update_step or 0
+                for key, value in evaluator.evaluate(model, device, update_step).items():
+                    scores[f"{name}/{key}"] = float(value)
+        results[label] = scores
+        model.to("cpu")
+    return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),
+                      results["pretrained"], results["random_init"])
+
+
+def format_report(report: EvalReport) -> str:
+    """A plain-text table: one row per metric, pretrained next to random init."""
+    step = "" if report.update_step is None else f" (update step {report.update_step})"
+    lines = [f"encoder   {report.location}{step}",
+             f"baseline  same architecture, randomly initialised (seed {report.seed})",
+             f"device    {report.device}", ""]
+    keys = list(report.pretrained) + [k for k in report.random_init if k not in report.pretrained]
+    width = max([len("metric")] + [len(k) for k in keys])
+    lines.append(f"{'metric'.ljust(width)}  {'pretrained':>10}  {'random init':>11}")
+
+    def cell(value: float | None, size: int) -> str:
+        return ("-" if value is None else f"{value:.3f}").rjust(size)
+
+    for key in keys:
+        lines.append(f"{key.ljust(width)}  {cell(report.pretrained.get(key), 10)}  "
+                     f"{cell(report.random_init.get(key), 11)}")
+    return "\n".join(lines)
