@@ -160,7 +160,7 @@ def _mark_strings(value: Any, base_dir: Path) -> Any:
     return value
 
 
-def _read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
@@ -174,7 +174,7 @@ def _read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any
     parent_path = path.parent / parent_ref
     if not parent_path.exists():
         raise UserError(f"{path}: extends: {parent_ref!r} not found (looked for {parent_path})")
-    return merge(_read_with_extends(parent_path, (*seen, path)), data)
+    return merge(read_with_extends(parent_path, (*seen, path)), data)
 
 
 def merge(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
@@ -347,6 +347,16 @@ def _converter() -> cattrs.Converter:
                          f"expected {' or '.join(_type_word(m) for m in members)}, got {_describe(value)}")
 
     conv.register_structure_hook_func(is_union, structure_union)
+
+    def is_table(t: Any) -> bool:
+        return get_origin(t) is dict or t is dict
+
+    def structure_table(value: Any, t: Any) -> dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a table {{ ... }}, got {_describe(value)}")
+        return dict(value)
+
+    conv.register_structure_hook_func(is_table, structure_table)
     conv.register_unstructure_hook_func(is_tuple, lambda t: [conv.unstructure(v) for v in t])
     _CONVERTER = conv
     return conv
@@ -519,7 +529,7 @@ def load_recipe(
     source = Path(path)
     if source.is_dir():
         raise UserError(f"{source}: is a folder; give a recipe file (.toml)")
-    data = _read_with_extends(source)
+    data = read_with_extends(source)
     for stage, default in DEFAULT_STAGES.items():
         data.setdefault(stage, copy.deepcopy(default))
     data = apply_overrides(data, overrides)

@@ -299,6 +299,7 @@ class Trainer:
         if not due:
             return
         self.heartbeat.waiting_on("evaluation")
+        started = time.perf_counter()
         results: dict[str, float] = {}
         devices = [self.backend.device] if self.backend.kind == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -307,6 +308,9 @@ class Trainer:
                     results[f"eval/{spec.name}/{key}"] = float(value)
         for logger in self.parts.loggers:
             logger.log(done, results)
+        # Evaluation time is not training time: leave it out of the throughput clock.
+        last_time, last_step = self._last_log
+        self._last_log = (last_time + time.perf_counter() - started, last_step)
 
     def save_checkpoint(self, done: int) -> None:
         if not self.backend.is_main_process:

@@ -49,13 +49,13 @@ class EvalRecipe:
 def load_eval_recipe(path: str | Path, overrides: Sequence[str] = (), registry: Any = None) -> EvalRecipe:
     """Read and validate an evaluation recipe; every problem is reported at once."""
     from octfw.engine.config import RunConfig
-    from octfw.recipe import TOP_LEVEL_KEYS, _read_with_extends, apply_overrides, structure_config
+    from octfw.recipe import TOP_LEVEL_KEYS, read_with_extends, apply_overrides, structure_config
     from octfw.registry import did_you_mean, load_registry
 
     source = Path(path)
     if source.is_dir():
         raise UserError(f"{source}: is a folder; give an evaluation recipe file (.toml)")
-    data = apply_overrides(_read_with_extends(source), overrides)
+    data = apply_overrides(read_with_extends(source), overrides)
     registry = registry if registry is not None else load_registry()
     problems: list[str] = []
     for key in data:
