@@ -56,9 +56,6 @@ def device_peak_flops(kind: str, device: torch.device, override: float | None) -
 def flops_per_sample(model: torch.nn.Module, batch: Mapping[str, Any]) -> int | None:
     """Training FLOPs per sample, counted on meta tensors (no device work); None if the
     model cannot be traced on meta tensors."""
-    from octfw.models.flops import _count_on_meta, _batch_size
+    from octfw.models.flops import training_flops_per_sample_on_meta
 
-    try:
-        return _count_on_meta(model, batch, backward=True) // _batch_size(batch)
-    except (NotImplementedError, RuntimeError, ValueError, TypeError):
-        return None
+    return training_flops_per_sample_on_meta(model, batch)

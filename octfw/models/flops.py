@@ -40,6 +40,16 @@ def training_flops_per_sample(model: nn.Module, batch: Mapping[str, Any]) -> int
     return _per_sample(model, batch, backward=True)
 
 
+def training_flops_per_sample_on_meta(model: nn.Module, batch: Mapping[str, Any]) -> int | None:
+    """Like :func:`training_flops_per_sample`, but only on shape-only tensors: never
+    any work on the model's device (the engine calls it mid-run, where an extra
+    traced op would recompile an XLA graph). None when the model cannot run on meta."""
+    try:
+        return _count_on_meta(model, batch, backward=True) // _batch_size(batch)
+    except (NotImplementedError, RuntimeError, ValueError, TypeError):
+        return None
+
+
 def _batch_size(batch: Mapping[str, Any]) -> int:
     for value in batch.values():
         if torch.is_tensor(value) and value.dim() > 0:
