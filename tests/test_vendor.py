@@ -1,20 +1,23 @@
 """The ``oct-vendor`` dataset and OPT DICOM written by oct-converter.
 
-Formats tested on real files: Zeiss ``.img`` (raw bytes) and Topcon
-``.fds`` (built here chunk by chunk with oct-converter's own binary
-structures). oct-converter 0.7.0's FDS/FDA readers call ``np.fromstring``
-in binary mode, which numpy 2.3+ removed: with such a numpy the ``.fds``
-read is an expected failure (strict xfail) and the file is quarantined, never
-a crash. OPT DICOM written by oct-converter's DICOM writer (from a ``.img``
-and from explicit metadata carrying patient identifiers) is read by octfw's
-DICOM reader with its spacing. Heidelberg ``.e2e``, Topcon ``.fda`` and
-Bioptigen ``.OCT`` have no sample files here and are exercised only as
-unreadable files (quarantined with a reason).
+There are no real device files here. Every vendor file is built byte by
+byte (``tests/vendor_files.py``) with oct-converter 0.7.0's own binary
+structures, in the layout its readers parse: Topcon ``.fds`` and ``.fda``
+(uncompressed and lossless-JPEG-2000 B-scans), Heidelberg ``.e2e`` and
+Bioptigen ``.OCT``; Zeiss ``.img`` is raw bytes. For each, the dataset must
+return the B-scans as ``[D, H, W]`` with the values the reader decodes,
+the spacing the format records, the vendor's domain and no patient
+identifier; a truncated copy and garbage must be quarantined with a
+reason. oct-converter's Topcon readers need octfw's numpy >= 2.3 shim
+(``octfw.data.oct_converter_compat``), tested here too. OPT DICOM written
+by oct-converter's DICOM writer (from a ``.img`` and from explicit metadata
+carrying patient identifiers) is read by octfw's DICOM reader with its
+spacing.
 """
 
 from __future__ import annotations
 
-import struct
+import datetime
 import sys
 from pathlib import Path
 
@@ -26,18 +29,10 @@ from octfw.plugins.datasets.oct_vendor import OctVendorConfig, build
 from octfw.registry import load_registry
 from octfw.types import BuildContext
 
+from vendor_files import Patient, boct_bytes, e2e_bytes, e2e_intensity, fda_bytes, fds_bytes
+
 PATIENT_ID, FIRST, LAST = "PID-77120-VN", "Marlowe", "Quintarra"
-
-
-def _fromstring_removed() -> bool:
-    try:
-        np.fromstring(b"\0", dtype=np.uint8)
-    except ValueError:
-        return True
-    return False
-
-
-FROMSTRING_REMOVED = _fromstring_removed()
+PATIENT = Patient(PATIENT_ID, FIRST, LAST, datetime.date(1951, 3, 4))
 SECRETS = [PATIENT_ID, FIRST, LAST, "1951"]
 
 
@@ -60,42 +55,63 @@ def test_component_is_registered_with_documented_options():
         OctVendorConfig(path="x", extensions=(".dcm",))
 
 
+# --- the numpy >= 2.3 shim ------------------------------------------------------
+
+
+def test_numpy_proxy_reads_binary_fromstring_as_a_writable_frombuffer_copy():
+    from octfw.data.oct_converter_compat import NUMPY_PROXY
+
+    raw = np.arange(6, dtype="<u2").tobytes()
+    got = NUMPY_PROXY.fromstring(raw, dtype=np.uint16)
+    np.testing.assert_array_equal(got, np.frombuffer(raw, dtype=np.uint16))
+    assert got.dtype == np.uint16 and got.flags.writeable and got.flags.owndata
+    got[0] = 9  # the caller may write, as it could into fromstring's result
+    assert NUMPY_PROXY.fromstring(raw, dtype=np.uint16, count=2).tolist() == [0, 1]
+    assert NUMPY_PROXY.fromstring(b"\x05", dtype=np.uint8)[0] == 5
+    # Text mode and everything else are numpy's own.
+    assert NUMPY_PROXY.fromstring("1 2", dtype=float, sep=" ").tolist() == [1.0, 2.0]
+    assert NUMPY_PROXY.uint16 is np.uint16 and NUMPY_PROXY.frombuffer is np.frombuffer
+
+
+def test_oct_converter_patch_is_idempotent_and_leaves_numpy_alone(oct_converter):
+    from octfw.data import oct_converter_compat as compat
+    from octfw.data.vendor import require_oct_converter
+
+    fromstring = np.fromstring
+    require_oct_converter()  # applies the patch
+    first, second = compat.patch_oct_converter(), compat.patch_oct_converter()
+    assert first == second
+    assert np.fromstring is fromstring and sys.modules["numpy"] is np
+    import oct_converter.readers.fda as fda
+    import oct_converter.readers.fds as fds
+
+    if compat.binary_fromstring_works():  # numpy < 2.3: nothing to do
+        assert first == [] and fds.np is np and fda.np is np
+    else:
+        assert sorted(first) == sorted(compat.MODULES)
+        assert fds.np is compat.NUMPY_PROXY and fda.np is compat.NUMPY_PROXY
+
+
 # --- with oct-converter installed ---------------------------------------------
 
 
-def _fds_bytes(volume: np.ndarray, x_mm: float, y_mm: float, z_um: float, patient: bool = True) -> bytes:
-    """A Topcon .fds file: header, then named chunks, then a zero-length name."""
-    fds = pytest.importorskip("oct_converter.readers.binary_structs.fds_binary")
-    slices, height, width = volume.shape
-
-    def chunk(name: bytes, payload: bytes) -> bytes:
-        return bytes([len(name)]) + name + struct.pack("<I", len(payload)) + payload
-
-    pixels = np.transpose(volume, (2, 1, 0)).astype("<u2")  # [width, height, slices]
-    body = fds.header.build(dict(file_code="FOCT", file_type="FDA", major_ver=4, minor_ver=1))
-    body += chunk(b"@CAPTURE_INFO_02", fds.capture_info_02_header.build(dict(
-        eye=0, scan_mode=2, session_id=1, label="", cap_date=[2024, 5, 6, 7, 8, 9])))
-    body += chunk(b"@PARAM_SCAN_04", fds.param_scan_04_header.build(dict(
-        fixation=0, mirror_pos=0, polar=0, x_dimension_mm=x_mm, y_dimension_mm=y_mm,
-        z_resolution_um=z_um, comp_eff_2=0.0, comp_eff_3=0.0, base_pos=0, used_calib_data=0)))
-    if patient:
-        info = fds.patient_info_02_header
-        record = {k: v for k, v in info.parse(b"\0" * info.sizeof()).items() if not k.startswith("_")}
-        record.update(patient_id=PATIENT_ID, first_name=FIRST, last_name=LAST, sex=2,
-                      birth_date=[1951, 3, 4])
-        body += chunk(b"@PATIENT_INFO_02", info.build(record))
-    body += chunk(b"@IMG_SCAN_03", fds.oct_header.build(dict(
-        scan_mode=2, width=width, height=height, bits_per_pixel=16, number_slices=slices,
-        format=0, size=pixels.nbytes)) + pixels.tobytes(order="F"))
-    return body + b"\0"
+def _volume(seed=0, shape=(4, 24, 16), high=3000, dtype=np.uint16):
+    return np.random.default_rng(seed).integers(10, high, size=shape, dtype=dtype)
 
 
-def _volume(seed=0, shape=(4, 24, 16)):
-    return np.random.default_rng(seed).integers(10, 3000, size=shape, dtype=np.uint16)
+def _e2e_values(seed=0, shape=(5, 20, 12)):
+    """Intensities an .e2e can hold exactly: (1 + k/1024) * 2**e, e in [-12, -2]."""
+    rng = np.random.default_rng(seed)
+    return (1 + rng.integers(0, 1024, size=shape) / 1024) * 2.0 ** rng.integers(-12, -1, size=shape)
 
 
 def _leaks(text: str) -> list[str]:
     return [s for s in SECRETS if s in text]
+
+
+def _holds_identifiers(data: bytes) -> bool:
+    """The built file carries the patient's name and ID (so the test means something)."""
+    return all(s.encode() in data for s in (PATIENT_ID, FIRST, LAST))
 
 
 @pytest.fixture
@@ -103,11 +119,11 @@ def oct_converter():
     return pytest.importorskip("oct_converter")
 
 
-@pytest.mark.xfail(FROMSTRING_REMOVED, raises=CorruptFile, strict=True,
-                   reason="oct-converter 0.7.0's FDS reader uses np.fromstring, removed in numpy 2.3")
 def test_topcon_fds_reads_with_spacing_and_no_identifiers(tmp_path, oct_converter):
     volume = _volume(1)
-    (tmp_path / "scan.fds").write_bytes(_fds_bytes(volume, x_mm=6.0, y_mm=6.0, z_um=2.6))
+    data = fds_bytes(volume, x_mm=6.0, y_mm=6.0, z_um=2.6, patient=PATIENT)
+    assert _holds_identifiers(data)
+    (tmp_path / "scan.fds").write_bytes(data)
     dataset = build(OctVendorConfig(path=str(tmp_path)), _ctx(tmp_path))
     sample = dataset.load(0)
     np.testing.assert_array_equal(sample.volume, volume.astype(np.float32))
@@ -115,6 +131,81 @@ def test_topcon_fds_reads_with_spacing_and_no_identifiers(tmp_path, oct_converte
     assert sample.provenance.spacing == pytest.approx((1.5, 0.0026, 0.375))
     assert (sample.provenance.domain, sample.provenance.source) == ("topcon", str(tmp_path / "scan.fds"))
     assert not _leaks(repr(sample.provenance))
+
+
+def test_topcon_fda_uncompressed_reads_with_the_files_spacing_and_no_identifiers(tmp_path, oct_converter):
+    volume = _volume(7, shape=(5, 32, 20))
+    data = fda_bytes(volume, x_mm=3.0, y_mm=2.5, z_um=3.1, patient=PATIENT)
+    assert _holds_identifiers(data)
+    (tmp_path / "macula.fda").write_bytes(data)
+    # The file's spacing wins over default_spacing on every axis it records.
+    dataset = build(OctVendorConfig(path=str(tmp_path), default_spacing=(9.0, 9.0, 9.0)), _ctx(tmp_path))
+    sample = dataset.load(0)
+    assert sample.volume.shape == (5, 32, 20)
+    np.testing.assert_array_equal(sample.volume, volume.astype(np.float32))
+    # (dz, dy, dx): 2.5 mm over 5 B-scans, 3.1 um axial, 3 mm over 20 A-scans.
+    assert sample.provenance.spacing == pytest.approx((0.5, 0.0031, 0.15))
+    assert sample.provenance.domain == "topcon" and dataset.domain(0) == "topcon"
+    assert not _leaks(repr(sample.provenance))
+
+
+def test_topcon_fda_jpeg2000_bscans_read_exactly(tmp_path, oct_converter):
+    from PIL import features
+
+    if not features.check("jpg_2000"):
+        pytest.skip("Pillow was built without OpenJPEG")
+    volume = _volume(8, shape=(3, 28, 18), high=255, dtype=np.uint8)
+    data = fda_bytes(volume, x_mm=6.0, y_mm=6.0, z_um=2.6, patient=PATIENT, jpeg2000=True)
+    assert _holds_identifiers(data)
+    (tmp_path / "jpeg.fda").write_bytes(data)
+    sample = build(OctVendorConfig(path=str(tmp_path)), _ctx(tmp_path)).load(0)
+    np.testing.assert_array_equal(sample.volume, volume.astype(np.float32))  # lossless
+    assert sample.provenance.spacing == pytest.approx((2.0, 0.0026, 6.0 / 18))
+    assert sample.provenance.domain == "topcon" and not _leaks(repr(sample.provenance))
+
+
+def test_heidelberg_e2e_reads_log_intensities_axial_spacing_and_no_identifiers(tmp_path, oct_converter):
+    from octfw.data.dicom_io import SpacingDefaulted
+
+    values = _e2e_values(4)
+    data = e2e_bytes(values, axial_mm=0.0039, patient=PATIENT)
+    assert _holds_identifiers(data)
+    (tmp_path / "spectralis.e2e").write_bytes(data)
+    with pytest.warns(SpacingDefaulted) as caught:
+        sample = build(OctVendorConfig(path=str(tmp_path)), _ctx(tmp_path)).load(0)
+    assert sample.volume.shape == (5, 20, 12)
+    # oct-converter does not return the stored linear intensities but its
+    # display transform of them, (log(v + 2.44e-4) + 8.3) / 8.285 clipped to
+    # [0, 1]; that is what octfw trains on, so that is what is checked.
+    np.testing.assert_allclose(sample.volume, e2e_intensity(values).astype(np.float32), rtol=1e-6)
+    # Only the axial scale is read from the file; the other axes are 1.0 with
+    # a warning naming them (oct-converter's 0.01 / 0.05 are placeholders).
+    assert sample.provenance.spacing == pytest.approx((1.0, 0.0039, 1.0))
+    assert caught[0].message.missing == ("slice spacing", "lateral pixel spacing")
+    assert sample.provenance.domain == "heidelberg" and not _leaks(repr(sample.provenance))
+
+    with_defaults = build(OctVendorConfig(path=str(tmp_path), default_spacing=(0.12, 9.0, 0.011)),
+                          _ctx(tmp_path)).load(0)
+    assert with_defaults.provenance.spacing == pytest.approx((0.12, 0.0039, 0.011))
+
+
+def test_bioptigen_oct_reads_bscans_axial_by_lateral(tmp_path, oct_converter):
+    from octfw.data.dicom_io import SpacingDefaulted
+
+    volume = _volume(9, shape=(4, 30, 14))
+    (tmp_path / "mouse_OD.OCT").write_bytes(
+        boct_bytes(volume, scan_length_mm=1.4, scan_depth_mm=1.5, el_scan_length_mm=0.4))
+    dataset = build(OctVendorConfig(path=str(tmp_path), default_spacing=(0.1, 0.05, 0.1)), _ctx(tmp_path))
+    sample = dataset.load(0)
+    # oct-converter returns [A-scans, samples] per B-scan; octfw transposes.
+    assert sample.volume.shape == (4, 30, 14)
+    np.testing.assert_array_equal(sample.volume, volume.astype(np.float32))
+    # oct-converter derives no spacing from the header's scan lengths.
+    assert sample.provenance.spacing == pytest.approx((0.1, 0.05, 0.1))
+    assert sample.provenance.domain == "bioptigen"
+    with pytest.warns(SpacingDefaulted) as caught:
+        build(OctVendorConfig(path=str(tmp_path)), _ctx(tmp_path)).load(0)
+    assert caught[0].message.missing == ("slice spacing", "pixel spacing")
 
 
 def test_zeiss_img_reads_with_the_configured_shape_and_spacing(tmp_path, oct_converter):
@@ -131,24 +222,32 @@ def test_zeiss_img_reads_with_the_configured_shape_and_spacing(tmp_path, oct_con
 
 
 def test_unreadable_vendor_files_are_corrupt_with_a_reason_and_no_identifiers(tmp_path, oct_converter):
-    good = _fds_bytes(_volume(3), 6.0, 6.0, 2.6)
-    (tmp_path / "cut.fds").write_bytes(good[: len(good) // 2])
+    files = {
+        "fds": fds_bytes(_volume(3), 6.0, 6.0, 2.6, patient=PATIENT),
+        "fda": fda_bytes(_volume(4), 6.0, 6.0, 2.6, patient=PATIENT),
+        "e2e": e2e_bytes(_e2e_values(5), 0.0039, patient=PATIENT),
+        "OCT": boct_bytes(_volume(6), 6.0, 2.0, 6.0),
+    }
+    for suffix, good in files.items():
+        (tmp_path / f"cut.{suffix}").write_bytes(good[: len(good) // 2])
+    # An .e2e cut exactly before its last chunk (the last B-scan's pixels):
+    # oct-converter alone returns one B-scan fewer, without any error.
+    last_chunk = 60 + 20 + 20 * 12 * 2  # chunk header, image header, uint16 pixels
+    (tmp_path / "cut-at-chunk.e2e").write_bytes(files["e2e"][:-last_chunk])
     (tmp_path / "noise.e2e").write_bytes(b"CMDb" + bytes(range(256)) * 4)
     (tmp_path / "noise.fda").write_bytes(b"not topcon")
     (tmp_path / "noise.OCT").write_bytes(b"\x01\x02")
-    (tmp_path / "flat.fds").write_bytes(_fds_bytes(np.full((3, 8, 8), 9, np.uint16), 6.0, 6.0, 2.6))
+    (tmp_path / "flat.fds").write_bytes(fds_bytes(np.full((3, 8, 8), 9, np.uint16), 6.0, 6.0, 2.6))
     dataset = build(OctVendorConfig(path=str(tmp_path)), _ctx(tmp_path))
-    assert dataset.domain_counts() == {"bioptigen": 1, "heidelberg": 1, "topcon": 3}
+    assert dataset.domain_counts() == {"bioptigen": 2, "heidelberg": 3, "topcon": 4}
     reasons = {}
     for index in range(len(dataset)):
         with pytest.raises(CorruptFile) as info:
             dataset.load(index)
         assert info.value.url == dataset.source(index)
         reasons[Path(info.value.url).name] = info.value.reason
-    if FROMSTRING_REMOVED:
-        assert "cannot read the Topcon FDS file" in reasons["flat.fds"]
-    else:
-        assert "constant volume" in reasons["flat.fds"]
+    assert "constant volume" in reasons["flat.fds"]
+    assert "truncated" in reasons["cut.e2e"] and "truncated" in reasons["cut-at-chunk.e2e"]
     assert all(reasons.values()) and not _leaks(" ".join(reasons.values()))
 
 

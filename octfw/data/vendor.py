@@ -3,24 +3,31 @@
 OCT archives hold the devices' own formats as often as DICOM: Heidelberg
 ``.e2e``, Topcon ``.fds`` / ``.fda``, Zeiss ``.img`` and Bioptigen ``.OCT``.
 ``oct-converter`` (the ``vendor`` extra) parses them; this module turns its
-result into a :class:`~octfw.types.Sample` with the same checks, provenance
-and quarantine behaviour as :mod:`octfw.data.dicom_io`:
+result into a :class:`~octfw.types.Sample` ``[D, H, W]`` (B-scans, axial,
+lateral) with the same checks, provenance and quarantine behaviour as
+:mod:`octfw.data.dicom_io`:
 
 - every failure is a :class:`~octfw.errors.CorruptFile` whose reason is
-  written here (never an exception's text, which may quote file contents);
+  written here (never an exception's text, which may quote file contents).
+  A truncated ``.e2e`` is caught here, because oct-converter skips the
+  chunks it cannot read and would return a shorter volume;
 - the patient fields oct-converter extracts (name, ID, birth date) are never
   read; provenance is the file URL, the domain and the geometry;
-- spacing comes from the file when the format records it (oct-converter's
-  ``pixel_spacing`` is ``(x, y, z)``: lateral, between B-scans, axial), else
-  from ``default_spacing``, else 1.0 mm with a
-  :class:`~octfw.data.dicom_io.SpacingDefaulted` warning. Zeiss ``.img``
-  files record neither spacing nor size: give ``img_shape`` and
-  ``default_spacing`` for them.
+- spacing ``(dz, dy, dx)`` comes from the file for each axis the format
+  records, else from ``default_spacing``, else 1.0 mm with a
+  :class:`~octfw.data.dicom_io.SpacingDefaulted` warning. Topcon ``.fds`` /
+  ``.fda`` record all three; Heidelberg ``.e2e`` only the axial one as
+  oct-converter reads it; Zeiss ``.img`` and Bioptigen ``.OCT`` none (see
+  :func:`_recorded_spacing`). Zeiss ``.img`` files record no B-scan size
+  either: give ``img_shape`` for them;
+- Bioptigen B-scans, which oct-converter returns A-scan by A-scan, are
+  transposed to axial x lateral like the others.
 
-The domain is the vendor the format belongs to (``.e2e`` -> heidelberg,
-...), the parent folder's name, or the manifest's domain column. Remote
-files (``gs://``) are copied to a temporary local file first, because the
-readers open paths.
+oct-converter 0.7.0 needs :mod:`octfw.data.oct_converter_compat` on numpy
+2.3+, applied by :func:`require_oct_converter`. The domain is the vendor the
+format belongs to (``.e2e`` -> heidelberg, ...), the parent folder's name,
+or the manifest's domain column. Remote files (``gs://``) are copied to a
+temporary local file first, because the readers open paths.
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ def require_oct_converter() -> Any:
             "the oct-vendor dataset needs the oct-converter package: pip install 'octfw[vendor]' "
             f"(import failed: {type(exc).__name__}: {exc})"
         ) from None
+    from octfw.data.oct_converter_compat import patch_oct_converter
+
+    patch_oct_converter()  # its Topcon readers need np.fromstring, gone in numpy 2.3
     return readers
 
 
@@ -92,6 +102,10 @@ def _local_copy(url: str):
         os.unlink(path)
 
 
+class _Truncated(Exception):
+    """The file ends before data its own directory lists."""
+
+
 def _read_with_oct_converter(readers: Any, kind: str, path: str, img_shape: Sequence[int],
                              img_interlaced: bool) -> Any:
     # oct-converter prints progress and chunk names; keep them off the console.
@@ -102,23 +116,83 @@ def _read_with_oct_converter(readers: Any, kind: str, path: str, img_shape: Sequ
             rows, cols = (int(n) for n in img_shape)
             return reader.read_oct_volume(rows=rows, cols=cols, interlaced=img_interlaced)
         volumes = reader.read_oct_volume()
-    if isinstance(volumes, list):  # E2E files may hold several volumes; take the first
+    if kind == "E2E" and _e2e_truncated(reader, path):
+        raise _Truncated
+    if isinstance(volumes, list):  # E2E and Bioptigen files may hold several volumes; take the first
         return volumes[0] if volumes else None
     return volumes
 
 
-def _spacing(oct_volume: Any, default: Sequence[float] | None) -> tuple[tuple[float, float, float], list[str]]:
-    """(dz, dy, dx) from oct-converter's (x, y, z) pixel spacing, and what was missing."""
+def _e2e_truncated(reader: Any, path: str) -> bool:
+    """Whether a chunk listed in an E2E file's directory runs past the file's end.
+
+    oct-converter skips chunks it cannot parse, so a truncated .e2e would
+    otherwise read as a volume missing its last B-scans. A listed chunk is
+    a 60-byte header plus ``size`` bytes at ``start`` (the entries
+    oct-converter itself reads are those with ``start > pos``).
+    """
+    from oct_converter.readers.binary_structs import e2e_binary
+
+    directory, entry, chunk_header = (e2e_binary.main_directory_structure,
+                                      e2e_binary.sub_directory_structure, e2e_binary.chunk_structure)
+    file_size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        for position in reader.directory_stack:
+            f.seek(position + reader.byte_skip)
+            for _ in range(directory.parse(f.read(directory.sizeof())).num_entries):
+                listed = entry.parse(f.read(entry.sizeof()))
+                end = reader.byte_skip + listed.start + chunk_header.sizeof() + listed.size
+                if listed.start > listed.pos and end > file_size:
+                    return True
+    return False
+
+
+def _bscans(kind: str, oct_volume: Any) -> np.ndarray:
+    """The B-scans as float32 [D, H, W] (H axial, W lateral)."""
+    frames = [np.asarray(frame) for frame in oct_volume.volume]
+    if kind == "BOCT":  # Bioptigen frames come A-scan by A-scan: [lateral, axial]
+        frames = [frame.T for frame in frames]
+    return np.stack(frames).astype(np.float32)
+
+
+def _recorded_spacing(kind: str, oct_volume: Any) -> tuple[float | None, float | None, float | None]:
+    """(dz, dy, dx) in mm as far as the file records them, else None per axis.
+
+    oct-converter's ``pixel_spacing`` has no single convention: the Topcon
+    readers return (lateral, between B-scans, axial) computed from the
+    file's scan size; the E2E reader returns (``scalex``, axial,
+    ``slice_thickness``) where only the axial value comes from the file and
+    the other two are its constant keyword defaults (0.01, 0.05), so they
+    are not used; the Zeiss and Bioptigen readers return none.
+    """
     found = getattr(oct_volume, "pixel_spacing", None)
     try:
-        x, y, z = (float(v) for v in found)  # type: ignore[union-attr]
-        if all(np.isfinite(v) and v > 0 for v in (x, y, z)):
-            return (y, z, x), []
+        values = [float(v) for v in found]  # type: ignore[union-attr]
     except (TypeError, ValueError):
-        pass
-    if default is not None:
-        return tuple(float(s) for s in default), []  # type: ignore[return-value]
-    return (1.0, 1.0, 1.0), ["slice spacing", "pixel spacing"]
+        return None, None, None
+    if len(values) != 3:
+        return None, None, None
+    values = [v if np.isfinite(v) and v > 0 else None for v in values]
+    if kind in ("FDS", "FDA"):
+        lateral, between, axial = values
+        return between, axial, lateral
+    if kind == "E2E":
+        return None, values[1], None
+    return None, None, None
+
+
+def _spacing(kind: str, oct_volume: Any, default: Sequence[float] | None
+             ) -> tuple[tuple[float, float, float], list[str]]:
+    """(dz, dy, dx): the file's values, each missing one from ``default``, else
+    1.0; and the names of the values that fell back to 1.0."""
+    recorded = _recorded_spacing(kind, oct_volume)
+    fallback = (1.0, 1.0, 1.0) if default is None else tuple(float(s) for s in default)
+    spacing = tuple(r if r is not None else f for r, f in zip(recorded, fallback))
+    names = ["slice spacing", "axial pixel spacing", "lateral pixel spacing"]
+    missing = [n for n, r in zip(names, recorded) if r is None] if default is None else []
+    if missing[-2:] == names[1:]:  # neither in-plane value: name it as the DICOM reader does
+        missing[-2:] = ["pixel spacing"]
+    return spacing, missing  # type: ignore[return-value]
 
 
 def read_vendor_volume(
@@ -148,13 +222,16 @@ def read_vendor_volume(
             oct_volume = _read_with_oct_converter(readers, kind, path, img_shape, img_interlaced)
     except FileNotFoundError:
         raise CorruptFile(url, "file not found") from None
+    except _Truncated:
+        raise CorruptFile(url, f"the {name} file is truncated "
+                               "(its directory lists data past its end)") from None
     except Exception as exc:  # noqa: BLE001 - any parser failure means an unusable file
         raise CorruptFile(url, f"cannot read the {name} file ({type(exc).__name__})") from exc
     if oct_volume is None:
         raise CorruptFile(url, f"the {name} file holds no OCT volume")
 
     try:
-        volume = np.stack([np.asarray(frame) for frame in oct_volume.volume]).astype(np.float32)
+        volume = _bscans(kind, oct_volume)
     except Exception as exc:  # noqa: BLE001 - ragged or empty frame lists
         raise CorruptFile(url, f"B-scans of the {name} file do not form a volume ({type(exc).__name__})") from exc
     if volume.ndim != 3 or min(volume.shape[1:]) < 2:
@@ -167,7 +244,7 @@ def read_vendor_volume(
         raise CorruptFile(url, f"constant volume (every voxel is {low:g})")
 
     domain = domain if domain is not None else format_domain
-    spacing, missing = _spacing(oct_volume, default_spacing)
+    spacing, missing = _spacing(kind, oct_volume, default_spacing)
     if missing:
         warnings.warn(SpacingDefaulted(url, domain, missing), stacklevel=2)
     provenance = Provenance(source=url, domain=domain, spacing=spacing,

@@ -53,7 +53,8 @@ class OctVendorConfig:
     )
     img_interlaced: bool = doc("Zeiss .img only: the B-scans are interlaced.", default=False)
     default_spacing: tuple[float, float, float] | None = doc(
-        "[dz, dy, dx] mm for files whose format records no spacing (Zeiss .img); "
+        "[dz, dy, dx] mm for the axes a file does not record: all three for Zeiss .img and "
+        "Bioptigen .OCT, dz and dx for Heidelberg .e2e (Topcon records all); "
         "unset: 1.0 mm with a warning.",
         default=None,
         validator=attrs.validators.optional([length(3), _each_positive]),
