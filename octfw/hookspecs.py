@@ -129,7 +129,8 @@ class OctfwSpecs:
 
         The factory returns a ``torch.nn.Module`` whose ``forward(batch)``
         takes the collated batch (a dict of device tensors keyed by
-        :data:`octfw.types.BATCH_KEYS`, each with a leading batch dimension)
+        :data:`octfw.types.BATCH_KEYS`, each with a leading batch dimension,
+        plus :data:`octfw.types.DOMAIN_ID_KEY`, which a model may ignore)
         and returns an :class:`octfw.types.ModelOutput`. A model config with
         a ``patch_size`` field declares the patch grid.
 

@@ -47,6 +47,10 @@ __all__ = [
 #: ``(D / pd, H / ph, W / pw)``. The counts are the same for every sample so
 #: that an XLA graph compiles once; a ``[D, H, W]`` voxel mask is refused.
 BATCH_KEYS = ("context", "target", "context_idx", "target_idx")
+#: Added by the engine beside :data:`BATCH_KEYS`: each sample's domain as an
+#: int64 index into the run's sorted domain names. It rides to the device with
+#: the batch, so per-domain losses cost no host-to-device copy per step.
+DOMAIN_ID_KEY = "domain_id"
 
 
 @attrs.frozen

@@ -16,8 +16,9 @@ from test_xla_engine import FAST_COMPILE
 
 REPO = Path(__file__).resolve().parents[1]
 # Different reduction order (two batch-1 gradients averaged vs one batch-2
-# gradient) changes the last float bits only.
-LOSS_TOLERANCE = 1e-5
+# gradient) changes the last float bits only; AdamW's first updates amplify
+# them (SPMD vs one device: 0 at update 1, 1e-6 at 2, 1e-5 at 3).
+LOSS_TOLERANCE = 5e-5
 
 
 def launch(tmp_path: Path, args: list[str], nproc: int = 1, env: dict | None = None) -> Path:
@@ -81,3 +82,9 @@ def test_spmd_on_four_cpu_devices_matches_one_device(tmp_path):
         assert abs(a - b) <= LOSS_TOLERANCE * abs(b)
     line = json.loads((spmd / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["samples_per_s"] == 4 * line["samples_per_s_per_device"]
+    # Per-domain losses of update 1 (before any update: only the sum order differs).
+    first = [json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for d in (spmd, single)]
+    per_domain = [{k: v for k, v in m.items() if k.startswith("loss/")} for m in first]
+    assert per_domain[0].keys() == per_domain[1].keys() and per_domain[0]
+    for key, value in per_domain[1].items():
+        assert abs(per_domain[0][key] - value) <= 1e-6 * abs(value)

@@ -32,16 +32,20 @@ class PoisonConfig:
     nan_at: tuple[int, ...] = ()
     where: str = "loss"
     rank_only: int = -1  # poison on this torchrun rank only (-1: every rank)
+    loss_is_domain_id: bool = False  # per-sample loss = the batch's domain id + 1
 
 class Poisoned(torch.nn.Module):
-    def __init__(self, inner, nan_at, where):
+    def __init__(self, inner, nan_at, where, loss_is_domain_id=False):
         super().__init__()
-        self.inner, self.where = inner, where
+        self.inner, self.where, self.loss_is_domain_id = inner, where, loss_is_domain_id
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         # A plain attribute, not a buffer: DDP would overwrite buffers with rank 0's.
         self.bad = torch.tensor(list(nan_at) or [-1])
     def forward(self, batch):
         out = self.inner(batch)
+        if self.loss_is_domain_id:
+            per_sample = batch["domain_id"].float() + 1.0 + 0.0 * out.per_sample_loss
+            out = ModelOutput(per_sample.mean(), per_sample, out.metrics)
         self.calls += 1
         poison = torch.isin(self.calls, self.bad)
         if self.where == "grad":  # a non-finite gradient in one parameter only
@@ -59,7 +63,7 @@ def build_model(config, ctx):
     if config.rank_only >= 0 and ctx.rank != config.rank_only:
         config = attrs.evolve(config, nan_at=())
     inner.predictor_norm_weight = lambda: next(p for n, p in inner.predictor.named_parameters() if p.ndim == 1)
-    return Poisoned(inner, config.nan_at, config.where)
+    return Poisoned(inner, config.nan_at, config.where, config.loss_is_domain_id)
 
 @attrs.frozen
 class RecorderConfig:
@@ -154,6 +158,35 @@ def test_non_finite_update_is_skipped_bitwise_and_the_run_completes(tiny_recipe,
     events = [json.loads(line) for line in (run_dir / "guard_events.jsonl").read_text().splitlines()]
     assert events[0]["step"] == 5 and events[0]["recent_batches"][-1]["step"] == 5  # the 5th update
     assert all(s["source"].endswith(".dcm") for s in events[0]["recent_batches"][-1]["samples"])
+
+
+def test_loss_is_logged_per_domain_from_each_samples_domain(tiny_recipe, probe):
+    # The probe's per-sample loss is its domain id + 1: heidelberg 1, topcon 2, zeiss 3.
+    summary, run_dir = run(tiny_recipe, ["run.max_steps=6", "model.name=poisoned", "model.loss_is_domain_id=true",
+                                         "engine.grad_accum_steps=2", "engine.log_every_steps=2"])
+    lines = metrics(run_dir)
+    expected = {"loss/heidelberg": 1.0, "loss/topcon": 2.0, "loss/zeiss": 3.0}
+    seen = set()
+    for line in lines:
+        per_domain = {k: v for k, v in line.items() if k.startswith("loss/")}
+        assert per_domain and all(v == expected[k] for k, v in per_domain.items())
+        seen |= set(per_domain)
+    assert seen == set(expected)  # 24 samples over 8 volumes: every domain appears
+
+
+def test_each_sample_carries_the_id_of_its_own_domain(tiny_recipe):
+    from octfw.engine.build import build_components
+    from octfw.engine.data import SampleSource, collate
+
+    registry = load_registry()
+    parts = build_components(load_recipe(tiny_recipe, [], registry), run_dir=None, with_loggers=False)
+    assert parts.domains == ["heidelberg", "topcon", "zeiss"]
+    source = SampleSource(parts.dataset, parts.transform, seed=0, domains=parts.domains)
+    items = [source[(0, i)] for i in range(len(parts.dataset))]
+    batch = collate(items)
+    assert batch["tensors"]["domain_id"].dtype == torch.int64
+    assert batch["tensors"]["domain_id"].tolist() == [parts.domains.index(p.domain) for p in batch["provenance"]]
+    assert {p.domain for p in batch["provenance"]} == set(parts.domains)
 
 
 def test_lr_is_monotonic_after_warmup_and_positive_from_the_first_update(tiny_recipe):

@@ -19,7 +19,7 @@ from octfw.errors import UserError
 __all__ = ["Backend", "select_backend"]
 
 #: Rank of each batch tensor (with the batch dimension), for SPMD input sharding.
-BATCH_NDIMS = {"context": 5, "target": 5, "context_idx": 2, "target_idx": 2}
+BATCH_NDIMS = {"context": 5, "target": 5, "context_idx": 2, "target_idx": 2, "domain_id": 1}
 
 
 def _tpu_present() -> bool:

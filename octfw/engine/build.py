@@ -69,6 +69,8 @@ def build_components(
     with_loggers: bool = True,
 ) -> Components:
     """Build dataset first (its size fixes the schedule), then everything else."""
+    from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw lr)
+
     ctx = BuildContext(
         recipe_dir=recipe.folder,
         cache_dir=cache_dir_for(recipe),
@@ -92,7 +94,7 @@ def build_components(
     guards = [spec.build(ctx) for spec in recipe.guards]
     loggers = [spec.build(ctx) for spec in recipe.loggers] if with_loggers and rank == 0 else []
     checkpointer = recipe.checkpointer.build(ctx)
-    domains = sorted({dataset.domain(i) for i in range(len(dataset))})
+    domains = dataset_domains(dataset)
     evaluators = [spec.build(ctx) for spec in recipe.evaluators]
     return Components(ctx, dataset, transform, model, schedule, guards, loggers,
                       checkpointer, steps_per_epoch, domains, evaluators)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from octfw.errors import ContractError, CorruptFile, UserError
-from octfw.types import BATCH_KEYS, Dataset, Provenance, Transform
+from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, Dataset, Provenance, Transform
 
 __all__ = [
     "DOMAIN_SAMPLING",
@@ -38,6 +38,7 @@ __all__ = [
     "collate",
     "make_loader",
     "Quarantine",
+    "dataset_domains",
     "domain_counts",
     "domain_report",
 ]
@@ -141,8 +142,11 @@ class SampleSource(torch.utils.data.Dataset):
     and :class:`Quarantine` records it once.
     """
 
-    def __init__(self, dataset: Dataset, transform: Transform, seed: int):
+    def __init__(self, dataset: Dataset, transform: Transform, seed: int,
+                 domains: list[str] | None = None):
         self.dataset, self.transform, self.seed = dataset, transform, seed
+        names = dataset_domains(dataset) if domains is None else domains
+        self.domain_ids = {name: i for i, name in enumerate(names)}
         self._bad: dict[int, tuple[str, str]] = {}
 
     @property
@@ -172,6 +176,14 @@ class SampleSource(torch.utils.data.Dataset):
                 self._bad[candidate] = (bad.url, bad.reason)
                 skipped.append((bad.url, bad.reason))
                 continue
+            try:
+                domain_id = self.domain_ids[provenance.domain]
+            except KeyError:
+                raise ContractError(
+                    f"{self.dataset!r}: the sample from {provenance.source} has domain "
+                    f"{provenance.domain!r}, but dataset.domain() names only {sorted(self.domain_ids)}"
+                ) from None
+            arrays = {**arrays, DOMAIN_ID_KEY: np.int64(domain_id)}
             return {"arrays": arrays, "provenance": provenance, "quarantined": skipped}
         raise UserError(
             f"no usable file in the dataset: all {len(self.dataset)} files failed to load "
@@ -204,7 +216,7 @@ class SampleSource(torch.utils.data.Dataset):
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack arrays into tensors; keep provenance and quarantine records on the host."""
     tensors = {}
-    for key in BATCH_KEYS:
+    for key in (*BATCH_KEYS, DOMAIN_ID_KEY):
         try:
             tensors[key] = torch.from_numpy(np.stack([item["arrays"][key] for item in items]))
         except KeyError:
@@ -269,6 +281,11 @@ class Quarantine:
 
 def provenance_record(provenance: Provenance) -> dict[str, Any]:
     return {"source": provenance.source, "domain": provenance.domain}
+
+
+def dataset_domains(dataset: Dataset) -> list[str]:
+    """The dataset's domain names, sorted: position i is domain id i."""
+    return sorted({dataset.domain(i) for i in range(len(dataset))})
 
 
 def domain_counts(dataset: Dataset) -> dict[str, int]:

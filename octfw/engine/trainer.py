@@ -31,7 +31,7 @@ from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.schedules import effective_lr
 from octfw.registry import Registry
-from octfw.types import GuardInputs, ModelOutput, StopTraining
+from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining
 
 __all__ = ["train", "Trainer", "RunSummary"]
 
@@ -92,13 +92,14 @@ class GuardLog:
         self.window: collections.deque = collections.deque(maxlen=PROVENANCE_WINDOW)
 
     def remember(self, update_step: int, provenance: list) -> None:
-        self.window.append((update_step, [provenance_record(p) for p in provenance]))
+        self.window.append((update_step, provenance))  # formatted only when written
 
     def write(self, update_step: int, event: str) -> None:
         if self.path is None:
             return
         record = {"step": update_step, "event": event,
-                  "recent_batches": [{"step": s, "samples": samples} for s, samples in self.window]}
+                  "recent_batches": [{"step": s, "samples": [provenance_record(p) for p in batch]}
+                                     for s, batch in self.window]}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -140,7 +141,7 @@ class Trainer:
         if resume is not None:
             self.start_step, self.samples_done = restore(resume, parts, self.model, self.optimizer)
 
-        source = SampleSource(parts.dataset, parts.transform, recipe.run.seed)
+        source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
         loader = make_loader(source, recipe.engine.per_device_batch * backend.local_devices,
                              recipe.run.seed, self.samples_done,
                              recipe.engine.num_workers, backend.rank, backend.world_size,
@@ -148,8 +149,8 @@ class Trainer:
         self.batches = iter(backend.device_batches(loader))
         writes = run_dir if backend.is_main_process else None  # only rank 0 writes files
         self.quarantine, self.guard_log = Quarantine(writes), GuardLog(writes)
-        self.domain_index = {d: i for i, d in enumerate(parts.domains)}
-        self.totals = DeviceTotals(backend.device, len(self.domain_index))
+        self.totals = DeviceTotals(backend.device, len(parts.domains))
+        self._applied = torch.ones((), dtype=torch.bool, device=backend.device)  # the verdict without guards
         self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
         self.first_loss = self.last_loss = None
         self.checkpoint, self.failed_saves = None, []
@@ -164,8 +165,14 @@ class Trainer:
 
     # --- one update step ------------------------------------------------
 
-    def update(self, update_step: int) -> tuple[torch.Tensor, ModelOutput]:
-        """grad_accum micro-steps, one guarded optimizer step, EMA. No host sync."""
+    def is_log_step(self, done: int) -> bool:
+        return done % self.recipe.engine.log_every_steps == 0 or done == self.total
+
+    def update(self, update_step: int) -> tuple[torch.Tensor | None, ModelOutput]:
+        """grad_accum micro-steps, one guarded optimizer step, EMA. No host sync.
+
+        Returns the gradient norm (None when neither a guard nor this step's
+        log needs it) and the last micro-step's model output."""
         engine, schedule, backend = self.recipe.engine, self.parts.schedule, self.backend
         lr, wd = schedule.lr(update_step), schedule.weight_decay(update_step)
         for group in self.optimizer.param_groups:
@@ -193,26 +200,27 @@ class Trainer:
                     out: ModelOutput = self.forward(batch["tensors"])
                 (out.loss / engine.grad_accum_steps).backward()
             step_loss += out.loss.detach().float() / engine.grad_accum_steps
-            self._add_domain_losses(out, batch["provenance"])
+            self._add_domain_losses(out, batch["tensors"][DOMAIN_ID_KEY])
         self.samples_done += engine.grad_accum_steps * engine.per_device_batch * backend.local_devices
         self.guard_log.remember(update_step + 1, provenance)
         if is_ddp():  # every rank's guards see the same (mean) loss; SPMD's is global already
             all_reduce_(step_loss)
             step_loss /= backend.world_size
 
-        # Measured once per update: before clipping, before zero_grad.
-        norm = grad_norm(self.parameters)
+        # Measured before clipping and zero_grad, when guards or the log read it.
+        guards = self.parts.guards
+        norm = grad_norm(self.parameters) if guards or self.is_log_step(update_step + 1) else None
         inputs = GuardInputs(update_step, step_loss, norm, tuple(self.parameters),
                              effective_lr(schedule, update_step, engine.base_lr))
         verdict = None
-        for guard in self.parts.guards:
+        for guard in guards:
             vote = guard.before_step(inputs)
             if vote is not None:
                 verdict = vote if verdict is None else verdict & vote
         if verdict is not None:
             verdict = min_across_ranks(verdict)  # every rank takes the same decision
         self.guarded_step(verdict)
-        ok = torch.ones((), dtype=torch.bool, device=backend.device) if verdict is None else verdict
+        ok = self._applied if verdict is None else verdict
         momentum = schedule.ema_momentum(update_step)
         if momentum is not None and hasattr(self.model, "ema_update"):
             # Momentum 1.0 leaves the EMA untouched when the update was skipped.
@@ -225,13 +233,10 @@ class Trainer:
         backend.step_boundary()
         return norm, out
 
-    def _add_domain_losses(self, out: ModelOutput, provenance: list) -> None:
-        onehot = torch.zeros(len(provenance), len(self.domain_index))
-        for row, p in enumerate(provenance):
-            onehot[row, self.domain_index[p.domain]] = 1.0
-        onehot = onehot.to(self.backend.device)
-        self.totals.domain_loss += (out.per_sample_loss.detach().float()[:, None] * onehot).sum(0)
-        self.totals.domain_count += onehot.sum(0)
+    def _add_domain_losses(self, out: ModelOutput, domain_ids: torch.Tensor) -> None:
+        per_sample = out.per_sample_loss.detach().float()
+        self.totals.domain_loss.index_add_(0, domain_ids, per_sample)
+        self.totals.domain_count.index_add_(0, domain_ids, torch.ones_like(per_sample))
 
     # --- log and checkpoint steps ----------------------------------------
 
@@ -267,7 +272,7 @@ class Trainer:
             "epoch": self.samples_done * backend.world_size / len(self.parts.dataset),
             **{k: v for k, v in host.items() if k.startswith("metric/")},
             # A domain with no sample since the last log step has no loss to show.
-            **{f"loss/{d}": host["domain_loss"][i] for d, i in self.domain_index.items()
+            **{f"loss/{d}": host["domain_loss"][i] for i, d in enumerate(self.parts.domains)
                if host["domain_count"][i] > 0},
         }
         self._data_wait_s = 0.0
@@ -349,7 +354,7 @@ class Trainer:
                     self.heartbeat.beat(done)
                     for logger in self._step_listeners:
                         logger.on_step(done)
-                    if done % engine.log_every_steps == 0 or done == total:
+                    if self.is_log_step(done):
                         self.log(done, norm, out)
                     self.evaluate(done)
                     every = engine.checkpoint_every_steps
