@@ -74,9 +74,14 @@ def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int = 8):
 
 class HandLoop:
     """What one writes by hand: forward, backward (accumulated), optional clip,
-    AdamW step, EMA, zero_grad; the loss read on the host at log steps."""
+    AdamW step, EMA, zero_grad; the loss read on the host at log steps.
 
-    def __init__(self, trainer, batches: list[dict[str, torch.Tensor]], clip: float | None):
+    ``skip_on_host``: skip a non-finite update the way a hand-written loop
+    does it, by reading the loss and gradient norm on the host every update.
+    """
+
+    def __init__(self, trainer, batches: list[dict[str, torch.Tensor]], clip: float | None,
+                 skip_on_host: bool = False):
         from octfw.engine.trainer import make_optimizer
 
         self.model = copy.deepcopy(trainer.model)
@@ -84,7 +89,7 @@ class HandLoop:
         self.batches = itertools.cycle(batches)
         self.schedule, self.engine, self.backend = trainer.parts.schedule, trainer.recipe.engine, trainer.backend
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.clip = clip
+        self.clip, self.skip_on_host = clip, skip_on_host
         self.last_loss = None
 
     def step(self, update_step: int, log: bool) -> None:
@@ -92,16 +97,19 @@ class HandLoop:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         accum = self.engine.grad_accum_steps
+        loss = 0.0
         for _ in range(accum):
             with self.backend.autocast():
                 out = self.model(next(self.batches))
             (out.loss / accum).backward()
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.optimizer.step()
-        # A device tensor, as the engine passes it: a changing Python float would recompile on xla.
-        momentum = torch.tensor(self.schedule.ema_momentum(update_step), device=self.backend.device)
-        self.model.ema_update(momentum)
+            if self.skip_on_host:
+                loss = loss + out.loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip) if self.clip is not None else None
+        if not self.skip_on_host or bool(torch.isfinite(loss) & torch.isfinite(norm)):  # a host sync
+            self.optimizer.step()
+            # A device tensor, as the engine passes it: a changing Python float would recompile on xla.
+            momentum = torch.tensor(self.schedule.ema_momentum(update_step), device=self.backend.device)
+            self.model.ema_update(momentum)
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.step_boundary()
         if log:

@@ -140,3 +140,42 @@ def test_no_patient_identifier_reaches_outputs_logs_checkpoints_or_the_cache(tmp
     # The test would see a leak: the identifiers are really in the inputs.
     assert leaks((tmp_path / "cohort" / "heidelberg" / "000.dcm").read_bytes())
     assert leaks((tmp_path / "cohort" / "heidelberg" / "broken.dcm").read_bytes())
+
+
+def test_a_vendor_file_run_writes_no_patient_identifier(tmp_path, capsys):
+    """The same search after a run on raw Topcon and Heidelberg files that
+    carry the identifiers in their patient chunks (one of them truncated)."""
+    import datetime
+
+    import pytest
+
+    pytest.importorskip("oct_converter")
+    from vendor_files import Patient, e2e_bytes, fda_bytes, fds_bytes
+
+    patient = Patient(PATIENT["PatientID"], "Zentrick", "Qorvalis", datetime.date(1937, 2, 14))
+    cohort = tmp_path / "cohort"
+    cohort.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(3):
+        volume = _volume(index)
+        (cohort / f"scan{index}.fds").write_bytes(fds_bytes(volume, 6.0, 6.0, 2.6, patient=patient))
+        (cohort / f"scan{index}.fda").write_bytes(fda_bytes(volume, 6.0, 6.0, 2.6, patient=patient))
+        values = (1 + rng.integers(0, 1024, size=(4, 20, 16)) / 1024) * 2.0 ** rng.integers(-12, -1, (4, 20, 16))
+        (cohort / f"scan{index}.e2e").write_bytes(e2e_bytes(values, axial_mm=0.0039, patient=patient))
+    whole = (cohort / "scan0.e2e").read_bytes()
+    (cohort / "cut.e2e").write_bytes(whole[: len(whole) // 2])
+    assert all(leaks(p.read_bytes()) for p in cohort.iterdir())  # the inputs do carry them
+    recipe = RECIPE.replace('name = "dicom"\npath = "cohort"',
+                            'name = "oct-vendor"\npath = "cohort"\ndefault_spacing = [0.2, 0.01, 0.02]')
+    (tmp_path / "recipe.toml").write_text(textwrap.dedent(recipe), encoding="utf-8")
+
+    assert main(["run", str(tmp_path / "recipe.toml")]) == 0
+    printed = capsys.readouterr()
+    run_dir = next((tmp_path / "runs" / "recipe").iterdir())
+    quarantined = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
+    assert [Path(q["url"]).name for q in quarantined] == ["cut.e2e"]
+    found = {str(p): leaks(p.read_bytes()) for p in files_under(run_dir) + files_under(tmp_path / "cache")}
+    found.update({f"{p} (unpickled)": leaks(repr(torch.load(p, map_location="cpu", weights_only=False)).encode())
+                  for p in (run_dir / "checkpoints").glob("*.pt")})
+    found.update(stdout=leaks(printed.out.encode()), stderr=leaks(printed.err.encode()))
+    assert not {k: v for k, v in found.items() if v}, f"patient identifiers leaked: {found}"
