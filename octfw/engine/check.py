@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from octfw.engine.build import build_components, check_schedule
-from octfw.engine.data import SampleSource, collate
+from octfw.engine.data import SampleSource, collate, domain_counts
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError, UserError
 from octfw.recipe import Recipe
@@ -64,13 +64,11 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     torch.manual_seed(recipe.run.seed)
     parts = build_components(recipe, run_dir=None, with_loggers=False)
     ctx = parts.ctx
-    counts = {d: 0 for d in parts.domains}
-    for i in range(len(parts.dataset)):
-        counts[parts.dataset.domain(i)] += 1
+    counts = domain_counts(parts.dataset)
     report(f"dataset   {recipe.dataset.name}: {len(parts.dataset)} samples; domains "
            + ", ".join(f"{d} {n}" for d, n in counts.items()))
 
-    source = SampleSource(parts.dataset, parts.transform, recipe.run.seed)
+    source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
     items = [source[(0, i % len(parts.dataset))] for i in range(recipe.engine.per_device_batch)]
     first = items[0]
     for url, reason in (q for item in items for q in item["quarantined"]):
