@@ -2,8 +2,8 @@
 in memory, and the hand-written PyTorch loop it is compared with.
 
 Both sides get the same model (a deep copy taken before any step), the same
-batches (already on the device, so data loading is excluded) and the same
-AdamW (octfw's parameter groups and foreach/capturable settings).
+batches (already on the device, so data loading is excluded) and AdamW with
+octfw's parameter groups: the engine's own implementation, or torch's.
 """
 
 from __future__ import annotations
@@ -78,14 +78,25 @@ class HandLoop:
 
     ``skip_on_host``: skip a non-finite update the way a hand-written loop
     does it, by reading the loss and gradient norm on the host every update.
+
+    ``optimizer``: ``"octfw"`` builds the optimizer the engine builds
+    (:func:`octfw.engine.trainer.make_optimizer`: torch's multi-tensor AdamW
+    on the CPU, octfw's GatedAdamW on accelerators), so the pair measures the
+    engine's own code; ``"torch"`` builds ``torch.optim.AdamW`` with torch's
+    defaults for the device, as one writes it by hand.
     """
 
     def __init__(self, trainer, batches: list[dict[str, torch.Tensor]], clip: float | None,
-                 skip_on_host: bool = False):
+                 skip_on_host: bool = False, optimizer: str = "octfw"):
         from octfw.engine.trainer import make_optimizer
 
         self.model = copy.deepcopy(trainer.model)
-        self.optimizer = make_optimizer(self.model, trainer.recipe, trainer.backend)
+        if optimizer == "octfw":
+            self.optimizer = make_optimizer(self.model, trainer.recipe, trainer.backend)
+        else:
+            engine = trainer.recipe.engine
+            self.optimizer = torch.optim.AdamW(self.model.param_groups(engine.weight_decay), lr=engine.base_lr,
+                                               betas=engine.betas, eps=engine.eps)
         self.batches = itertools.cycle(batches)
         self.schedule, self.engine, self.backend = trainer.parts.schedule, trainer.recipe.engine, trainer.backend
         self.params = [p for p in self.model.parameters() if p.requires_grad]

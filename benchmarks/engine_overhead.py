@@ -1,8 +1,11 @@
 """Engine overhead: octfw's update step (the real Trainer) against a hand-written
 PyTorch loop, same model, batches, AdamW and device, in one process.
 
-Three pairs are measured, each side in alternating blocks of ``--block``
-update steps (one log step per block) so that machine noise hits both alike:
+Four pairs are measured, each side in alternating blocks of ``--block``
+update steps (one log step per block) so that machine noise hits both alike.
+In the first three the hand loop uses the optimizer the engine builds
+(torch's multi-tensor AdamW on the CPU, octfw's GatedAdamW on torch_xla), so
+they measure the engine's own code:
 
 - ``bare``: octfw without guards against the hand loop without clipping;
 - ``guarded``: octfw with nan-skip + grad-clip against the hand loop with
@@ -11,6 +14,9 @@ update steps (one log step per block) so that machine noise hits both alike:
 - ``guarded-vs-host-skip``: the same octfw against a hand loop that also
   skips non-finite updates, the way one writes it by hand: reading the loss
   and gradient norm on the host every update.
+- ``guarded-vs-torch-adamw``: the same octfw against the hand loop of
+  ``guarded`` written with ``torch.optim.AdamW`` and torch's defaults for the
+  device, what one gets without octfw.
 
 Devices: the CPU (eager), and torch_xla on the CPU in a subprocess
 (``--device xla`` runs that side alone). Data loading is excluded: both sides
@@ -34,9 +40,10 @@ GUARDED = 'guard=[{name="nan-skip"},{name="grad-clip",max_norm=1.0}]'
 TARGET = 1.02  # octfw at most 2 % slower
 
 
-#: pair -> (octfw's guards, the hand loop's clip, whether the hand loop skips on the host)
-PAIRS = {"bare": ("guard=[]", None, False), "guarded": (GUARDED, 1.0, False),
-         "guarded-vs-host-skip": (GUARDED, 1.0, True)}
+#: pair -> (octfw's guards, the hand loop's clip, whether it skips on the host, its optimizer)
+PAIRS = {"bare": ("guard=[]", None, False, "octfw"), "guarded": (GUARDED, 1.0, False, "octfw"),
+         "guarded-vs-host-skip": (GUARDED, 1.0, True, "octfw"),
+         "guarded-vs-torch-adamw": (GUARDED, 1.0, False, "torch")}
 
 
 def measure(device: str, rounds: int, block: int, overrides: list[str], pairs: list[str]) -> dict:
@@ -44,10 +51,10 @@ def measure(device: str, rounds: int, block: int, overrides: list[str], pairs: l
 
     figures = {}
     for pair in pairs:
-        guards, clip, skip_on_host = PAIRS[pair]
+        guards, clip, skip_on_host, optimizer = PAIRS[pair]
         trainer, batches = make_trainer(RECIPE, [f"run.device={device}", f"engine.log_every_steps={block}",
                                                  guards, *overrides])
-        hand = HandLoop(trainer, batches, clip, skip_on_host)
+        hand = HandLoop(trainer, batches, clip, skip_on_host, optimizer)
         times = alternate({"octfw": lambda s, log: octfw_step(trainer, s, log), "hand": hand.step},
                           rounds=rounds, block=block, log_every=block, sync=trainer.backend.synchronize)
         octfw_s, hand_s = median(times["octfw"]), median(times["hand"])

@@ -5,6 +5,7 @@ same global batch."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -88,3 +89,20 @@ def test_spmd_on_four_cpu_devices_matches_one_device(tmp_path):
     assert per_domain[0].keys() == per_domain[1].keys() and per_domain[0]
     for key, value in per_domain[1].items():
         assert abs(per_domain[0][key] - value) <= 1e-6 * abs(value)
+
+
+def test_spmd_skips_a_non_finite_update_on_the_device(tmp_path):
+    """A NaN gradient at update 2 under SPMD on two CPU devices: nan-skip's
+    verdict stays on the device and goes into GatedAdamW's update, so the
+    parameters after update 2 equal those after update 1, and training goes on."""
+    setup(tmp_path)
+    run_dir = launch(tmp_path, [
+        "--set", "run.device=xla", "--set", "engine.per_device_batch=1", "--set", "model.name=poisoned", "--set", "model.nan_at=[2]",
+        "--set", "model.where=grad", "--set", 'guard=[{name="nan-skip"},{name="checksum"}]'],
+        env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "XLA_FLAGS": FAST_COMPILE})
+    assert json.loads((run_dir / "summary.json").read_text())["skipped_updates"] == 1
+    checksums = [line.split() for line in (run_dir / "checksum_rank0.txt").read_text().splitlines()]
+    assert [int(step) for step, _ in checksums] == [1, 2, 3, 4]
+    totals = [float(total) for _, total in checksums]
+    assert all(math.isfinite(t) for t in totals)
+    assert totals[1] == totals[0] and totals[2] != totals[1] and totals[3] != totals[2]

@@ -40,16 +40,15 @@ def real_saved_bytes(model, batch) -> int:
 def test_parameter_gradient_and_adamw_parts_are_exact():
     model, batch = MLP(), {"x": torch.randn(4, 64)}
     trainable = (64 * 256 + 256 + 256 * 8 + 8) * 4
-    parts = estimate_memory(model, batch, guarded=True).parts
+    parts = estimate_memory(model, batch).parts
     assert parts["parameters"] == parts["gradients"] == trainable
-    assert parts["optimizer"] == 2 * trainable and parts["guard snapshot"] == 3 * trainable
+    assert parts["optimizer"] == 2 * trainable
     assert parts["ema"] == (8 * 8 + 8) * 4 and parts["batch"] == 4 * 64 * 4
-    assert estimate_memory(model, batch, guarded=False).parts["guard snapshot"] == 0
 
 
 def test_activations_measured_on_meta_equal_what_autograd_saves():
     model, batch = MLP(), {"x": torch.randn(16, 64)}
-    assert estimate_memory(model, batch, guarded=False).parts["activations"] == real_saved_bytes(model, batch)
+    assert estimate_memory(model, batch).parts["activations"] == real_saved_bytes(model, batch)
 
 
 def seeds_model():
@@ -77,8 +76,8 @@ def test_seeds_multi_domain_config_fits_a_tpu_v4_at_batch_1_but_not_at_8(monkeyp
     hbm, desc = device_memory("xla")
     assert hbm == 32 * GIB and desc == "TPU v4 HBM per device"
     model = seeds_model()
-    one = estimate_memory(model, meta_batch(1), guarded=True)
-    eight = estimate_memory(model, meta_batch(8), guarded=True)
+    one = estimate_memory(model, meta_batch(1))
+    eight = estimate_memory(model, meta_batch(8))
     assert memory_report(one, hbm, desc)[1] is None
     line, warning = memory_report(eight, hbm, desc)
     assert warning and "exceeds 32 GiB (TPU v4 HBM per device)" in warning and "activations" in warning

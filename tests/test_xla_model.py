@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 22
 
 # The training step of the engine in miniature: forward, backward, AdamW
-# (per-tensor and capturable, as the engine builds it on xla), EMA with the
+# (octfw's GatedAdamW, as the engine builds it on xla, fed a device verdict), EMA with the
 # momentum as a device tensor (1.0 on a non-finite loss), one sync per step.
 # Every step gets a fresh random batch and fresh random masks of fixed size.
 SCRIPT = textwrap.dedent("""
@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent("""
     import torch_xla
     import torch_xla.debug.metrics as met
 
+    from octfw.engine.optim import GatedAdamW
     from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
     from octfw.types import BuildContext
 
@@ -55,14 +56,13 @@ SCRIPT = textwrap.dedent("""
     ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0, image_size=IMAGE)
     device = torch_xla.device()
     model = build(VJEPA3DConfig(preset="tiny", patch_size=PATCH), ctx).to(device)
-    optimizer = torch.optim.AdamW(model.param_groups(0.05), lr=1e-3, betas=(0.9, 0.95),
-                                  foreach=False, capturable=True)
+    optimizer = GatedAdamW(model.param_groups(0.05), lr=1e-3, betas=(0.9, 0.95))
     n_target = int(0.6 * model.num_patches)
     per_step = []
     for step in range(STEPS):
         out = model(random_batch(n_target))
         out.loss.backward()
-        optimizer.step()
+        optimizer.step(torch.isfinite(out.loss))
         optimizer.zero_grad(set_to_none=True)
         momentum = torch.tensor(0.996 + 0.004 * step / STEPS, device=device)
         model.ema_update(torch.where(torch.isfinite(out.loss), momentum, 1.0))

@@ -109,7 +109,7 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     # --- memory (octfw.engine.memory): estimated per device, warned before the run ---
     from octfw.engine.memory import device_memory, estimate_memory, memory_report
 
-    estimate = estimate_memory(model, batch, guarded=bool(recipe.guards))
+    estimate = estimate_memory(model, batch)
     memory_line, memory_warning = memory_report(estimate, *device_memory(resolve_device(recipe.run.device)))
     report(memory_line)
     if memory_warning:

@@ -12,8 +12,6 @@ What is counted, in bytes, for one device:
 - ``buffers``: position embeddings and other buffers;
 - ``gradients``: one fp32 gradient per trainable parameter;
 - ``optimizer``: AdamW's two moments per trainable parameter;
-- ``guard snapshot``: when a guard can veto an update, the parameters and
-  optimizer state are copied before the step (:class:`octfw.engine.update.GuardedStep`);
 - ``activations``: the tensors autograd saves for the backward pass of one
   micro-batch, measured by running the forward on ``meta`` tensors (shapes
   only: nothing is computed or allocated) with ``saved_tensors_hooks``.
@@ -22,8 +20,9 @@ What is counted, in bytes, for one device:
 - ``batch``: the input tensors of one micro-batch.
 
 Allocator fragmentation, compiler workspaces and the transient buffers of
-the backward pass come on top: a total near the device's memory is already
-a risk.
+the backward pass and of the optimizer step (one per parameter) come on top:
+a total near the device's memory is already a risk. A guard's veto costs no
+memory: it goes into the update itself (:mod:`octfw.engine.optim`).
 
 Device memory: the CPU's available RAM (``MemAvailable``), a CUDA device's
 total memory, a TPU chip's HBM by generation (from ``TPU_ACCELERATOR_TYPE``,
@@ -97,12 +96,8 @@ def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any]) -> int:
     return sum(_nbytes(t) for t in seen.values())
 
 
-def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, guarded: bool) -> MemoryEstimate:
-    """Estimate the per-device bytes of training ``model`` on micro-batches like ``batch``.
-
-    ``guarded``: a guard may veto updates, so the engine snapshots the
-    parameters and optimizer state before each step.
-    """
+def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any]) -> MemoryEstimate:
+    """Estimate the per-device bytes of training ``model`` on micro-batches like ``batch``."""
     trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
     frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad)
     parts = {
@@ -111,7 +106,6 @@ def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, guarded
         "buffers": sum(_nbytes(b) for b in model.buffers()),
         "gradients": trainable,
         "optimizer": ADAMW_STATES * trainable,
-        "guard snapshot": (1 + ADAMW_STATES) * trainable if guarded else 0,
         "activations": activation_bytes(model, batch),
         "batch": sum(_nbytes(v) for v in batch.values() if torch.is_tensor(v)),
     }

@@ -26,7 +26,8 @@ from octfw.engine.data import Quarantine, SampleSource, domain_report, make_load
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.state import restore, save
-from octfw.engine.update import GuardedStep, grad_norm
+from octfw.engine.optim import GatedAdamW
+from octfw.engine.update import grad_norm, step_unless_vetoed
 from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.schedules import effective_lr
@@ -71,14 +72,10 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> 
         groups = model.param_groups(engine.weight_decay)
     else:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    # capturable keeps the step counter on the device (xla, cuda), so a skipped
-    # update can restore it without a host sync. torch's multi-tensor AdamW
-    # refuses capturable on xla; the per-tensor path traces into the same graph.
-    return torch.optim.AdamW(
-        groups, lr=engine.base_lr, betas=engine.betas, eps=engine.eps,
-        weight_decay=engine.weight_decay, foreach=backend.kind != "xla",
-        capturable=backend.kind != "cpu",
-    )
+    hyper = {"lr": engine.base_lr, "betas": engine.betas, "eps": engine.eps, "weight_decay": engine.weight_decay}
+    if backend.kind == "cpu":  # the verdict is on the host: a vetoed update is simply not taken
+        return torch.optim.AdamW(groups, **hyper, foreach=True)
+    return GatedAdamW(groups, **hyper)  # takes the device-side verdict into the update itself
 
 
 class GuardLog:
@@ -132,7 +129,6 @@ class Trainer:
         self.model = parts.model.to(backend.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, recipe, backend)
-        self.guarded_step = GuardedStep(self.optimizer, self.parameters)
         self.forward = torch.compile(self.model) if recipe.engine.compile else self.model
         if is_ddp():  # gradients averaged across torchrun processes
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
@@ -219,7 +215,7 @@ class Trainer:
                 verdict = vote if verdict is None else verdict & vote
         if verdict is not None:
             verdict = min_across_ranks(verdict)  # every rank takes the same decision
-        self.guarded_step(verdict)
+        step_unless_vetoed(self.optimizer, verdict)
         ok = self._applied if verdict is None else verdict
         momentum = schedule.ema_momentum(update_step)
         if momentum is not None and hasattr(self.model, "ema_update"):

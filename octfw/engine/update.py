@@ -1,17 +1,19 @@
-"""One optimizer update that a guard can veto on the device, without a host sync.
+"""One optimizer update that a guard can veto, without a host sync.
 
-On an accelerator the optimizer always steps; when the verdict is False,
-``torch.where`` puts back the parameters and optimizer state saved just
-before, so a skipped update leaves them bitwise as they were. The snapshot is
-taken only when a guard can veto. On the CPU the verdict already lives on the
-host, so reading it costs no sync and a vetoed step is simply not taken.
+On the CPU the verdict already lives on the host, so reading it costs no sync
+and a vetoed update is simply not taken. On an accelerator the verdict stays
+on the device and goes into the update itself
+(:class:`octfw.engine.optim.GatedAdamW`): a vetoed update leaves parameters,
+moments and step counts as they were.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["grad_norm", "GuardedStep"]
+from octfw.engine.optim import GatedAdamW
+
+__all__ = ["grad_norm", "step_unless_vetoed"]
 
 
 def grad_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
@@ -23,39 +25,15 @@ def grad_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-class GuardedStep:
-    def __init__(self, optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor]):
-        self.optimizer = optimizer
-        self.parameters = parameters
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        tensors = []
-        for p in self.parameters:
-            for value in self.optimizer.state.get(p, {}).values():
-                if torch.is_tensor(value):
-                    tensors.append(value)
-        return tensors
-
-    @torch.no_grad()
-    def __call__(self, verdict: torch.Tensor | None) -> None:
-        if verdict is None:
-            self.optimizer.step()
-            return
-        if verdict.device.type == "cpu":
-            if bool(verdict):
-                self.optimizer.step()
-            return
-        before = [t.clone() for t in (*self.parameters, *self._state_tensors())]
-        self.optimizer.step()
-        after = [*self.parameters, *self._state_tensors()]
-        if len(after) != len(before):
-            # First step: the optimizer created its state just now. Skipping it
-            # means restoring parameters and resetting the new state to zero.
-            params = after[: len(self.parameters)]
-            for p, old in zip(params, before):
-                p.copy_(torch.where(verdict, p, old))
-            for t in after[len(self.parameters):]:
-                t.copy_(torch.where(verdict, t, torch.zeros_like(t)))
-            return
-        for t, old in zip(after, before):
-            t.copy_(torch.where(verdict.to(t.device), t, old))
+@torch.no_grad()
+def step_unless_vetoed(optimizer: torch.optim.Optimizer, verdict: torch.Tensor | None) -> None:
+    """The optimizer step, unless the guards' combined verdict is False."""
+    if verdict is None:
+        optimizer.step()
+    elif verdict.device.type == "cpu":
+        if bool(verdict):
+            optimizer.step()
+    elif isinstance(optimizer, GatedAdamW):
+        optimizer.step(verdict)
+    else:
+        raise TypeError(f"a device-side verdict needs GatedAdamW, not {type(optimizer).__name__}")

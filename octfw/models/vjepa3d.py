@@ -287,19 +287,19 @@ class VJEPA3D(nn.Module):
         """``ema = m * ema + (1 - m) * online`` for every target-encoder parameter.
 
         ``momentum`` is a float or a 0-dim tensor on the model's device (no
-        host sync). ``lerp_`` with weight ``1 - m`` returns the EMA exactly
-        unchanged for ``m == 1``, which is how the engine leaves it untouched
-        on a skipped update.
+        host sync). Computed as ``ema + (1 - m) * (online - ema)``, which is
+        the EMA exactly unchanged for ``m == 1``: how the engine leaves it
+        untouched on a skipped update. Out-of-place ops and one copy back, not
+        ``lerp_``: torch_xla traces an in-place lerp about 25 times slower.
         """
         ema = list(self.target_encoder.parameters())
         online = list(self.context_encoder.parameters())
         if isinstance(momentum, torch.Tensor):
             weight = (1.0 - momentum).to(device=ema[0].device, dtype=ema[0].dtype)
-            # The list overload keeps the weight on the device; the scalar
-            # overload would read a tensor weight on the host.
-            torch._foreach_lerp_(ema, online, [weight] * len(ema))
         else:
-            torch._foreach_lerp_(ema, online, 1.0 - float(momentum))
+            weight = 1.0 - float(momentum)
+        step = torch._foreach_mul(torch._foreach_sub(online, ema), weight)
+        torch._foreach_copy_(ema, torch._foreach_add(ema, step))
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Two optimizer groups over the trainable parameters.

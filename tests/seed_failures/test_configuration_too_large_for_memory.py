@@ -3,7 +3,7 @@ workers out of memory; it surfaced as ``BrokenProcessPool`` and was fixed by
 shrinking the config by trial.
 
 ``octfw check`` estimates the per-device memory of a training step
-(parameters, EMA, gradients, AdamW state, the guard snapshot, activations
+(parameters, EMA, gradients, AdamW state, activations
 measured on meta tensors) and warns, before the run, when it exceeds the
 device's memory. ``OCTFW_DEVICE_MEMORY_GIB`` stands for a device smaller than
 this machine."""

@@ -1,9 +1,9 @@
 """``nan-skip``: an update with a non-finite loss or gradient is not applied.
 
-The verdict is a device tensor; the engine applies the update with
-``torch.where`` so parameters, optimizer state and EMA stay bitwise as they
-were. No host sync: the skip count is read with the other metrics at log
-steps.
+The verdict is a device tensor; on accelerators it goes into the update
+itself (:class:`octfw.engine.optim.GatedAdamW`), so parameters, optimizer
+state and EMA keep their values exactly. No host sync: the skip count is read
+with the other metrics at log steps.
 """
 
 from __future__ import annotations
