@@ -15,6 +15,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -171,3 +172,22 @@ def run_subprocess(args: list[str], env: dict[str, str] | None = None, timeout: 
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{result.stderr[-3000:]}")
     return result.stdout
+
+
+def xla_side(script: str, args: list[str]) -> list[dict[str, Any]]:
+    """The results of ``script --device xla --json-only ARGS``, run in its own
+    process: torch_xla patches torch process-wide."""
+    command = [sys.executable, script, "--device", "xla", "--json-only", *args]
+    return json.loads(run_subprocess(command, env={"PJRT_DEVICE": "CPU"}).strip().splitlines()[-1])
+
+
+def publish(name: str, results: list[dict[str, Any]], json_only: bool, report: Callable[[dict], None]) -> None:
+    """One JSON line for the parent process (``--json-only``), else the
+    summary lines and ``benchmarks/results/<name>.json``."""
+    if json_only:
+        print(json.dumps(results))
+        return
+    for result in results:
+        report(result)
+    path = write_result(name, {"machine": machine(), "results": results})
+    print(f"written {path.relative_to(ROOT)}")

@@ -29,11 +29,8 @@ Prints one line per figure and writes ``benchmarks/results/engine_overhead.json`
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
-from _common import ROOT, HandLoop, alternate, machine, make_trainer, median, octfw_step, run_subprocess, write_result
+from _common import ROOT, HandLoop, alternate, make_trainer, median, octfw_step, publish, xla_side
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 GUARDED = 'guard=[{name="nan-skip"},{name="grad-clip",max_norm=1.0}]'
@@ -101,20 +98,12 @@ def main() -> None:
         # since the XLA CPU JIT of more than two models exhausts the process's memory maps.
         xla = None
         for pair in pairs:
-            command = [sys.executable, str(Path(__file__)), "--device", "xla", "--json-only", "--pair", pair,
-                       "--rounds", str(args.rounds), "--block", str(args.block)]
-            for item in args.set:
-                command += ["--set", item]
-            result = json.loads(run_subprocess(command, env={"PJRT_DEVICE": "CPU"}).strip().splitlines()[-1])[0]
+            sets = [arg for item in args.set for arg in ("--set", item)]
+            result = xla_side(__file__, ["--pair", pair, "--rounds", str(args.rounds), "--block", str(args.block),
+                                         *sets])[0]
             xla = result if xla is None else {**xla, "figures": {**xla["figures"], **result["figures"]}}
         results.append(xla)
-    if args.json_only:
-        print(json.dumps(results))
-        return
-    for result in results:
-        report(result)
-    path = write_result("engine_overhead", {"machine": machine(), "results": results})
-    print(f"written {path.relative_to(ROOT)}")
+    publish("engine_overhead", results, args.json_only, report)
 
 
 if __name__ == "__main__":

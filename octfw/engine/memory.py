@@ -20,7 +20,8 @@ What is counted, in bytes, for one device:
 - ``batch``: the input tensors of one micro-batch.
 
 Allocator fragmentation, compiler workspaces and the transient buffers of
-the backward pass and of the optimizer step (one per parameter) come on top:
+the backward pass and of the optimizer step (a few per parameter in eager
+mode, fused away on xla) come on top:
 a total near the device's memory is already a risk. A guard's veto costs no
 memory: it goes into the update itself (:mod:`octfw.engine.optim`).
 
