@@ -15,11 +15,12 @@ import attrs
 import torch
 
 from octfw.errors import UserError
+from octfw.types import DOMAIN_ID_KEY
 
 __all__ = ["Backend", "select_backend"]
 
 #: Rank of each batch tensor (with the batch dimension), for SPMD input sharding.
-BATCH_NDIMS = {"context": 5, "target": 5, "context_idx": 2, "target_idx": 2, "domain_id": 1}
+BATCH_NDIMS = {"context": 5, "target": 5, "context_idx": 2, "target_idx": 2, DOMAIN_ID_KEY: 1}
 
 
 def _tpu_present() -> bool:

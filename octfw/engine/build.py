@@ -69,7 +69,7 @@ def build_components(
     with_loggers: bool = True,
 ) -> Components:
     """Build dataset first (its size fixes the schedule), then everything else."""
-    from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw lr)
+    from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
     ctx = BuildContext(
         recipe_dir=recipe.folder,

@@ -285,7 +285,7 @@ def provenance_record(provenance: Provenance) -> dict[str, Any]:
 
 def dataset_domains(dataset: Dataset) -> list[str]:
     """The dataset's domain names, sorted: position i is domain id i."""
-    return sorted({dataset.domain(i) for i in range(len(dataset))})
+    return sorted(domain_counts(dataset))
 
 
 def domain_counts(dataset: Dataset) -> dict[str, int]:
