@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Creates .venv in the repository root and installs octfw with every extra the
-# tests use (torch 2.9.0 + torch_xla 2.9.0, gcsfs, wandb, DICOM codecs, pytest
-# and the GCS emulator). Safe to run again: it only installs what is missing.
+# Creates .venv in the repository root and installs exactly requirements.lock
+# (octfw's runtime and dev dependencies, torch 2.9.0 + torch_xla 2.9.0
+# included, pinned with hashes), then octfw itself in editable mode.
+# Safe to run again: pip skips what is already installed at the locked version.
+# To change a dependency: edit pyproject.toml, run ./scripts/lock.sh, commit both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -9,6 +11,9 @@ if [ ! -x .venv/bin/python ]; then
     echo "octfw setup: creating .venv with $python"
     "$python" -m venv .venv
 fi
-echo "octfw setup: installing octfw[xla,dev] into .venv (a fresh install downloads about 7 GB)"
-.venv/bin/python -m pip install --disable-pip-version-check -q -e '.[xla,dev]'
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+echo "octfw setup: installing requirements.lock into .venv (a fresh install downloads about 4 GB)"
+"${pip[@]}" install --require-hashes --no-deps -r requirements.lock
+# No build isolation: setuptools and wheel come from the lock, not the index.
+"${pip[@]}" install --no-deps --no-build-isolation -e .
 echo "octfw setup: done; try .venv/bin/octfw list"
