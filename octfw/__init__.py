@@ -2,13 +2,15 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from octfw.version import __version__
+
+__all__ = ["__version__", "load_encoder"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import octfw` (and `octfw list`) never imports torch.
     if name == "load_encoder":
-        from octfw.export import load_encoder
+        from octfw.tools.export import load_encoder
 
         return load_encoder
     raise AttributeError(f"module 'octfw' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from octfw import __version__
+from octfw.version import __version__
 from octfw.errors import UserError
 from octfw.hookspecs import STAGES
 
@@ -95,7 +95,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     recipe, _ = _load(args)
     print(f"recipe    {recipe.source}: valid")
     _warn_cadence(recipe)
-    from octfw.engine.check import check_recipe
+    from octfw.tools.check import check_recipe
 
     check_recipe(recipe)
     print("check passed")
@@ -104,24 +104,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     recipe, registry = _load(args)
-    from octfw.engine.backend import resolve_device
-    from octfw.engine.distributed import broadcast_object, init_process_group
-    from octfw.engine.trainer import train
-    from octfw.rundir import create_run_dir, latest_run_dir
+    from octfw.engine.launch import launch
 
-    # Under torchrun every process runs this; rank 0 picks the run directory.
-    rank, _world = init_process_group(resolve_device(recipe.run.device))
-    run_dir = None
-    if rank == 0:
-        _warn_cadence(recipe)
-        if args.resume == "auto":
-            run_dir = latest_run_dir(recipe)
-            if run_dir is None:
-                raise UserError(f"--resume auto: no earlier run of {recipe.name!r} under {recipe.run.output_dir}")
-        else:
-            run_dir = create_run_dir(recipe, registry)
-    run_dir = broadcast_object(run_dir)
-    summary = train(recipe, registry, run_dir, resume=args.resume)
+    summary = launch(recipe, registry, resume=args.resume)
     if summary.stopped:
         print(f"stopped early: {summary.stopped}", file=sys.stderr)
         return 1

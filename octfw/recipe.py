@@ -26,7 +26,7 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
-from octfw.engine.config import EngineConfig, RunConfig
+from octfw.config import EngineConfig, RunConfig
 from octfw.errors import PluginError, RecipeError, UserError
 from octfw.fields import Location
 from octfw.hookspecs import STAGES

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from octfw.engine.config import EngineConfig, RunConfig
+from octfw.config import EngineConfig, RunConfig
 from octfw.hookspecs import STAGES
 from octfw.registry import Registry
 

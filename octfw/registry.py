@@ -3,8 +3,8 @@
 No plugin manager exists at import time: :func:`make_plugin_manager` builds a
 fresh one (tests get their own), and :func:`load_registry` asks every plugin
 to register its components. Built-in components come from the modules in
-:data:`octfw.plugins.BUILTIN_PLUGINS`; third-party ones from the entry-point
-group ``octfw``. Both go through the same hooks.
+:data:`BUILTIN_PLUGINS`; third-party ones from the entry-point group
+``octfw``. Both go through the same hooks.
 """
 
 from __future__ import annotations
@@ -34,6 +34,19 @@ __all__ = [
 ENTRY_POINT_GROUP = "octfw"
 DISABLE_ENV = "OCTFW_DISABLE_PLUGINS"
 BUILTIN_DISTRIBUTION = "octfw"
+
+#: The built-in plugin modules, one per stage, imported by name so that the
+#: registry (a low layer) never imports :mod:`octfw.plugins` statically.
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "octfw.plugins.datasets",
+    "octfw.plugins.transforms",
+    "octfw.plugins.models",
+    "octfw.plugins.schedulers",
+    "octfw.plugins.guards",
+    "octfw.plugins.loggers",
+    "octfw.plugins.checkpointers",
+    "octfw.plugins.evaluators",
+)
 
 
 @attrs.frozen
@@ -123,7 +136,7 @@ def _disabled_plugins() -> set[str]:
 
 
 def _octfw_version() -> str:
-    from octfw import __version__
+    from octfw.version import __version__
 
     return __version__
 
@@ -134,13 +147,11 @@ def make_plugin_manager(
 ) -> tuple[pluggy.PluginManager, list[PluginFailure], dict[str, tuple[str, str]]]:
     """A fresh plugin manager with built-in and third-party plugins loaded.
 
-    ``builtins`` lists module names (default: :data:`octfw.plugins.BUILTIN_PLUGINS`);
+    ``builtins`` lists module names (default: :data:`BUILTIN_PLUGINS`);
     ``entry_points`` defaults to the installed ``octfw`` entry points.
     Returns the manager, the plugins that failed to load, and for each plugin
     name its (distribution, version).
     """
-    from octfw.plugins import BUILTIN_PLUGINS
-
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs.OctfwSpecs)
     disabled = _disabled_plugins()

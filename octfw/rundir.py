@@ -32,7 +32,7 @@ def _version(dist: str) -> str | None:
 
 
 def versions(registry: Registry | None = None) -> dict[str, Any]:
-    from octfw import __version__
+    from octfw.version import __version__
 
     out: dict[str, Any] = {"octfw": __version__, "python": platform.python_version()}
     for dist in ("torch", "numpy", "monai", "pydicom"):

@@ -13,7 +13,7 @@ import torch
 import octfw
 from octfw.cli import main
 from octfw.errors import UserError
-from octfw.export import PretrainedEncoder, load_encoder
+from octfw.tools.export import PretrainedEncoder, load_encoder
 from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
 
 from conftest import TINY_RECIPE

@@ -1,4 +1,4 @@
-"""The per-device memory estimate that ``octfw check`` reports (octfw.engine.memory)."""
+"""The per-device memory estimate that ``octfw check`` reports (octfw.tools.memory)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from octfw.engine.memory import GIB, MemoryEstimate, device_memory, estimate_memory, memory_report
+from octfw.tools.memory import GIB, MemoryEstimate, device_memory, estimate_memory, memory_report
 from octfw.types import BuildContext
 
 

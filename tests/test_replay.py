@@ -7,7 +7,7 @@ import json
 import pytest
 
 from octfw.cli import main
-from octfw.engine.replay import replay
+from octfw.tools.replay import replay
 
 
 def test_replay_reproduces_the_logged_loss_and_gradient_norm(tiny_recipe, tmp_path, capsys):

@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.evaluation.on_demand import evaluate_target, format_report, load_eval_recipe, load_target
+    from octfw.tools.evaluate import evaluate_target, format_report, load_eval_recipe, load_target
 
     recipe = load_eval_recipe(args.recipe, args.set or ())
     target = load_target(args.source, recipe.run.seed)

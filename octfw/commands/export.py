@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.export import export_encoder  # imports torch: only when the command runs
+    from octfw.tools.export import export_encoder  # imports torch: only when the command runs
 
     summary = export_encoder(args.source, args.out)
     config = summary["config"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.engine.replay import replay
+    from octfw.tools.replay import replay
 
     replay(Path(args.run_dir), args.step)
     return 0

@@ -17,14 +17,13 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from octfw.errors import ContractError, UserError
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from octfw.plugins.transforms.oct_standard import MaskConfig
+from octfw.data.oct_transform_config import MaskConfig
 
 __all__ = [
     "Grid",

@@ -21,7 +21,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+
 
 import numpy as np
 import torch
@@ -32,8 +32,7 @@ from octfw.data.prepared_cache import PreparedCache
 from octfw.errors import ContractError, CorruptFile
 from octfw.types import Sample
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from octfw.plugins.transforms.oct_standard import OCTStandardConfig
+from octfw.data.oct_transform_config import OCTStandardConfig
 
 __all__ = ["OCTStandardTransform", "PREPARE_VERSION"]
 

@@ -1,2 +1,2 @@
-"""The training engine. Submodules other than :mod:`octfw.engine.config`
+"""The training engine. Submodules other than :mod:`octfw.config`
 import torch; import them only when training or checking."""

@@ -11,7 +11,7 @@ Modules:
 - :mod:`octfw.evaluation.metrics`: accuracy, balanced accuracy, AUROC, per domain.
 - :mod:`octfw.evaluation.evaluator`: the evaluators the ``linear-probe`` and
   ``knn`` components build.
-- :mod:`octfw.evaluation.on_demand`: ``octfw eval``: a checkpoint against a
+- :mod:`octfw.tools.evaluate`: ``octfw eval``: a checkpoint against a
   randomly initialised encoder of the same architecture.
 
 Only ``config`` may be imported where torch must not be (plugin modules,

@@ -178,7 +178,7 @@ def export_encoder(source: str | Path, out: str | Path) -> dict[str, Any]:
     Returns a summary: ``out``, ``checkpoint``, ``update_step``, ``config``
     and ``parameters`` (the encoder's parameter count).
     """
-    from octfw import __version__
+    from octfw.version import __version__
 
     out = Path(out)
     if out.is_dir():

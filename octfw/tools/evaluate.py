@@ -48,7 +48,7 @@ class EvalRecipe:
 
 def load_eval_recipe(path: str | Path, overrides: Sequence[str] = (), registry: Any = None) -> EvalRecipe:
     """Read and validate an evaluation recipe; every problem is reported at once."""
-    from octfw.engine.config import RunConfig
+    from octfw.config import RunConfig
     from octfw.recipe import TOP_LEVEL_KEYS, read_with_extends, apply_overrides, structure_config
     from octfw.registry import did_you_mean, load_registry
 
@@ -146,7 +146,7 @@ def _model_from_checkpoint(location: str, state: Mapping[str, Any], seed: int) -
 
 
 def _model_from_export(path: Path, seed: int) -> EvalTarget:
-    from octfw.export import PretrainedEncoder, load_encoder
+    from octfw.tools.export import PretrainedEncoder, load_encoder
     from octfw.models.vit3d import ViT3DEncoder
 
     pretrained = load_encoder(path)
@@ -163,7 +163,7 @@ def _model_from_export(path: Path, seed: int) -> EvalTarget:
 
 def load_target(source: str | Path, seed: int) -> EvalTarget:
     """A run folder (its latest checkpoint), a checkpoint file, or an exported encoder file."""
-    from octfw.export import FORMAT, find_checkpoint
+    from octfw.tools.export import FORMAT, find_checkpoint
 
     path = Path(source)
     if path.is_file():

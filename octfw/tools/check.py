@@ -106,8 +106,8 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     report(f"model     {recipe.model.name}: loss {float(out.loss.detach()):.4f}, grad norm {norm:.4g}, "
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 
-    # --- memory (octfw.engine.memory): estimated per device, warned before the run ---
-    from octfw.engine.memory import device_memory, estimate_memory, memory_report
+    # --- memory (octfw.tools.memory): estimated per device, warned before the run ---
+    from octfw.tools.memory import device_memory, estimate_memory, memory_report
 
     estimate = estimate_memory(model, batch)
     memory_line, memory_warning = memory_report(estimate, *device_memory(resolve_device(recipe.run.device)))

@@ -4,7 +4,7 @@ transfers counted before every update step.
 Used by ``tests/xla/engine_hygiene.py`` (the hygiene test) and
 ``benchmarks/xla_hygiene.py``. It imports torch_xla, which patches torch for
 the whole process: call it only in a process of its own, e.g.
-``PJRT_DEVICE=CPU python -m octfw.engine.xla_counters RECIPE STEPS [LOG_EVERY]``,
+``PJRT_DEVICE=CPU python -m octfw.tools.xla_counters RECIPE STEPS [LOG_EVERY]``,
 which prints the result as one JSON line.
 
 The run: the recipe on ``run.device = "xla"`` with gradient accumulation 2,

@@ -19,7 +19,7 @@ From each run's ``summary.json`` and ``metrics.jsonl``:
 - stable: the run exited normally, skipped no update and logged only finite
   losses.
 
-Run this module as ``python -m octfw.engine.bench CHILD_ARGS`` only through
+Run this module as ``python -m octfw.tools.bench CHILD_ARGS`` only through
 :func:`bench`: the child runs ``octfw run`` and writes the device's memory
 peak next to it.
 """
@@ -144,7 +144,7 @@ def _resolved_engine(run_dir: Path) -> dict:
 def _run_child(recipe: Path, overrides: Sequence[str], out_dir: Path) -> tuple[int, str, int]:
     """Run one combination; (exit code, stderr tail, peak RSS of the child in bytes)."""
     peak_file = out_dir / "peak.json"
-    command = [sys.executable, "-m", "octfw.engine.bench", str(recipe)]
+    command = [sys.executable, "-m", "octfw.tools.bench", str(recipe)]
     for item in overrides:
         command += ["--set", item]
     env = {**os.environ, PEAK_FILE_ENV: str(peak_file)}
@@ -251,10 +251,20 @@ def write_csv(rows: Sequence[BenchRow], path: Path) -> None:
 
 
 def _child(argv: list[str]) -> int:
-    """Inside the subprocess: ``octfw run``, then the device's own memory peak if it has one."""
-    from octfw.cli import main
+    """Inside the subprocess: train the recipe as ``octfw run RECIPE --set ...`` does,
+    then write the device's own memory peak if it has one."""
+    from octfw.engine.launch import launch
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
 
-    code = main(["run", *argv])
+    recipe_path, overrides = argv[0], argv[2::2]  # RECIPE --set k=v --set k=v ...
+    registry = load_registry()
+    try:
+        summary = launch(load_recipe(recipe_path, overrides, registry), registry)
+        code = 1 if summary.stopped else 0
+    except UserError as exc:
+        print(f"octfw: error: {exc}", file=sys.stderr)
+        code = exc.exit_code
     peak_file = os.environ.get(PEAK_FILE_ENV)
     if peak_file:
         peak = _device_peak()
