@@ -1,0 +1,105 @@
+"""Meta-tests of the plugin contract: every hook is documented, implemented and exercised.
+
+After datasette's ``test_plugin_hooks_have_tests``: adding a hook to
+:class:`octfw.hookspecs.OctfwSpecs` fails here until it is documented, wired
+to a stage, given a built-in implementation and registered through below.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import re
+import sys
+import types
+
+import attrs
+import pytest
+
+from octfw import hookspecs
+from octfw.hookspecs import STAGES, OctfwSpecs, hookimpl
+from octfw.registry import BUILTIN_PLUGINS, DISABLE_ENV, load_registry, make_plugin_manager
+
+HOOKS = sorted(name for name, value in vars(OctfwSpecs).items()
+               if hasattr(value, f"{hookspecs.PROJECT}_spec"))
+
+
+def test_there_are_hooks_and_each_is_a_stage():
+    assert HOOKS, "no hook specification found on OctfwSpecs"
+    assert all(name.startswith("octfw_") for name in HOOKS)
+    # load_registry calls the hooks listed in STAGES: a hook missing there is never called.
+    assert sorted(hook for hook, _table, _many in STAGES.values()) == HOOKS
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_is_documented_with_its_hot_path_and_return(hook):
+    doc = getattr(OctfwSpecs, hook).__doc__ or ""
+    assert re.search(r"\bhot path\b", doc, re.IGNORECASE), f"{hook}: say whether it runs in the hot path"
+    assert ":return:" in doc, f"{hook}: document what the hook returns (':return:')"
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_has_a_builtin_implementation(hook, monkeypatch):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    pm, failures, _ = make_plugin_manager(entry_points=[])
+    assert failures == []
+    implementers = {impl.plugin_name for impl in getattr(pm.hook, hook).get_hookimpls()}
+    assert implementers & set(BUILTIN_PLUGINS), f"no built-in plugin implements {hook}"
+
+
+@attrs.frozen
+class ProbeConfig:
+    size: int = 1
+
+
+def test_every_hook_registers_a_component_under_its_stage(monkeypatch):
+    class Probe:
+        """A third-party plugin with one component per hook, named after the stage it belongs in."""
+
+        @hookimpl
+        def octfw_register_datasets(self, register):
+            register("probe-dataset", ProbeConfig, "math:sqrt", "dataset probe")
+
+        @hookimpl
+        def octfw_register_transforms(self, register):
+            register("probe-transform", ProbeConfig, "math:sqrt", "transform probe")
+
+        @hookimpl
+        def octfw_register_models(self, register):
+            register("probe-model", ProbeConfig, "math:sqrt", "model probe")
+
+        @hookimpl
+        def octfw_register_schedulers(self, register):
+            register("probe-scheduler", ProbeConfig, "math:sqrt", "scheduler probe")
+
+        @hookimpl
+        def octfw_register_guards(self, register):
+            register("probe-guard", ProbeConfig, "math:sqrt", "guard probe")
+
+        @hookimpl
+        def octfw_register_loggers(self, register):
+            register("probe-logger", ProbeConfig, "math:sqrt", "logger probe")
+
+        @hookimpl
+        def octfw_register_checkpointers(self, register):
+            register("probe-checkpointer", ProbeConfig, "math:sqrt", "checkpointer probe")
+
+        @hookimpl
+        def octfw_register_evaluators(self, register):
+            register("probe-evaluator", ProbeConfig, "math:sqrt", "evaluator probe")
+
+    implemented = sorted(name for name in vars(Probe) if name.startswith("octfw_"))
+    assert implemented == HOOKS, "the probe plugin must register through every hook"
+
+    module = types.ModuleType("plug_probe")
+    module.plugin = Probe()
+    monkeypatch.setitem(sys.modules, "plug_probe", module)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    entry_point = metadata.EntryPoint(name="plug_probe", value="plug_probe:plugin", group="octfw")
+
+    registry = load_registry(builtins=[], entry_points=[entry_point])
+    assert registry.failures == []
+    for stage in STAGES:
+        assert registry.names(stage) == [f"probe-{stage}"]  # under its own stage, and only there
+        component = registry.get(stage, f"probe-{stage}")
+        assert (component.stage, component.plugin, component.config) == (stage, "plug_probe", ProbeConfig)
+        assert component.summary == f"{stage} probe"
