@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -128,9 +129,24 @@ def test_guard_stops_on_a_low_effective_rank():
         feed(guard, [0.0, 0.0], [1.2, 1.2])
 
 
-def test_a_threshold_left_out_is_not_watched():
-    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=None, patience=1, action="stop"))
-    feed(guard, [0.0, 0.0], [1.0, 1.0])  # no exception
+def test_a_threshold_left_out_is_not_watched(capsys, caplog):
+    def warned() -> bool:  # printed to stderr or logged
+        return bool(capsys.readouterr().err) or any(r.levelno >= logging.WARNING for r in caplog.records)
+
+    # min_std left out: a collapsed target_std, or none reported, neither stops nor warns.
+    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=3.0, patience=1, action="stop"))
+    feed(guard, [0.0, 0.0], [50.0, 50.0])
+    guard.at_log_step(30, {"metric/effective_rank": 50.0})
+    assert guard.state_dict() == {"below": {"metric/effective_rank": 0}}
+    assert not warned()
+    with pytest.raises(StopTraining, match="metric/effective_rank"):  # the threshold kept still acts
+        feed(guard, [0.0], [1.0], start=40)
+    # Both left out: the guard watches nothing, whatever the metrics say.
+    unwatched = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=None, patience=1, action="stop"))
+    feed(unwatched, [0.0, 0.0], [1.0, 1.0])
+    unwatched.at_log_step(30, {"loss": 1.0})
+    assert unwatched.state_dict() == {"below": {}}
+    assert not warned()
 
 
 def test_a_nan_metric_neither_counts_nor_breaks_the_streak():

@@ -164,4 +164,10 @@ def test_validate_indices_refuses_unusable_indices(context, target, message):
 
 
 def test_validate_indices_accepts_lists_and_int32():
-    validate_indices([0, 2], np.array([1, 3], dtype=np.int32), 4)
+    assert validate_indices([0, 2], np.array([1, 3], dtype=np.int32), 4) is None
+    assert validate_indices(np.array([3, 1], dtype=np.int32), [2], 4) is None
+    # Accepted means checked like int64 arrays, not waved through.
+    with pytest.raises(ContractError, match="disjoint"):
+        validate_indices([0, 2], np.array([2, 3], dtype=np.int32), 4)
+    with pytest.raises(ContractError, match=r"\[0, 3\]"):
+        validate_indices([0, 4], [1], 4)
