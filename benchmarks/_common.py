@@ -99,7 +99,7 @@ class HandLoop:
             self.optimizer = torch.optim.AdamW(self.model.param_groups(engine.weight_decay), lr=engine.base_lr,
                                                betas=engine.betas, eps=engine.eps)
         self.batches = itertools.cycle(batches)
-        self.schedule, self.engine, self.backend = trainer.parts.schedule, trainer.recipe.engine, trainer.backend
+        self.schedule, self.engine, self.backend = trainer.parts.scheduler, trainer.recipe.engine, trainer.backend
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.clip, self.skip_on_host = clip, skip_on_host
         self.last_loss = None

@@ -90,8 +90,9 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="octfw-bench-") as scratch:
         # A fresh cache: the cohort is written there and every volume starts unprepared.
-        recipe = load_recipe(args.recipe, [f"run.cache_dir={scratch}"], load_registry())
-        parts = build_components(recipe, run_dir=None, with_loggers=False)
+        registry = load_registry()
+        recipe = load_recipe(args.recipe, [f"run.cache_dir={scratch}"], registry)
+        parts = build_components(recipe, registry, run_dir=None, with_loggers=False)
         dataset, transform = parts.dataset, parts.transform
         n = len(dataset)
         steps_per_epoch = n // recipe.engine.per_device_batch

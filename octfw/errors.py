@@ -20,12 +20,13 @@ class UserError(Exception):
 class RecipeError(UserError):
     """Every problem found in a recipe, reported at once.
 
-    ``problems`` holds one line per problem, each naming ``table.key``.
+    Built from ``(path, message)`` pairs (plain strings are taken as they
+    are); ``problems`` holds one line per problem, each naming ``table.key``.
     """
 
-    def __init__(self, source: str, problems: list[str]):
+    def __init__(self, source: str, problems: "list[tuple[str, str] | str]"):
         self.source = source
-        self.problems = list(problems)
+        self.problems = [p if isinstance(p, str) else f"{p[0]}: {p[1]}" for p in problems]
         noun = "problem" if len(self.problems) == 1 else "problems"
         lines = [f"{source}: {len(self.problems)} {noun}"]
         lines += [f"  {p}" for p in self.problems]

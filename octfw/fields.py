@@ -11,7 +11,14 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Location", "positive", "non_negative", "in_range", "length", "choices", "doc"]
+__all__ = ["Location", "NULL_WORDS", "STAGE_METADATA", "positive", "non_negative", "in_range", "length",
+           "choices", "doc", "component_table"]
+
+#: Strings (stripped, lower-cased) that mean "no value": a Location refuses them.
+NULL_WORDS = frozenset({"none", "null", "nil", ""})
+
+#: attrs metadata key of a field holding a nested component table: its value is the stage.
+STAGE_METADATA = "octfw_stage"
 
 
 class Location(str):
@@ -84,3 +91,14 @@ def doc(text: str, **kwargs: Any) -> Any:
     metadata = dict(kwargs.pop("metadata", {}) or {})
     metadata["doc"] = text
     return attrs.field(metadata=metadata, **kwargs)
+
+
+def component_table(stage: str, text: str, **kwargs: Any) -> Any:
+    """A documented field holding a nested ``stage`` component table (``{ name = "...", ... }``).
+
+    The recipe loader checks the table against the registry and stores it
+    resolved: plain data with every default filled in.
+    """
+    metadata = dict(kwargs.pop("metadata", {}) or {})
+    metadata[STAGE_METADATA] = stage
+    return doc(text, metadata=metadata, **kwargs)

@@ -107,6 +107,9 @@ class BuildContext:
     total_update_steps: int = 0
     #: The full recipe as plain data, for components that record it.
     recipe: Mapping[str, Any] = attrs.field(factory=dict)
+    #: The command's :class:`octfw.registry.Registry`, for components that
+    #: build components of their own (an evaluator's labelled dataset).
+    registry: Any = None
 
     @property
     def is_main_process(self) -> bool:

@@ -208,14 +208,14 @@ def test_nested_tables_are_stored_resolved_as_plain_data(write_recipe, registry,
     assert table["domain_from"] == "header"  # the default, filled in
 
 
-def test_a_dataset_without_labels_is_refused_before_training(write_recipe):
+def test_a_dataset_without_labels_is_refused_before_training(write_recipe, registry):
     path = write_recipe(TINY_RECIPE + '\n[[evaluator]]\nname = "linear-probe"\n'
                         'dataset = { name = "synthetic-oct", n_volumes = 4 }\n')
     from octfw.engine.build import build_components
 
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, (), registry)
     with pytest.raises(UserError, match="evaluator linear-probe: dataset: 4 of 4 volumes have no label"):
-        build_components(recipe, run_dir=None)
+        build_components(recipe, registry, run_dir=None)
 
 
 # --- in the run ------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_octfw_eval_compares_a_checkpoint_with_a_seeded_random_encoder(paired_ru
     from octfw.tools.export import export_encoder
 
     encoder = tmp_path / "encoder.pt"
-    export_encoder(paired_runs["plain"], encoder)
+    export_encoder(paired_runs["plain"], encoder, load_registry())
     exported = _eval_json(capsys, encoder, recipe)
     assert exported["pretrained"] == report["pretrained"]
 

@@ -88,12 +88,12 @@ def test_a_model_that_cannot_run_on_meta_is_counted_on_its_device():
     assert training_flops_per_sample(model, batch) == 2 * 2 * 64
 
 
-def test_octfw_check_prints_and_returns_flops(tiny_recipe):
+def test_octfw_check_prints_and_returns_flops(tiny_recipe, registry):
     from octfw.tools.check import check_recipe
     from octfw.recipe import load_recipe
 
     lines: list[str] = []
-    result = check_recipe(load_recipe(tiny_recipe), report=lines.append)
+    result = check_recipe(load_recipe(tiny_recipe, (), registry), registry, report=lines.append)
     assert result["flops"]["training_step"] > result["flops"]["forward"] > 0
     line = next(line for line in lines if line.startswith("flops"))
     assert "GFLOP/sample" in line and "forward" in line and "training step" in line

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from octfw.cli import main
+from octfw.registry import load_registry
 from octfw.tools.replay import replay
 
 
@@ -16,7 +17,7 @@ def test_replay_reproduces_the_logged_loss_and_gradient_norm(tiny_recipe, tmp_pa
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     capsys.readouterr()
     for step, start in ((1, 0), (4, 2)):  # step 4 starts from the checkpoint of step 2
-        result = replay(run_dir, step, report=lambda line: None)
+        result = replay(run_dir, step, load_registry(), report=lambda line: None)
         assert result["from_step"] == start
         assert result["loss"] == pytest.approx(logged[step - 1]["loss"], rel=1e-6)
         assert result["grad_norm"] == pytest.approx(logged[step - 1]["grad_norm"], rel=1e-6)

@@ -29,11 +29,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from octfw.commands._common import load_registry_once
     from octfw.tools.evaluate import evaluate_target, format_report, load_eval_recipe, load_target
 
-    recipe = load_eval_recipe(args.recipe, args.set or ())
-    target = load_target(args.source, recipe.run.seed)
-    report = evaluate_target(target, recipe)
+    registry = load_registry_once()
+    recipe = load_eval_recipe(args.recipe, args.set or (), registry)
+    target = load_target(args.source, recipe.run.seed, registry)
+    report = evaluate_target(target, recipe, registry)
     if args.json:
         json.dump(report.as_dict(), sys.stdout, indent=2)
         print()

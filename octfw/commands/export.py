@@ -19,9 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from octfw.commands._common import load_registry_once
     from octfw.tools.export import export_encoder  # imports torch: only when the command runs
 
-    summary = export_encoder(args.source, args.out)
+    summary = export_encoder(args.source, args.out, load_registry_once())
     config = summary["config"]
     print(f"exported the target encoder of {summary['checkpoint']} (update step {summary['update_step']}) "
           f"to {summary['out']}: {summary['parameters']:,} parameters, embed_dim {config['embed_dim']}, "

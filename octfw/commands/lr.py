@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+
 __all__ = ["add_parser", "schedule_for"]
 
 HELP = ("Simulate the recipe's LR, weight decay and EMA momentum over every update step, "
@@ -19,9 +21,7 @@ HELP = ("Simulate the recipe's LR, weight decay and EMA momentum over every upda
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("lr", help=HELP, description=HELP)
-    parser.add_argument("recipe", help="recipe file (.toml)")
-    parser.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE",
-                        help="override a recipe value, e.g. --set run.epochs=150 (repeatable)")
+    add_recipe_arguments(parser)
     parser.add_argument("--png", metavar="FILE", help="draw the schedule into this PNG, e.g. lr.png")
     parser.add_argument("--devices", type=int, default=1, metavar="N",
                         help="devices the run will train on (the world size): with run.epochs the "
@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def schedule_for(recipe: Any, devices: int = 1) -> tuple[Any, int, int | None]:
+def schedule_for(recipe: Any, registry: Any, devices: int = 1) -> tuple[Any, int, int | None]:
     """(schedule, total update steps, steps per epoch or None) for ``recipe`` on ``devices`` devices.
 
     The dataset is built only when ``run.epochs`` is set; with ``run.max_steps``
@@ -37,17 +37,12 @@ def schedule_for(recipe: Any, devices: int = 1) -> tuple[Any, int, int | None]:
     """
     import attrs
 
-    from octfw.engine.build import cache_dir_for, plan_update_steps
+    from octfw.engine.build import plan_update_steps
     from octfw.errors import UserError
-    from octfw.types import BuildContext
 
     if devices < 1:
         raise UserError(f"--devices {devices}: must be at least 1")
-    ctx = BuildContext(
-        recipe_dir=recipe.folder, cache_dir=cache_dir_for(recipe), run_dir=None, seed=recipe.run.seed,
-        world_size=devices, base_lr=recipe.engine.base_lr, weight_decay=recipe.engine.weight_decay,
-        recipe=recipe.to_dict(),
-    )
+    ctx = recipe.build_context(registry=registry, world_size=devices)
     steps_per_epoch = None
     total = recipe.run.max_steps
     if recipe.run.epochs is not None:
@@ -61,18 +56,12 @@ def schedule_for(recipe: Any, devices: int = 1) -> tuple[Any, int, int | None]:
 
 def run(args: argparse.Namespace) -> int:
     import math
-    import sys
 
     from octfw.errors import UserError
-    from octfw.recipe import load_recipe
-    from octfw.registry import load_registry
     from octfw.schedules import plot_schedule, simulate, validate_schedule
 
-    registry = load_registry()
-    for failure in registry.failures:
-        print(f"warning: {failure}", file=sys.stderr)
-    recipe = load_recipe(args.recipe, args.set or (), registry)
-    schedule, total, per_epoch = schedule_for(recipe, args.devices)
+    recipe, registry = load_recipe_from_args(args)
+    schedule, total, per_epoch = schedule_for(recipe, registry, args.devices)
     base_lr = recipe.engine.base_lr
     values = simulate(schedule, total, base_lr)
     lr = values["lr"]

@@ -7,9 +7,10 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
+    from octfw.commands._common import load_registry_once
     from octfw.tools.replay import replay
 
-    replay(Path(args.run_dir), args.step)
+    replay(Path(args.run_dir), args.step, load_registry_once())
     return 0
 
 

@@ -2,38 +2,29 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 
 from octfw.errors import UserError
+from octfw.hookspecs import STAGES
 from octfw.recipe import Recipe
+from octfw.recipe.resolved import ByStage
+from octfw.registry import Registry
 from octfw.types import BuildContext
 
-__all__ = ["Components", "build_components", "plan_update_steps", "cache_dir_for", "check_schedule"]
+__all__ = ["Components", "build_components", "plan_update_steps", "check_schedule"]
 
 
 @attrs.define
-class Components:
+class Components(ByStage):
+    """The built components: ``parts.dataset``, ``parts.scheduler``, ``parts.guards``, ..."""
+
     ctx: BuildContext
-    dataset: Any
-    transform: Any
-    model: Any
-    schedule: Any
-    guards: list[Any]
-    loggers: list[Any]
-    checkpointer: Any
+    by_stage: Mapping[str, Any]  #: stage -> component, or list of components for guard/logger/evaluator
     steps_per_epoch: int
     domains: list[str]
-    evaluators: list[Any] = attrs.field(factory=list)
-
-
-def cache_dir_for(recipe: Recipe) -> Path:
-    if recipe.run.cache_dir is not None:
-        return Path(recipe.run.cache_dir.local_path)
-    return Path(os.environ.get("OCTFW_CACHE_DIR") or Path.home() / ".cache" / "octfw")
 
 
 def plan_update_steps(recipe: Recipe, dataset_size: int, world_size: int) -> tuple[int, int]:
@@ -53,58 +44,36 @@ def plan_update_steps(recipe: Recipe, dataset_size: int, world_size: int) -> tup
     return steps_per_epoch, total
 
 
-def _geometry(recipe: Recipe) -> dict[str, Any]:
-    # Conventions documented in octfw.hookspecs: the transform's image_size and
-    # the model's patch_size define the patch grid both must agree on.
-    image_size = getattr(recipe.transform.config, "image_size", None)
-    patch_size = getattr(recipe.model.config, "patch_size", None)
-    return {
-        "image_size": tuple(image_size) if image_size is not None else None,
-        "patch_size": tuple(patch_size) if patch_size is not None else None,
-    }
-
-
 def build_components(
-    recipe: Recipe, *, run_dir: Path | None, rank: int = 0, world_size: int = 1,
+    recipe: Recipe, registry: Registry, *, run_dir: Path | None, rank: int = 0, world_size: int = 1,
     with_loggers: bool = True,
 ) -> Components:
-    """Build dataset first (its size fixes the schedule), then everything else."""
+    """Build dataset first (its size fixes the schedule), then every other stage in STAGES order."""
     from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
-    ctx = BuildContext(
-        recipe_dir=recipe.folder,
-        cache_dir=cache_dir_for(recipe),
-        run_dir=run_dir,
-        seed=recipe.run.seed,
-        rank=rank,
-        world_size=world_size,
-        base_lr=recipe.engine.base_lr,
-        weight_decay=recipe.engine.weight_decay,
-        recipe=recipe.to_dict(),
-        **_geometry(recipe),
-    )
+    ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=world_size)
     dataset = recipe.dataset.build(ctx)
     if len(dataset) == 0:
         raise UserError(f"dataset {recipe.dataset.name!r} holds no samples")
     steps_per_epoch, total = plan_update_steps(recipe, len(dataset), world_size)
     ctx = attrs.evolve(ctx, total_update_steps=total)
-    transform = recipe.transform.build(ctx)
-    model = recipe.model.build(ctx)
-    schedule = recipe.scheduler.build(ctx)
-    guards = [spec.build(ctx) for spec in recipe.guards]
-    loggers = [spec.build(ctx) for spec in recipe.loggers] if with_loggers and rank == 0 else []
-    checkpointer = recipe.checkpointer.build(ctx)
-    domains = dataset_domains(dataset)
-    evaluators = [spec.build(ctx) for spec in recipe.evaluators]
-    return Components(ctx, dataset, transform, model, schedule, guards, loggers,
-                      checkpointer, steps_per_epoch, domains, evaluators)
+    built: dict[str, Any] = {"dataset": dataset}
+    for stage, (_hook, _table, many) in STAGES.items():
+        if stage == "dataset":
+            continue
+        spec = recipe.by_stage[stage]
+        if stage == "logger" and not (with_loggers and rank == 0):  # only rank 0 logs
+            built[stage] = []
+        else:
+            built[stage] = [s.build(ctx) for s in spec] if many else spec.build(ctx)
+    return Components(ctx, built, steps_per_epoch, dataset_domains(dataset))
 
 
 def check_schedule(recipe: Recipe, parts: Components) -> None:
     """Pre-flight: simulate the whole schedule and refuse one that restarts or hits 0."""
     from octfw.schedules import validate_schedule
 
-    problems = validate_schedule(parts.schedule, parts.ctx.total_update_steps, recipe.engine.base_lr,
-                                 getattr(parts.schedule, "warmup_steps", None))
+    problems = validate_schedule(parts.scheduler, parts.ctx.total_update_steps, recipe.engine.base_lr,
+                                 getattr(parts.scheduler, "warmup_steps", None))
     if problems:
         raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from octfw.errors import UserError
-from octfw.evaluation.config import FeatureEvaluatorConfig, structure_table
+from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.evaluation.features import LabelledVolumes, extract_features, load_labelled, stratified_split
 from octfw.evaluation.knn import knn_probabilities
 from octfw.evaluation.metrics import classification_metrics
@@ -31,11 +31,17 @@ from octfw.types import BuildContext
 __all__ = ["FeatureEvaluator", "LinearProbeEvaluator", "KNNEvaluator", "build_from_table"]
 
 
-def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str, registry: Any = None) -> Any:
-    """Build the ``stage`` component a ``{ name = ..., options }`` table names."""
-    spec, problems = structure_table(stage, table, registry)
-    if problems:
-        raise UserError(f"{where}: " + "; ".join(problems))
+def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str) -> Any:
+    """Build the ``stage`` component a ``{ name = ..., options }`` table names,
+    with the command's registry (``ctx.registry``)."""
+    from octfw.recipe import structure_stage
+
+    if ctx.registry is None:
+        raise TypeError(f"{where}: the build context carries no registry to build a {stage} with")
+    spec, problems = structure_stage(ctx.registry, stage, table, "")
+    if spec is None or problems:
+        raise UserError(f"{where}: " + "; ".join(f"{path}: {message}" if path else message
+                                                 for path, message in problems))
     return spec.build(ctx)
 
 
@@ -73,17 +79,17 @@ class FeatureEvaluator(abc.ABC):
         self._split: tuple[LabelledVolumes, LabelledVolumes] | None = None
 
     @classmethod
-    def from_config(cls, config: FeatureEvaluatorConfig, ctx: BuildContext, registry: Any = None):
+    def from_config(cls, config: FeatureEvaluatorConfig, ctx: BuildContext):
         where = f"evaluator {cls.component}"
         if "transform" not in ctx.recipe:
             raise UserError(f"{where}: needs the training recipe's [transform] to prepare volumes as in "
                             "training, and the build context carries no recipe")
-        transform = build_from_table("transform", ctx.recipe["transform"], ctx, f"{where}: transform", registry)
-        train = build_from_table("dataset", config.dataset, ctx, f"{where}: dataset", registry)
+        transform = build_from_table("transform", ctx.recipe["transform"], ctx, f"{where}: transform")
+        train = build_from_table("dataset", config.dataset, ctx, f"{where}: dataset")
         _check_labels_early(train, f"{where}: dataset")
         test = None
         if config.test_dataset is not None:
-            test = build_from_table("dataset", config.test_dataset, ctx, f"{where}: test_dataset", registry)
+            test = build_from_table("dataset", config.test_dataset, ctx, f"{where}: test_dataset")
             _check_labels_early(test, f"{where}: test_dataset")
         return cls(config, train, test, transform)
 

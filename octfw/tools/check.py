@@ -14,6 +14,7 @@ from octfw.engine.data import SampleSource, collate, domain_counts
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError, UserError
 from octfw.recipe import Recipe
+from octfw.registry import Registry
 from octfw.types import BATCH_KEYS, ModelOutput
 
 __all__ = ["check_recipe"]
@@ -51,7 +52,7 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | No
                                 f"[{int(both.min())}, {int(both.max())}]")
 
 
-def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[str, Any]:
+def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print) -> dict[str, Any]:
     """Build, run one batch forward and backward on the CPU, and report each boundary."""
     from octfw.schedules import effective_lr
 
@@ -62,7 +63,7 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
         raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
                         "storm); torch_xla compiles its graphs itself")
     torch.manual_seed(recipe.run.seed)
-    parts = build_components(recipe, run_dir=None, with_loggers=False)
+    parts = build_components(recipe, registry, run_dir=None, with_loggers=False)
     ctx = parts.ctx
     counts = domain_counts(parts.dataset)
     report(f"dataset   {recipe.dataset.name}: {len(parts.dataset)} samples; domains "
@@ -128,6 +129,6 @@ def check_recipe(recipe: Recipe, report: Callable[[str], None] = print) -> dict[
     check_schedule(recipe, parts)
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
     report(f"schedule  {recipe.scheduler.name}: {total} update steps ({parts.steps_per_epoch} per epoch); lr "
-           + ", ".join(f"step {s}: {effective_lr(parts.schedule, s, recipe.engine.base_lr):.3g}" for s in steps))
+           + ", ".join(f"step {s}: {effective_lr(parts.scheduler, s, recipe.engine.base_lr):.3g}" for s in steps))
     return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach()),
             "flops": flops, "memory": {**estimate.parts, "total": estimate.total}}

@@ -12,7 +12,6 @@ recipe's seed: a metric is only informative next to it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -20,7 +19,8 @@ import attrs
 import torch
 
 from octfw.errors import RecipeError, UserError
-from octfw.evaluation.config import structure_table
+from octfw.recipe import cache_dir_for
+from octfw.registry import Registry
 from octfw.fields import Location, choices, doc, non_negative
 from octfw.types import BuildContext
 
@@ -46,54 +46,48 @@ class EvalRecipe:
     evaluators: tuple[Any, ...]  #: octfw.recipe.StageSpec, one per [[evaluator]]
 
 
-def load_eval_recipe(path: str | Path, overrides: Sequence[str] = (), registry: Any = None) -> EvalRecipe:
+def load_eval_recipe(path: str | Path, overrides: Sequence[str], registry: Registry) -> EvalRecipe:
     """Read and validate an evaluation recipe; every problem is reported at once."""
     from octfw.config import RunConfig
-    from octfw.recipe import TOP_LEVEL_KEYS, read_with_extends, apply_overrides, structure_config
-    from octfw.registry import did_you_mean, load_registry
+    from octfw.recipe import TOP_LEVEL_KEYS, apply_overrides, read_with_extends, structure_config
+    from octfw.recipe.structuring import structure_stage_array
+    from octfw.registry import did_you_mean
 
     source = Path(path)
     if source.is_dir():
         raise UserError(f"{source}: is a folder; give an evaluation recipe file (.toml)")
     data = apply_overrides(read_with_extends(source), overrides)
-    registry = registry if registry is not None else load_registry()
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []
     for key in data:
         if key not in TOP_LEVEL_KEYS:
-            problems.append(f"{key}: unknown table{did_you_mean(key, TOP_LEVEL_KEYS)}; "
-                            "octfw eval reads [run] and [[evaluator]]")
+            problems.append((key, f"unknown table{did_you_mean(key, TOP_LEVEL_KEYS)}; "
+                                  "octfw eval reads [run] and [[evaluator]]"))
 
     run_table = data.get("run", {})
     run = None
     if not isinstance(run_table, dict):
-        problems.append("run: expected a table")
+        problems.append(("run", "expected a table"))
     else:
-        known = {f.name for f in attrs.fields(RunConfig)}
+        known = [f.name for f in attrs.fields(RunConfig)]
         for key in run_table:
             if key not in known:
-                problems.append(f"run.{key}: unknown key{did_you_mean(key, known)}; valid keys: {', '.join(known)}")
+                problems.append((f"run.{key}", f"unknown key{did_you_mean(key, known)}; "
+                                               f"valid keys: {', '.join(known)}"))
         used = {k: v for k, v in run_table.items() if k in attrs.fields_dict(EvalRunConfig)}
-        run, found = structure_config(EvalRunConfig, used, "run")
+        run, found = structure_config(EvalRunConfig, used, "run", registry)
         problems += found
 
+    specs: tuple[Any, ...] = ()
     raw = data.get("evaluator")
-    if isinstance(raw, dict):
-        raw = [raw]
-    specs = []
-    if not raw or not isinstance(raw, list):
+    if not raw or not isinstance(raw, (list, dict)):
         choices_ = ", ".join(registry.names("evaluator")) or "none installed"
-        problems.append(f"evaluator: add one or more [[evaluator]] tables ({choices_})")
+        problems.append(("evaluator", f"add one or more [[evaluator]] tables ({choices_})"))
     else:
-        for index, table in enumerate(raw):
-            spec, found = structure_table("evaluator", table, registry)
-            problems += [f"evaluator[{index}].{p}" for p in found]
-            specs.append(spec)
-        names = [s.name for s in specs if s is not None]
-        for dup in sorted({n for n in names if names.count(n) > 1}):
-            problems.append(f"evaluator: component {dup!r} is listed more than once")
+        specs, found = structure_stage_array(registry, "evaluator", raw, "evaluator")
+        problems += found
     if problems:
         raise RecipeError(str(source), problems)
-    return EvalRecipe(source.resolve(), run, tuple(specs))
+    return EvalRecipe(source.resolve(), run, specs)
 
 
 # --------------------------------------------------------------------------
@@ -123,26 +117,18 @@ def _geometry(recipe: Mapping[str, Any], model_config: Any = None) -> dict[str, 
             "patch_size": tuple(patch_size) if patch_size is not None else None}
 
 
-def _model_from_checkpoint(location: str, state: Mapping[str, Any], seed: int) -> EvalTarget:
-    recipe = state.get("recipe")
-    if not isinstance(recipe, Mapping) or "model" not in recipe or "transform" not in recipe:
-        raise UserError(f"{location}: the checkpoint records no recipe with [model] and [transform]")
-    spec, problems = structure_table("model", recipe["model"])
-    if problems:
-        raise UserError(f"{location}: its recorded [model] no longer validates: " + "; ".join(problems))
-    geometry = _geometry(recipe, spec.config)
-    ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=seed, recipe=recipe,
-                       **geometry)
-    pretrained = spec.build(ctx)
-    try:
-        pretrained.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise UserError(f"{location}: its weights do not fit the model its recipe describes ({first})") from None
+def _model_from_checkpoint(location: str, state: Mapping[str, Any], seed: int,
+                           registry: Registry) -> EvalTarget:
+    from octfw.tools.export import rebuild_model, recorded_recipe
+
+    recipe = recorded_recipe(state, location, registry)
+    pretrained = rebuild_model(state, location, registry)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        random_init = spec.build(ctx)
-    return EvalTarget(location, int(state.get("update_step", 0)), pretrained, random_init, recipe, **geometry)
+        random_init = recipe.model.build(recipe.build_context(registry=registry))
+    geometry = _geometry(state["recipe"], recipe.model.config)
+    return EvalTarget(location, int(state.get("update_step", 0)), pretrained, random_init, state["recipe"],
+                      **geometry)
 
 
 def _model_from_export(path: Path, seed: int) -> EvalTarget:
@@ -161,7 +147,7 @@ def _model_from_export(path: Path, seed: int) -> EvalTarget:
                       tuple(pretrained.image_size), tuple(pretrained.patch_size))
 
 
-def load_target(source: str | Path, seed: int) -> EvalTarget:
+def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget:
     """A run folder (its latest checkpoint), a checkpoint file, or an exported encoder file."""
     from octfw.tools.export import FORMAT, find_checkpoint
 
@@ -176,9 +162,9 @@ def load_target(source: str | Path, seed: int) -> EvalTarget:
             return _model_from_export(path, seed)
         if not isinstance(head, Mapping) or "model" not in head:
             raise UserError(f"{path}: neither an octfw checkpoint nor an exported encoder")
-        return _model_from_checkpoint(str(path), head, seed)
-    location, state = find_checkpoint(path)
-    return _model_from_checkpoint(location, state, seed)
+        return _model_from_checkpoint(str(path), head, seed, registry)
+    location, state = find_checkpoint(path, registry)
+    return _model_from_checkpoint(location, state, seed, registry)
 
 
 # --------------------------------------------------------------------------
@@ -198,20 +184,16 @@ class EvalReport:
         return attrs.asdict(self)
 
 
-def _cache_dir(run: EvalRunConfig) -> Path:
-    if run.cache_dir is not None:
-        return Path(run.cache_dir.local_path)
-    return Path(os.environ.get("OCTFW_CACHE_DIR") or Path.home() / ".cache" / "octfw")
-
-
-def evaluate_target(target: EvalTarget, recipe: EvalRecipe) -> EvalReport:
+def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry) -> EvalReport:
     """Run every evaluator of ``recipe`` on the pretrained and the random network."""
     from octfw.engine.backend import select_backend
 
     device = select_backend(recipe.run.device, "fp32").device
-    ctx = BuildContext(recipe_dir=recipe.source.parent, cache_dir=_cache_dir(recipe.run), run_dir=None,
+    # Not Recipe.build_context: an evaluation recipe has no model or transform;
+    # the encoder's geometry and training recipe come from the target.
+    ctx = BuildContext(recipe_dir=recipe.source.parent, cache_dir=cache_dir_for(recipe.run), run_dir=None,
                        seed=recipe.run.seed, image_size=target.image_size, patch_size=target.patch_size,
-                       recipe=target.recipe)
+                       recipe=target.recipe, registry=registry)
     evaluators = [(spec.name, spec.build(ctx)) for spec in recipe.evaluators]
     results: dict[str, dict[str, float]] = {}
     for label, model in (("pretrained", target.pretrained), ("random_init", target.random_init)):

@@ -19,8 +19,8 @@ import torch
 
 from octfw.errors import UserError
 from octfw.recipe import load_recipe
-from octfw.registry import load_registry
-from octfw.types import BuildContext, GuardInputs
+from octfw.registry import Registry
+from octfw.types import GuardInputs
 
 __all__ = ["replay"]
 
@@ -29,10 +29,9 @@ REPLAY_OVERRIDES = ["run.device=cpu", "engine.num_workers=0", "engine.precision=
                     "evaluator=[]", "engine.checkpoint_every_steps=1000000000"]
 
 
-def _nearest_checkpoint(recipe: Any, run_dir: Path, step: int) -> tuple[int, str | None]:
+def _nearest_checkpoint(recipe: Any, registry: Registry, run_dir: Path, step: int) -> tuple[int, str | None]:
     """(update step, location) of the newest checkpoint at or before ``step``."""
-    ctx = BuildContext(recipe_dir=recipe.folder, cache_dir=run_dir, run_dir=run_dir, seed=recipe.run.seed)
-    checkpointer = recipe.checkpointer.build(ctx)
+    checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
     listing = getattr(checkpointer, "checkpoints", None)
     candidates = listing() if listing else []
     latest = checkpointer.latest() if not listing else None
@@ -70,15 +69,14 @@ def _tensor_stats(name: str, t: torch.Tensor) -> str:
     return f"{name:<12} {list(t.shape)} {str(t.dtype).replace('torch.', '')} min {int(t.min())} max {int(t.max())}"
 
 
-def replay(run_dir: Path, step: int, report: Callable[[str], None] = print) -> dict[str, Any]:
+def replay(run_dir: Path, step: int, registry: Registry, report: Callable[[str], None] = print) -> dict[str, Any]:
     from octfw.engine.trainer import Trainer
 
     recipe_file = run_dir / "recipe.toml"
     if not recipe_file.exists():
         raise UserError(f"{run_dir}: not a run directory (no recipe.toml)")
-    registry = load_registry()
     recipe = load_recipe(recipe_file, REPLAY_OVERRIDES, registry)
-    start, location = _nearest_checkpoint(recipe, run_dir, step)
+    start, location = _nearest_checkpoint(recipe, registry, run_dir, step)
     with tempfile.TemporaryDirectory(prefix="octfw-replay-") as scratch:
         trainer = Trainer(recipe, registry, Path(scratch), resume=location)
         if step > trainer.total:

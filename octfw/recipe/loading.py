@@ -1,0 +1,139 @@
+"""Reading recipe files: TOML, the ``extends`` chain and ``--set`` overrides.
+
+The result is plain recipe data (dicts, lists, values); nothing is typed or
+validated here. Every string remembers the folder of the file (or the
+current directory, for ``--set``) that wrote it, so relative paths resolve
+against it later.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from octfw.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["SourcedStr", "read_with_extends", "merge", "parse_override", "apply_overrides"]
+
+
+class SourcedStr(str):
+    """A string from a recipe file or ``--set``, remembering the folder that
+    relative paths in it are relative to."""
+
+    base_dir: Path
+
+    def __new__(cls, value: str, base_dir: Path) -> "SourcedStr":
+        obj = super().__new__(cls, value)
+        obj.base_dir = base_dir
+        return obj
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: recipe not found") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read recipe: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}") from None
+    return _mark_strings(data, path.parent.resolve())
+
+
+def _mark_strings(value: Any, base_dir: Path) -> Any:
+    if isinstance(value, str):
+        return SourcedStr(value, base_dir)
+    if isinstance(value, list):
+        return [_mark_strings(v, base_dir) for v in value]
+    if isinstance(value, dict):
+        return {k: _mark_strings(v, base_dir) for k, v in value.items()}
+    return value
+
+
+def read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The recipe at ``path`` merged over the chain of files it ``extends``."""
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise UserError(f"{path}: recipes extend each other in a cycle: {chain}")
+    data = _read_toml(path)
+    parent_ref = data.pop("extends", None)
+    if parent_ref is None:
+        return data
+    if not isinstance(parent_ref, str):
+        raise UserError(f"{path}: extends: expected a file name, got {parent_ref!r}")
+    parent_path = path.parent / parent_ref
+    if not parent_path.exists():
+        raise UserError(f"{path}: extends: {parent_ref!r} not found (looked for {parent_path})")
+    return merge(read_with_extends(parent_path, (*seen, path)), data)
+
+
+def merge(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """Child values win; tables merge key by key; arrays (of tables) replace.
+
+    A stage table whose ``name`` changes drops the parent's options, which
+    belonged to the other component.
+    """
+    out = dict(base)
+    for key, value in child.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            if "name" in value and "name" in old and value["name"] != old["name"]:
+                out[key] = dict(value)
+            else:
+                out[key] = merge(old, value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str, cwd: Path | None = None) -> tuple[list[str], Any]:
+    """``"engine.base_lr=1e-4"`` -> (["engine", "base_lr"], 1e-4).
+
+    The value is read as a TOML value (numbers, booleans, arrays, quoted
+    strings); anything else is taken as a bare string.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"--set {text!r}: expected table.key=value, e.g. engine.base_lr=1e-4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), _mark_strings(value, (cwd or Path.cwd()).resolve())
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``--set table.key=value`` overrides in order (``guard.0.max_norm`` indexes arrays)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node: Any = data
+        for i, part in enumerate(path[:-1]):
+            where = ".".join(path[: i + 1])
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise UserError(f"--set {text}: {where}: no entry {part} (the array has {len(node)})")
+                node = node[int(part)]
+            else:
+                if not isinstance(node.get(part, {}), (dict, list)):
+                    raise UserError(f"--set {text}: {where} is a value, not a table")
+                node = node.setdefault(part, {})
+        last = path[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise UserError(f"--set {text}: no entry {last} (the array has {len(node)})")
+            node[int(last)] = value
+        else:
+            if last == "name" and node.get("name") not in (None, value):
+                node.clear()  # the old component's options do not fit the new one
+            node[last] = value
+    return data

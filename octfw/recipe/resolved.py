@@ -1,0 +1,185 @@
+"""The validated recipe: one typed component spec per stage, and how it is made.
+
+:func:`load_recipe` reads (see :mod:`octfw.recipe.loading`), fills in the
+default components of the stages a recipe leaves out, applies overrides and
+structures every table (see :mod:`octfw.recipe.structuring`), reporting
+every problem at once. The stages come from :data:`octfw.hookspecs.STAGES`
+alone: adding a stage there (and its hook) adds its recipe table, its
+attribute on :class:`Recipe` and its place in ``octfw show``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import attrs
+import tomli_w
+
+from octfw.config import EngineConfig, RunConfig
+from octfw.errors import RecipeError, UserError
+from octfw.hookspecs import STAGES
+from octfw.recipe.loading import apply_overrides, read_with_extends
+from octfw.recipe.structuring import (
+    Problem, StageSpec, describe, plain, structure_config, structure_stage, structure_stage_array,
+)
+from octfw.registry import Registry, did_you_mean
+from octfw.types import BuildContext
+
+__all__ = ["Recipe", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS", "stage_attribute",
+           "validate", "load_recipe", "to_toml", "cache_dir_for"]
+
+#: Components used when a recipe leaves a stage out. dataset, transform and
+#: model have no default: a recipe must say what it trains on and what.
+DEFAULT_STAGES: dict[str, Any] = {
+    "scheduler": {"name": "cosine-no-restart"},
+    "guard": [{"name": "nan-skip"}],
+    "logger": [{"name": "console"}, {"name": "jsonl"}],
+    "checkpointer": {"name": "local"},
+    "evaluator": [],
+}
+CORE_TABLES = {"run": RunConfig, "engine": EngineConfig}
+TOP_LEVEL_KEYS = ["extends", *CORE_TABLES, *(table for _hook, table, _many in STAGES.values())]
+
+
+def stage_attribute(stage: str) -> str:
+    """The attribute a stage is read by: ``recipe.dataset``, ``recipe.guards`` (plural
+    for the stages that take several components)."""
+    return f"{stage}s" if STAGES[stage][2] else stage
+
+
+_STAGE_OF_ATTRIBUTE = {stage_attribute(stage): stage for stage in STAGES}
+
+
+class ByStage:
+    """``obj.dataset``, ``obj.guards``, ... read from ``obj.by_stage`` (keyed by stage)."""
+
+    by_stage: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        stage = _STAGE_OF_ATTRIBUTE.get(name)
+        if stage is None or name == "by_stage":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.by_stage[stage]
+
+
+@attrs.frozen
+class Recipe(ByStage):
+    """A validated recipe. Every value is typed; nothing is read with a default later.
+
+    ``recipe.dataset``, ``recipe.model``, ``recipe.guards``, ... are the
+    :class:`StageSpec` (a tuple of them for ``guard``, ``logger``, ``evaluator``).
+    """
+
+    source: Path
+    run: RunConfig
+    engine: EngineConfig
+    by_stage: Mapping[str, Any]  #: stage -> StageSpec or tuple of StageSpec, in STAGES order
+
+    @property
+    def name(self) -> str:
+        return self.run.name or self.source.stem
+
+    @property
+    def folder(self) -> Path:
+        return self.source.parent
+
+    def stages(self) -> Iterator[StageSpec]:
+        for value in self.by_stage.values():
+            yield from value if isinstance(value, tuple) else (value,)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe with every default filled in (unset values as None)."""
+        out: dict[str, Any] = {key: plain(getattr(self, key)) for key in CORE_TABLES}
+        for stage, (_hook, table, many) in STAGES.items():
+            value = self.by_stage[stage]
+            out[table] = [s.to_table() for s in value] if many else value.to_table()
+        return out
+
+    def build_context(self, *, registry: Registry, run_dir: Path | None = None, rank: int = 0,
+                      world_size: int = 1, total_update_steps: int = 0) -> BuildContext:
+        """The one way a :class:`BuildContext` is made from a recipe."""
+        # Conventions documented in octfw.hookspecs: the transform's image_size and
+        # the model's patch_size define the patch grid both must agree on.
+        image_size = getattr(self.transform.config, "image_size", None)
+        patch_size = getattr(self.model.config, "patch_size", None)
+        return BuildContext(
+            recipe_dir=self.folder, cache_dir=cache_dir_for(self.run), run_dir=run_dir,
+            seed=self.run.seed, rank=rank, world_size=world_size,
+            image_size=tuple(image_size) if image_size is not None else None,
+            patch_size=tuple(patch_size) if patch_size is not None else None,
+            base_lr=self.engine.base_lr, weight_decay=self.engine.weight_decay,
+            total_update_steps=total_update_steps, recipe=self.to_dict(), registry=registry,
+        )
+
+
+def cache_dir_for(run: Any) -> Path:
+    """``run.cache_dir``, else ``$OCTFW_CACHE_DIR``, else ``~/.cache/octfw``."""
+    if getattr(run, "cache_dir", None) is not None:
+        return Path(run.cache_dir.local_path)
+    return Path(os.environ.get("OCTFW_CACHE_DIR") or Path.home() / ".cache" / "octfw")
+
+
+def validate(data: Mapping[str, Any], registry: Registry, source: Path) -> Recipe:
+    """Turn merged recipe data into a :class:`Recipe`, or raise :class:`RecipeError`."""
+    problems: list[Problem] = []
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            problems.append((key, f"unknown table{did_you_mean(key, TOP_LEVEL_KEYS)}; "
+                                  f"valid tables: {', '.join(TOP_LEVEL_KEYS[1:])}"))
+    core: dict[str, Any] = {}
+    for key, cls in CORE_TABLES.items():
+        table = data.get(key, {})
+        if not isinstance(table, dict):
+            problems.append((key, f"expected a table, got {describe(table)}"))
+            continue
+        core[key], found = structure_config(cls, table, key, registry)
+        problems += found
+
+    by_stage: dict[str, Any] = {}
+    for stage, (_hook, table, many) in STAGES.items():
+        if table not in data:
+            choices = ", ".join(registry.names(stage)) or "none installed"
+            problems.append((f"[{table}]", f"missing; choose a {stage} component: {choices}"))
+            continue
+        if many:
+            by_stage[stage], found = structure_stage_array(registry, stage, data[table], table)
+        else:
+            by_stage[stage], found = structure_stage(registry, stage, data[table], table)
+        problems += found
+
+    if problems:
+        raise RecipeError(str(source), problems)
+    return Recipe(source=source, run=core["run"], engine=core["engine"], by_stage=by_stage)
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str], registry: Registry) -> Recipe:
+    """Read, merge, override and validate a recipe. Imports no heavy dependency.
+
+    ``registry`` is the command's one :func:`octfw.registry.load_registry`."""
+    source = Path(path)
+    if source.is_dir():
+        raise UserError(f"{source}: is a folder; give a recipe file (.toml)")
+    data = read_with_extends(source)
+    for stage, default in DEFAULT_STAGES.items():
+        data.setdefault(STAGES[stage][1], copy.deepcopy(default))
+    data = apply_overrides(data, overrides)
+    return validate(data, registry, source.resolve())
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_none(v) for v in value]
+    return str(value) if isinstance(value, str) else value
+
+
+def to_toml(data: Mapping[str, Any]) -> str:
+    """Resolved recipe data as TOML (``octfw show``, the run's recipe.toml).
+
+    TOML has no null: an unset option is left out, so reading the file back
+    gives it its default (None) again."""
+    return tomli_w.dumps(_without_none(data))
