@@ -73,7 +73,7 @@ def test_sigkill_during_a_save_then_resume_auto_starts_from_the_last_complete_ch
     folder = partial.parent
     run_dir = folder.parent
     assert partial.exists() and not (folder / "step_00000002.pt").exists()
-    assert (folder / "latest").read_text() == "step_00000001.pt"
+    assert json.loads((folder / "latest").read_text())["checkpoints"][0]["name"] == "step_00000001.pt"
     checkpointer = LocalCheckpointer(folder)
     assert checkpointer.latest() == str(folder / "step_00000001.pt")
     assert checkpointer.load(checkpointer.latest())["update_step"] == 1

@@ -13,6 +13,7 @@ import torch
 import octfw
 from octfw.cli import main
 from octfw.errors import UserError
+from octfw.plugins.checkpointers.local import LocalCheckpointer
 from octfw.tools.export import PretrainedEncoder, load_encoder
 from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
 
@@ -34,7 +35,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def checkpoint_of(run_dir: Path) -> Path:
-    return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return Path(LocalCheckpointer(run_dir / "checkpoints").latest())
 
 
 def trained_model(run_dir: Path):

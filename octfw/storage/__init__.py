@@ -1,0 +1,16 @@
+"""Where octfw's files live: local paths and fsspec URLs, atomic writes, checkpoint folders.
+
+A low layer: it imports the standard library, fsspec and torch (inside
+functions, so ``octfw list`` loads none of them, nor gcsfs), ``octfw.errors``
+and ``octfw.fields``; never the engine, the recipe, the registry, the data
+pipeline or a plugin.
+
+- :mod:`octfw.storage.files`: a URL's filesystem (``open_filesystem``), the
+  path of a local one (``is_local``, ``local_path``), and the one way octfw
+  replaces a file so that no reader sees half of it (``write_atomically``);
+- :mod:`octfw.storage.retry`: retries with exponential backoff for remote
+  stores, and the ``StorageError`` raised when every attempt failed;
+- :mod:`octfw.storage.checkpoints`: checkpoint files in one folder, with the
+  ``latest`` pointer and ``keep_last`` retention written once for every
+  checkpointer (``CheckpointStorage``), and ``load_checkpoint(url)``.
+"""
