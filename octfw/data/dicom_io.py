@@ -23,13 +23,13 @@ import io
 import os
 import re
 import struct
-import tempfile
 import warnings
 from typing import IO, Any, Mapping, Sequence
 
 import numpy as np
 
 from octfw.errors import CorruptFile
+from octfw.storage.files import is_local, local_path, write_atomically
 from octfw.types import Provenance, Sample
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "read_oct_volume",
     "read_oct_series",
     "read_header",
-    "is_local",
 ]
 
 #: Ophthalmic Tomography Image Storage.
@@ -113,52 +112,27 @@ def normalise_manufacturer(manufacturer: str | None) -> str:
     return slug or UNKNOWN_DOMAIN
 
 
-def is_local(url: str) -> bool:
-    """Whether ``url`` is a local path or a ``file://`` URL."""
-    return "://" not in url or url.startswith("file://")
-
-
-def _local_path(url: str) -> str:
-    return url[len("file://"):] if url.startswith("file://") else url
-
-
 def open_file(url: str, fs: Any = None) -> IO[bytes]:
     """Open a local path, ``file://`` URL or fsspec URL for binary reading."""
     if fs is not None:
         return fs.open(url, "rb")
     if is_local(url):
-        return open(_local_path(url), "rb")
+        return open(local_path(url), "rb")
     import fsspec  # remote only: gcsfs and friends load on first use
 
     return fsspec.open(url, "rb").open()
 
 
 def write_bytes(url: str, data: bytes) -> None:
-    """Write ``data`` to a local path or fsspec URL.
+    """Write ``data`` to a local path or fsspec URL, atomically (see ``write_atomically``).
 
-    Local files are written to a temporary name and renamed, so a reader
-    (or a second process writing the same bytes) never sees half a file.
-    Remote objects are written in place: object stores publish an object
-    only when its upload completes, and the GCS emulator lacks rename.
+    A reader (or a second process writing the same bytes) never sees half a
+    file. Not fsynced: octfw writes synthetic cohorts with it, which a crash
+    leaves incomplete and the next run writes again (``cohort.json`` goes
+    last and records every size), and an fsync per file would slow writing
+    thousands of them.
     """
-    if is_local(url):
-        path = _local_path(url)
-        folder = os.path.dirname(path) or "."
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return
-    import fsspec
-
-    with fsspec.open(url, "wb") as f:
-        f.write(data)
+    write_atomically(url, data, durable=False)
 
 
 # --- writing --------------------------------------------------------------

@@ -27,7 +27,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from octfw.data.dicom_io import is_local
+from octfw.storage.files import is_local, local_path, write_atomically
 from octfw.types import Provenance
 
 __all__ = ["CachedVolume", "PreparedCache", "FORMAT_VERSION"]
@@ -58,8 +57,8 @@ def _local_stamp(url: str) -> str:
     """Size and modification time of a local file or folder ('' when absent or remote)."""
     if not is_local(url):
         return ""
-    path = url[len("file://"):] if url.startswith("file://") else url
-    path = path.split("#", 1)[0]  # a series source "<folder>#series-<hash>" is stamped by its folder
+    # A series source "<folder>#series-<hash>" is stamped by its folder.
+    path = local_path(url).split("#", 1)[0]
     try:
         stat = os.stat(path)
     except OSError:
@@ -128,18 +127,10 @@ class PreparedCache:
         buffer = io.BytesIO()
         np.savez(buffer, prepared=np.asarray(prepared, dtype=np.float32),
                  meta=np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8))
-        path = self.path(source)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(buffer.getvalue())
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            # Not fsynced: an entry lost in a crash is only a miss (prepared
+            # again), and an fsync per volume would slow every first epoch.
+            write_atomically(self.path(source), buffer.getvalue(), durable=False)
         except OSError as exc:
             if not self._warned:
                 self._warned = True

@@ -28,8 +28,9 @@ from typing import Any, Mapping, Sequence
 import attrs
 import numpy as np
 
-from octfw.data.dicom_io import encode_oct_dicom, is_local, open_file, write_bytes
+from octfw.data.dicom_io import encode_oct_dicom, open_file, write_bytes
 from octfw.data.manifest import ManifestRow, write_manifest
+from octfw.storage.files import open_filesystem
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -246,28 +247,20 @@ def _join(folder: str, name: str) -> str:
 
 
 def _size(url: str) -> int | None:
-    if is_local(url):
-        path = url[len("file://"):] if url.startswith("file://") else url
-        return os.path.getsize(path) if os.path.isfile(path) else None
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    return int(fs.size(path)) if fs.isfile(path) else None
+    fs, path = open_filesystem(url)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    return int(info["size"]) if info.get("type") == "file" else None
 
 
 def _remove(url: str) -> None:
-    if is_local(url):
-        path = url[len("file://"):] if url.startswith("file://") else url
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass  # absent already, or removed by another rank writing the same cohort
-        return
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path)
+    fs, path = open_filesystem(url)
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass  # absent already, or removed by another rank writing the same cohort
 
 
 def read_cohort(folder: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -43,9 +43,10 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from octfw.data.dicom_io import UNKNOWN_DOMAIN, SpacingDefaulted, is_local
+from octfw.data.dicom_io import UNKNOWN_DOMAIN, SpacingDefaulted
 from octfw.data.manifest import is_manifest, read_manifest
 from octfw.errors import CorruptFile, UserError
+from octfw.storage.files import is_local, local_path
 from octfw.types import Provenance, Sample
 
 __all__ = [
@@ -88,7 +89,7 @@ def require_oct_converter() -> Any:
 def _local_copy(url: str):
     """A local path holding ``url``'s bytes (the path itself for local files)."""
     if is_local(url):
-        yield url[len("file://"):] if url.startswith("file://") else url
+        yield local_path(url)
         return
     import fsspec
 

@@ -22,7 +22,6 @@ a plain dict that ``torch.load(weights_only=True)`` reads:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from octfw.errors import UserError
+from octfw.storage.files import write_atomically
 from octfw.models.vit3d import ViT3DEncoder
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "export_encoder", "find_checkpoint",
@@ -98,14 +98,14 @@ def find_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
     """The checkpoint ``source`` names and its contents: a run folder gives its
     latest complete checkpoint (through the checkpointer its recipe records),
     a file is read as a checkpoint. Raises UserError for anything else."""
-    from octfw.plugins.checkpointers.local import LocalCheckpointer
+    from octfw.storage.checkpoints import load_checkpoint
 
     path = Path(source)
     if path.is_dir():
         return _latest_in_run(path)
     if not path.exists():
         raise UserError(f"{source}: no such run folder or checkpoint file")
-    return str(path), LocalCheckpointer(None).load(str(path))
+    return str(path), load_checkpoint(str(path))
 
 
 def _latest_in_run(run_dir: Path) -> tuple[str, dict[str, Any]]:
@@ -206,13 +206,7 @@ def export_encoder(source: str | Path, out: str | Path) -> dict[str, Any]:
         "update_step": int(state.get("update_step", 0)),
         "versions": state.get("versions"),
     }
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        torch.save(exported, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomically(out, lambda f: torch.save(exported, f))
     return {
         "out": str(out),
         "checkpoint": str(location),
