@@ -30,6 +30,8 @@ from torch import nn
 
 from octfw.errors import UserError
 from octfw.storage.files import write_atomically
+from octfw.recipe import Recipe
+from octfw.registry import Registry
 from octfw.models.vit3d import ViT3DEncoder
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "export_encoder", "find_checkpoint",
@@ -94,7 +96,7 @@ class PretrainedEncoder(nn.Module):
 # finding and reading the checkpoint
 
 
-def find_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
+def find_checkpoint(source: str | Path, registry: Registry) -> tuple[str, dict[str, Any]]:
     """The checkpoint ``source`` names and its contents: a run folder gives its
     latest complete checkpoint (through the checkpointer its recipe records),
     a file is read as a checkpoint. Raises UserError for anything else."""
@@ -102,25 +104,21 @@ def find_checkpoint(source: str | Path) -> tuple[str, dict[str, Any]]:
 
     path = Path(source)
     if path.is_dir():
-        return _latest_in_run(path)
+        return _latest_in_run(path, registry)
     if not path.exists():
         raise UserError(f"{source}: no such run folder or checkpoint file")
     return str(path), load_checkpoint(str(path))
 
 
-def _latest_in_run(run_dir: Path) -> tuple[str, dict[str, Any]]:
-    from octfw.engine.build import cache_dir_for
+def _latest_in_run(run_dir: Path, registry: Registry) -> tuple[str, dict[str, Any]]:
     from octfw.recipe import load_recipe
-    from octfw.types import BuildContext
 
     recorded = run_dir / "recipe.toml"
     if not recorded.is_file():
         raise UserError(f"{run_dir}: not a run folder (it has no recipe.toml); "
                         "give a run folder or a checkpoint file")
-    recipe = load_recipe(recorded)
-    ctx = BuildContext(recipe_dir=recipe.folder, cache_dir=cache_dir_for(recipe), run_dir=run_dir,
-                       seed=recipe.run.seed, recipe=recipe.to_dict())
-    checkpointer = recipe.checkpointer.build(ctx)
+    recipe = load_recipe(recorded, (), registry)
+    checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
     location = checkpointer.latest()
     if location is None:
         raise UserError(f"{run_dir}: no complete checkpoint found "
@@ -128,37 +126,25 @@ def _latest_in_run(run_dir: Path) -> tuple[str, dict[str, Any]]:
     return location, checkpointer.load(location)
 
 
-def _table(recipe: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
-    table = recipe.get(key)
-    if not isinstance(table, Mapping) or "name" not in table:
-        raise UserError(f"checkpoint {where}: its recorded recipe has no [{key}] table")
-    return dict(table)
+def recorded_recipe(state: Mapping[str, Any], where: str, registry: Registry) -> Recipe:
+    """The recipe a checkpoint carries (every option resolved when it was saved), validated again."""
+    from octfw.errors import RecipeError
+    from octfw.recipe import validate
+
+    recipe = state.get("recipe")
+    if not isinstance(recipe, Mapping) or "model" not in recipe or "transform" not in recipe:
+        raise UserError(f"{where}: the checkpoint records no recipe with [model] and [transform]")
+    try:
+        return validate(recipe, registry, Path(where))
+    except RecipeError as exc:
+        raise UserError(f"checkpoint {where}: its recorded recipe no longer validates: "
+                        + "; ".join(exc.problems)) from None
 
 
-def _rebuild_model(state: Mapping[str, Any], where: str) -> nn.Module:
+def rebuild_model(state: Mapping[str, Any], where: str, registry: Registry) -> nn.Module:
     """The model the checkpoint's recipe describes, with the checkpoint's weights."""
-    from octfw.recipe import structure_config
-    from octfw.registry import load_registry
-    from octfw.types import BuildContext
-
-    recipe = state["recipe"]
-    model_table, transform_table = _table(recipe, "model", where), _table(recipe, "transform", where)
-    registry = load_registry()
-    name = model_table.pop("name")
-    component = registry.get("model", name)
-    config, problems = structure_config(component.config, model_table, "model")
-    if config is None:
-        raise UserError(f"checkpoint {where}: its [model] table no longer validates: " + "; ".join(problems))
-    # The same geometry convention as the engine (octfw.engine.build): the
-    # transform's image_size and the model's patch_size.
-    image_size, patch_size = transform_table.get("image_size"), getattr(config, "patch_size", None)
-    ctx = BuildContext(
-        recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
-        image_size=tuple(image_size) if image_size is not None else None,
-        patch_size=tuple(patch_size) if patch_size is not None else None,
-        recipe=recipe,
-    )
-    model = component.build(config, ctx)
+    recipe = recorded_recipe(state, where, registry)
+    model = recipe.model.build(recipe.build_context(registry=registry))
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
@@ -168,11 +154,18 @@ def _rebuild_model(state: Mapping[str, Any], where: str) -> nn.Module:
     return model
 
 
+def _table(recipe: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    table = recipe.get(key)
+    if not isinstance(table, Mapping) or "name" not in table:
+        raise UserError(f"checkpoint {where}: its recorded recipe has no [{key}] table")
+    return dict(table)
+
+
 # --------------------------------------------------------------------------
 # export and load
 
 
-def export_encoder(source: str | Path, out: str | Path) -> dict[str, Any]:
+def export_encoder(source: str | Path, out: str | Path, registry: Registry) -> dict[str, Any]:
     """Write the target encoder of the checkpoint ``source`` names to ``out``.
 
     Returns a summary: ``out``, ``checkpoint``, ``update_step``, ``config``
@@ -185,10 +178,10 @@ def export_encoder(source: str | Path, out: str | Path) -> dict[str, Any]:
         raise UserError(f"--out {out}: is a folder; give a file name such as encoder.pt")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: the folder {out.parent} does not exist")
-    location, state = find_checkpoint(source)
+    location, state = find_checkpoint(source, registry)
     if not isinstance(state, Mapping) or "model" not in state or "recipe" not in state:
         raise UserError(f"{location}: not an octfw training checkpoint (it lacks 'model' or 'recipe')")
-    model = _rebuild_model(state, location)
+    model = rebuild_model(state, location, registry)
     encoder = getattr(model, "encoder", None)
     if not isinstance(encoder, ViT3DEncoder):
         raise UserError(f"checkpoint {location}: model {state['recipe']['model']['name']!r} has no "
