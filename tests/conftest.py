@@ -65,6 +65,15 @@ def _octfw_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _octfw_console_logging() -> None:
+    """octfw's console handler, as ``octfw`` installs it: tests that train in this
+    process see the same ``octfw: warning: ...`` lines on stderr as a user."""
+    from octfw.logs import setup_console_logging
+
+    setup_console_logging()
+
+
 @pytest.fixture
 def registry():
     from octfw.registry import load_registry

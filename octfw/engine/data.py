@@ -4,7 +4,8 @@ Every sample's randomness comes from ``(seed, epoch, index)``, so a batch does
 not depend on worker count or timing and can be rebuilt later. A file the
 dataset cannot use is quarantined and replaced by the next usable sample in
 the same epoch order; no good file is dropped, and training never stops for
-one bad file.
+one bad file. Rank 0 warns once per quarantined file (logger
+``octfw.engine.data``) and lists it in ``quarantine.jsonl``.
 
 Prepared volumes are cached: when the transform has a deterministic
 ``prepare`` half with a ``cache`` (:class:`octfw.types.PreparingTransform`)
@@ -21,6 +22,7 @@ spreading those of large ones over epochs.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,6 +44,8 @@ __all__ = [
     "domain_counts",
     "domain_report",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Values of ``[engine] domain_sampling``.
 DOMAIN_SAMPLING = ("natural", "balanced")
@@ -260,7 +264,8 @@ def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
 
 
 class Quarantine:
-    """Unusable files, each recorded once, in ``quarantine.jsonl`` of the run directory."""
+    """Unusable files, each recorded once, in ``quarantine.jsonl`` of the run directory
+    and in one warning each (where there is a run directory: rank 0)."""
 
     def __init__(self, run_dir: Path | None):
         self.path = run_dir / "quarantine.jsonl" if run_dir is not None else None
@@ -274,6 +279,7 @@ class Quarantine:
             with self.path.open("a", encoding="utf-8") as f:
                 for url, reason in new:
                     f.write(json.dumps({"url": url, "reason": reason}) + "\n")
+                    logger.warning("quarantined %s, training goes on: %s", url, reason)
 
     def __len__(self) -> int:
         return len(self.seen)

@@ -3,25 +3,31 @@
 The seeds watched validation metrics arrive for minutes while training had
 silently stopped. A background thread warns when no update step completes
 within ``engine.heartbeat_s`` (from the start, or between two steps), naming
-what the loop is waiting on.
+what the loop is waiting on: a warning of the ``octfw.engine.heartbeat``
+logger, shown on the console as ``octfw heartbeat: no update step completed
+...`` (see :mod:`octfw.logs`).
 """
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from typing import Callable
 
+from octfw.logs import LABEL
+
 __all__ = ["Heartbeat"]
 
+logger = logging.getLogger(__name__)
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+
+def _warn(message: str) -> None:
+    logger.warning(message, extra={LABEL: "octfw heartbeat"})
 
 
 class Heartbeat:
-    def __init__(self, timeout_s: float, report: Callable[[str], None] = _stderr):
+    def __init__(self, timeout_s: float, report: Callable[[str], None] = _warn):
         self.timeout_s = timeout_s
         self.report = report
         self.phase = "start-up"
@@ -54,5 +60,5 @@ class Heartbeat:
             if silent >= self.timeout_s and self._warned_for != beat:
                 self._warned_for = beat
                 since = "since start" if self.last_step is None else f"since update step {self.last_step}"
-                self.report(f"octfw heartbeat: no update step completed in {silent:.0f} s {since}; "
+                self.report(f"no update step completed in {silent:.0f} s {since}; "
                             f"waiting on {self.phase}")

@@ -1,23 +1,27 @@
 """Start one training job: pick the run directory on rank 0, then train.
 
 ``octfw run`` and ``octfw bench`` (each grid point in its own process) both
-start training here, so the run directory and resume rules exist once.
+start training here, so the run directory and resume rules exist once. While
+it trains, rank 0 writes the run's ``octfw.log`` (:func:`octfw.logs.attach_run_log`).
 """
 
 from __future__ import annotations
 
-import sys
+import logging
 
 from octfw.engine.backend import resolve_device
 from octfw.engine.cadence import cadence_warnings
 from octfw.engine.distributed import broadcast_object, init_process_group
 from octfw.engine.trainer import RunSummary, train
 from octfw.errors import UserError
+from octfw.logs import attach_run_log, detach_run_log
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.rundir import create_run_dir, latest_run_dir
 
 __all__ = ["launch"]
+
+logger = logging.getLogger(__name__)
 
 
 def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> RunSummary:
@@ -28,7 +32,7 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> Run
     run_dir = None
     if rank == 0:
         for warning in cadence_warnings(recipe.engine):
-            print(f"octfw: warning: {warning}", file=sys.stderr)
+            logger.warning(warning)
         if resume == "auto":
             run_dir = latest_run_dir(recipe)
             if run_dir is None:
@@ -36,4 +40,9 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> Run
         else:
             run_dir = create_run_dir(recipe, registry)
     run_dir = broadcast_object(run_dir)
-    return train(recipe, registry, run_dir, resume=resume)
+    run_log = attach_run_log(run_dir) if rank == 0 else None
+    try:
+        return train(recipe, registry, run_dir, resume=resume)
+    finally:
+        if run_log is not None:
+            detach_run_log(run_log)

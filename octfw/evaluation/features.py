@@ -11,6 +11,7 @@ own seeded generator, and feature extraction is deterministic.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator, Sequence
 
 import attrs
@@ -21,6 +22,8 @@ from octfw.errors import CorruptFile, UserError
 from octfw.types import Dataset, Sample
 
 __all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features"]
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_volume(transform: Any, sample: Sample) -> np.ndarray:
@@ -67,7 +70,7 @@ class LabelledVolumes:
 
 
 def load_labelled(dataset: Dataset, transform: Any, *, keep: bool, where: str) -> LabelledVolumes:
-    """Decode and prepare every volume once; skip unusable files (listed on stderr).
+    """Decode and prepare every volume once; skip unusable files (counted in one warning).
 
     Raises UserError, naming ``where`` (``evaluator linear-probe dataset``),
     when a volume has no label or no volume is usable.
@@ -92,9 +95,7 @@ def load_labelled(dataset: Dataset, transform: Any, *, keep: bool, where: str) -
         if keep:
             prepared.append(volume)
     if skipped:
-        import sys
-
-        print(f"octfw: {where}: skipped {len(skipped)} unusable files (first: {skipped[0]})", file=sys.stderr)
+        logger.warning("%s: skipped %d unusable files (first: %s)", where, len(skipped), skipped[0])
     if not indices:
         raise UserError(f"{where}: no usable labelled volume among {len(dataset)} files")
     return LabelledVolumes(dataset, transform, indices, np.asarray(labels, dtype=np.int64), domains, sources,

@@ -19,8 +19,8 @@ its threshold for ``patience`` log steps in a row triggers ``action``.
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
 from typing import Any, Mapping
 
 import attrs
@@ -29,6 +29,8 @@ from octfw.fields import choices, doc, positive
 from octfw.types import BuildContext, GuardInputs, StopTraining
 
 __all__ = ["CollapseConfig", "CollapseGuard", "build"]
+
+logger = logging.getLogger(__name__)
 
 _optional_positive = attrs.validators.optional(positive)
 
@@ -90,7 +92,7 @@ class CollapseGuard:
             )
             if self.config.action == "stop":
                 raise StopTraining(message)
-            print(f"octfw: warning: {message}", file=sys.stderr, flush=True)
+            logger.warning(message)
 
     def _option(self, key: str) -> str:
         return "min_std" if key == "metric/target_std" else "min_effective_rank"
@@ -99,8 +101,8 @@ class CollapseGuard:
         if key in self._missing_reported:
             return
         self._missing_reported.add(key)
-        print(f"octfw: warning: collapse: the model reports no {key}; "
-              f"guard.{self._option(key)} has nothing to watch", file=sys.stderr, flush=True)
+        logger.warning("collapse: the model reports no %s; guard.%s has nothing to watch",
+                       key, self._option(key))
 
     def state_dict(self) -> dict[str, Any]:
         return {"below": dict(self._below)}

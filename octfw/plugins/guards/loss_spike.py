@@ -8,15 +8,17 @@ In the seeds a loss spike preceded each NaN; a warning names the step so that
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import statistics
-import sys
 from typing import Any, Mapping
 
 import attrs
 
 from octfw.fields import choices, doc, in_range, positive
 from octfw.types import BuildContext, GuardInputs, StopTraining
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -48,7 +50,7 @@ class LossSpike:
                            f"{loss / median:.1f}x the running median {median:.4g}")
                 if self.config.action == "stop":
                     raise StopTraining(message)
-                print(f"octfw: warning: {message}", file=sys.stderr, flush=True)
+                logger.warning(message)
         self.history.append(loss)
 
     def state_dict(self) -> dict[str, Any]:

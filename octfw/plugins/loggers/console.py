@@ -16,6 +16,15 @@ finds: ``update_steps``, ``total_update_steps``, ``first_loss``,
 ``checkpoint``, ``failed_saves``, ``quarantined``, ``stopped``. Other keys
 with a plain value (number, string, bool) follow under their own name; None
 values are left out.
+
+Why this component prints instead of logging: its lines and the summary are
+what ``octfw run`` produces, its result on stdout like ``octfw show``'s TOML,
+not diagnostics about the run. Users choose this component in the recipe;
+its output must not depend on the log level or be duplicated into
+``octfw.log`` (``metrics.jsonl`` is the file record of the same values), and
+the progress bar needs the terminal itself. Warnings and notes from the rest
+of octfw go through :mod:`octfw.logs` to stderr, which the bar shows above
+itself while it runs.
 """
 
 from __future__ import annotations

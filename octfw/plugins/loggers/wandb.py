@@ -23,11 +23,16 @@ are those of the first attempt.
 which needs ``wandb login`` or ``WANDB_API_KEY``) when that is unset: the
 choice stays with the machine's environment, as W&B users expect.
 
+W&B prints its own ``wandb: ...`` lines on the console; the records of its
+``wandb`` logger go to the run's ``octfw.log`` (see :mod:`octfw.logs`), with
+the id and folder of the W&B run this job logs to.
+
 Needs the ``wandb`` extra: ``pip install 'octfw[wandb]'``.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -40,6 +45,8 @@ from octfw.types import BuildContext
 __all__ = ["WandbConfig", "WandbLogger", "build", "import_wandb"]
 
 MODES = ("online", "offline", "disabled")
+
+logger = logging.getLogger(__name__)
 
 
 def _mode(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
@@ -130,6 +137,8 @@ class WandbLogger:
                 "or set mode = \"offline\" in the [[logger]] table (or WANDB_MODE=offline) to log without network"
             ) from exc
         self.run_id = self._run.id
+        logger.debug("W&B run %s (%s) in %s", self.run_id,
+                     "continued" if "resume" in options else "new", folder)
 
     def log(self, update_step: int, metrics: Mapping[str, float]) -> None:
         if self._run is not None:
