@@ -177,7 +177,7 @@ def test_guard_does_no_device_work_and_its_streak_survives_a_resume():
 def test_guard_config_is_validated_in_recipes(write_recipe, registry):
     path = write_recipe(TINY_RECIPE + '\n[[guard]]\nname = "collapse"\naction = "explode"\npatience = 0\n')
     with pytest.raises(RecipeError) as info:
-        load_recipe(path, registry=registry)
+        load_recipe(path, (), registry)
     text = str(info.value)
     assert "guard[0].action" in text and "guard[0].patience" in text
 

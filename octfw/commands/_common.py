@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 from typing import Any
 
 __all__ = ["add_recipe_arguments", "load_registry_once", "load_recipe_from_args"]
@@ -22,7 +22,7 @@ def load_registry_once() -> Any:
 
     registry = load_registry()
     for failure in registry.failures:
-        print(f"warning: {failure}", file=sys.stderr)
+        logging.getLogger(__name__).warning(str(failure))
     return registry
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from octfw.engine.cadence import cadence_warnings
 
     for warning in cadence_warnings(recipe.engine):
-        print(f"octfw: warning: {warning}", file=sys.stderr)
+        logging.getLogger(__name__).warning(warning)
     from octfw.tools.check import check_recipe  # imports torch: only when the command runs
 
     check_recipe(recipe, registry)
