@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import random
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from octfw.engine.build import Components, build_components, check_schedule
 from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.data import Quarantine, SampleSource, domain_report, make_loader, provenance_record
 from octfw.engine.heartbeat import Heartbeat
+from octfw.engine.metrics import log_metrics, mfu
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.state import restore, save
 from octfw.engine.optim import GatedAdamW
@@ -37,6 +39,8 @@ from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining
 __all__ = ["train", "Trainer", "RunSummary"]
 
 PROVENANCE_WINDOW = 8  # update steps whose sample URLs are kept for guard reports
+
+log = logging.getLogger(__name__)
 
 
 @attrs.define
@@ -114,6 +118,20 @@ class DeviceTotals:
         for t in (self.loss, self.applied, self.domain_loss, self.domain_count):
             t.zero_()
 
+    def read(self, backend: Backend, **extra: torch.Tensor) -> dict[str, Any]:
+        """The interval's means, summed over DDP ranks, and ``extra``, in one
+        device-to-host transfer. Note: a sync point (log steps only)."""
+        all_reduce_(self.loss, self.applied, self.domain_loss, self.domain_count)  # DDP: sums
+        ranks = backend.world_size if is_ddp() else 1
+        return backend.read({
+            "loss": self.loss / self.applied.clamp(min=1.0),
+            "applied": self.applied / ranks,
+            "skipped_updates": self.skipped,
+            "domain_loss": self.domain_loss / self.domain_count.clamp(min=1.0),
+            "domain_count": self.domain_count,
+            **extra,
+        })
+
 
 class Trainer:
     def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None):
@@ -133,6 +151,11 @@ class Trainer:
         if is_ddp():  # gradients averaged across torchrun processes
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.total = parts.ctx.total_update_steps
+        per_update = recipe.engine.grad_accum_steps * recipe.engine.per_device_batch
+        #: samples one update step consumes on every device of the run (throughput, MFU)
+        self.samples_per_update = per_update * backend.device_count
+        #: this process's share of them (its data loader's position, ``samples_done``)
+        self.local_samples_per_update = per_update * backend.local_devices
         self.start_step, self.samples_done = 0, 0
         if resume is not None:
             self.start_step, self.samples_done = restore(resume, parts, self.model, self.optimizer)
@@ -197,7 +220,7 @@ class Trainer:
                 (out.loss / engine.grad_accum_steps).backward()
             step_loss += out.loss.detach().float() / engine.grad_accum_steps
             self._add_domain_losses(out, batch["tensors"][DOMAIN_ID_KEY])
-        self.samples_done += engine.grad_accum_steps * engine.per_device_batch * backend.local_devices
+        self.samples_done += self.local_samples_per_update
         self.guard_log.remember(update_step + 1, provenance)
         if is_ddp():  # every rank's guards see the same (mean) loss; SPMD's is global already
             all_reduce_(step_loss)
@@ -239,47 +262,23 @@ class Trainer:
     def log(self, done: int, norm: torch.Tensor, out: ModelOutput) -> None:
         """Read every metric from the device in one transfer; hand host floats to loggers."""
         self.heartbeat.waiting_on("the device (reading metrics)")
-        engine, totals, backend = self.recipe.engine, self.totals, self.backend
-        all_reduce_(totals.loss, totals.applied, totals.domain_loss, totals.domain_count)  # DDP: sums
-        ranks = backend.world_size if is_ddp() else 1
-        host = backend.read({
-            "loss": totals.loss / totals.applied.clamp(min=1.0),
-            "applied": totals.applied / ranks,
-            "grad_norm": norm, "skipped_updates": totals.skipped,
-            "domain_loss": totals.domain_loss / totals.domain_count.clamp(min=1.0),
-            "domain_count": totals.domain_count,
-            **{f"metric/{k}": v for k, v in out.metrics.items()},
-        })
+        host = self.totals.read(self.backend, grad_norm=norm,
+                                **{f"metric/{k}": v for k, v in out.metrics.items()})
         now = time.perf_counter()
         last_time, last_step = self._last_log
-        interval = max(now - last_time, 1e-9)
-        steps = done - last_step
-        samples = steps * engine.grad_accum_steps * engine.per_device_batch * backend.device_count
-        metrics = {
-            "loss": host["loss"] if host["applied"] > 0 else float("nan"),
-            "lr": effective_lr(self.parts.schedule, done - 1, engine.base_lr),
-            "grad_norm": host["grad_norm"],
-            "skipped_updates": host["skipped_updates"],
-            "updates_since_log": float(steps),
-            "samples_per_s": samples / interval,
-            "samples_per_s_per_device": samples / interval / backend.device_count,
-            "step_time_s": interval / steps,
-            "data_wait_share": min(self._data_wait_s / interval, 1.0),
-            "epoch": self.samples_done * backend.world_size / len(self.parts.dataset),
-            **{k: v for k, v in host.items() if k.startswith("metric/")},
-            # A domain with no sample since the last log step has no loss to show.
-            **{f"loss/{d}": host["domain_loss"][i] for i, d in enumerate(self.parts.domains)
-               if host["domain_count"][i] > 0},
-        }
-        self._data_wait_s = 0.0
         if self.flops_per_sample is None and self._batch_shapes is not None:
             self.flops_per_sample = flops_per_sample(self.model, self._batch_shapes) or 0
-        if self.flops_per_sample and self.peak_flops:
-            metrics["mfu"] = (self.flops_per_sample * metrics["samples_per_s"]
-                              / (self.peak_flops * backend.device_count))
-        momentum = self.parts.schedule.ema_momentum(done - 1)
-        if momentum is not None:
-            metrics["ema_momentum"] = momentum
+        schedule, engine = self.parts.schedule, self.recipe.engine
+        metrics = log_metrics(
+            host, interval_s=now - last_time, updates=done - last_step,
+            samples_per_update=self.samples_per_update, device_count=self.backend.device_count,
+            data_wait_s=self._data_wait_s,
+            epoch=self.samples_done * self.backend.world_size / len(self.parts.dataset),
+            lr=effective_lr(schedule, done - 1, engine.base_lr),
+            ema_momentum=schedule.ema_momentum(done - 1), domains=self.parts.domains,
+            flops_per_sample=self.flops_per_sample, peak_flops=self.peak_flops,
+        )
+        self._data_wait_s = 0.0
         if host["skipped_updates"] > self._skipped_seen:
             self.guard_log.write(done, "skipped update (non-finite loss or gradient) since the last log step")
             self._skipped_seen = host["skipped_updates"]
@@ -290,7 +289,7 @@ class Trainer:
             logger.log(done, metrics)
         for guard in self.parts.guards:
             guard.at_log_step(done, metrics)
-        totals.reset_interval()
+        self.totals.reset_interval()
         self._last_log = (now, done)
 
     def evaluate(self, done: int) -> None:
@@ -320,16 +319,9 @@ class Trainer:
         location, error = save(self.parts, self.model, self.optimizer, done, self.samples_done, self.recipe)
         if error:
             self.failed_saves.append(f"step {done}: {error}")
-            print(f"octfw: warning: checkpoint at update step {done} failed, training goes on: {error}")
+            log.warning("checkpoint at update step %d failed, training goes on: %s", done, error)
         elif location:
             self.checkpoint = location
-
-    def _mfu(self, samples_per_s: float) -> float | str | None:
-        if not self.flops_per_sample:
-            return None
-        if not self.peak_flops:
-            return "unknown peak"
-        return self.flops_per_sample * samples_per_s / (self.peak_flops * self.backend.device_count)
 
     # --- the loop ----------------------------------------------------------
 
@@ -338,7 +330,7 @@ class Trainer:
 
         engine, total = self.recipe.engine, self.total
         if self.backend.is_main_process:
-            print(domain_report(self.parts.dataset, self.recipe.engine.domain_sampling), flush=True)
+            log.info(domain_report(self.parts.dataset, engine.domain_sampling))
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
         started, done, stopped = time.perf_counter(), self.start_step, None
@@ -361,16 +353,15 @@ class Trainer:
                 self.guard_log.write(done, stopped)
 
         elapsed = time.perf_counter() - started
-        steps_run = done - self.start_step
-        samples = steps_run * engine.grad_accum_steps * engine.per_device_batch * self.backend.device_count
+        samples_per_s = (done - self.start_step) * self.samples_per_update / max(elapsed, 1e-9)
         summary = RunSummary(
             run_dir=self.run_dir, update_steps=done, total_update_steps=total,
             first_loss=self.first_loss, last_loss=self.last_loss,
             skipped_updates=int(self.totals.skipped.cpu().item()),
-            samples_per_s=samples / max(elapsed, 1e-9), elapsed_s=elapsed,
+            samples_per_s=samples_per_s, elapsed_s=elapsed,
             checkpoint=self.checkpoint, failed_saves=self.failed_saves,
             quarantined=len(self.quarantine), stopped=stopped, device=self.device_name,
-            mfu=self._mfu(samples / max(elapsed, 1e-9)),
+            mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),
         )
         if self.backend.is_main_process:
             write_summary(self.run_dir, summary.as_dict(), self.quarantine)
