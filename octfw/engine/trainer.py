@@ -141,7 +141,7 @@ class Trainer:
             raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
                             "storm); torch_xla compiles its graphs itself")
         self.backend = backend = select_backend(recipe.run.device, recipe.engine.precision)
-        self.parts = parts = build_components(recipe, run_dir=run_dir, rank=backend.rank,
+        self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank,
                                               world_size=backend.device_count)
         check_schedule(recipe, parts)
         self.model = parts.model.to(backend.device)
@@ -192,7 +192,7 @@ class Trainer:
 
         Returns the gradient norm (None when neither a guard nor this step's
         log needs it) and the last micro-step's model output."""
-        engine, schedule, backend = self.recipe.engine, self.parts.schedule, self.backend
+        engine, schedule, backend = self.recipe.engine, self.parts.scheduler, self.backend
         lr, wd = schedule.lr(update_step), schedule.weight_decay(update_step)
         for group in self.optimizer.param_groups:
             if lr is not None:  # None: the schedule never rewrites the LR (constant)
@@ -268,7 +268,7 @@ class Trainer:
         last_time, last_step = self._last_log
         if self.flops_per_sample is None and self._batch_shapes is not None:
             self.flops_per_sample = flops_per_sample(self.model, self._batch_shapes) or 0
-        schedule, engine = self.parts.schedule, self.recipe.engine
+        schedule, engine = self.parts.scheduler, self.recipe.engine
         metrics = log_metrics(
             host, interval_s=now - last_time, updates=done - last_step,
             samples_per_update=self.samples_per_update, device_count=self.backend.device_count,
