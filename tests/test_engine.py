@@ -179,7 +179,7 @@ def test_each_sample_carries_the_id_of_its_own_domain(tiny_recipe):
     from octfw.engine.data import SampleSource, collate
 
     registry = load_registry()
-    parts = build_components(load_recipe(tiny_recipe, [], registry), run_dir=None, with_loggers=False)
+    parts = build_components(load_recipe(tiny_recipe, [], registry), registry, run_dir=None, with_loggers=False)
     assert parts.domains == ["heidelberg", "topcon", "zeiss"]
     source = SampleSource(parts.dataset, parts.transform, seed=0, domains=parts.domains)
     items = [source[(0, i)] for i in range(len(parts.dataset))]
