@@ -159,7 +159,7 @@ class OctfwSpecs:
         known at build time. Pure functions cannot restart by accident, are
         simulated in full before training and resume exactly.
 
-        Hot path: called once per update step with a host int; returns host
+        Hot path: yes, called once per update step with a host int; returns host
         floats. Cannot force a device sync.
 
         :return: None; components are announced through ``register``.
@@ -169,8 +169,9 @@ class OctfwSpecs:
     def octfw_register_guards(self, register: Register) -> None:
         """Register guard components (recipe array ``[[guard]]``).
 
-        The factory returns an :class:`octfw.types.Guard`. ``before_step``
-        runs on every update step in the hot path, after the global gradient
+        The factory returns an :class:`octfw.types.Guard`.
+
+        Hot path: yes. ``before_step`` runs on every update step, after the global gradient
         norm is measured and before the optimizer step; it returns a boolean
         device tensor (apply the update or not) or None, and must not force a
         sync: decide with ``torch.where`` on the device. ``at_log_step`` runs

@@ -33,7 +33,7 @@ def test_there_are_hooks_and_each_is_a_stage():
 @pytest.mark.parametrize("hook", HOOKS)
 def test_hook_is_documented_with_its_hot_path_and_return(hook):
     doc = getattr(OctfwSpecs, hook).__doc__ or ""
-    assert re.search(r"\bhot path\b", doc, re.IGNORECASE), f"{hook}: say whether it runs in the hot path"
+    assert re.search(r"^\s*Hot path: (yes|no)\b", doc, re.MULTILINE), f"{hook}: say 'Hot path: yes/no'"
     assert ":return:" in doc, f"{hook}: document what the hook returns (':return:')"
 
 
