@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import attrs
 import torch
 
+from octfw.engine.distributed import BatchLayout
 from octfw.errors import UserError
 from octfw.types import DOMAIN_ID_KEY
 
@@ -60,6 +61,31 @@ class Backend:
         """Devices taking part in data parallelism, over all processes."""
         return self.world_size * self.local_devices
 
+    def batch_layout(self, per_device_batch: int, grad_accum_steps: int) -> BatchLayout:
+        """The global batch arithmetic of this run: processes x local devices x micro-steps."""
+        return BatchLayout(per_device_batch, grad_accum_steps, processes=self.world_size,
+                           devices_per_process=self.local_devices)
+
+    def input_sharding(self) -> dict[str, Any] | None:
+        """SPMD: how each batch tensor goes onto the mesh; None without SPMD.
+
+        The batch dimension is split over the mesh's one axis ``"data"``
+        (all devices of all hosts); the other dimensions stay whole. With
+        several processes (a multi-host slice) each host's loader yields only
+        its own ``per_device_batch x local devices`` samples, and
+        ``minibatch=True`` tells torch_xla that: the global tensor gets a
+        batch of ``local batch x global devices / local devices``, each host
+        filling the rows of its own devices. Without it torch_xla would take
+        every host's local batch as the whole global batch.
+        """
+        if self.mesh is None:
+            return None
+        import torch_xla.distributed.spmd as xs
+
+        return {key: xs.ShardingSpec(self.mesh, ("data",) + (None,) * (ndim - 1),
+                                     minibatch=self.world_size > 1)
+                for key, ndim in BATCH_NDIMS.items()}
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision != "bf16":
             return contextlib.nullcontext()
@@ -90,12 +116,7 @@ class Backend:
                 host_parts.append({k: v for k, v in batch.items() if k != "tensors"})
                 yield batch["tensors"]
 
-        sharding = None
-        if self.mesh is not None:  # SPMD: split the batch dimension over the "data" axis
-            import torch_xla.distributed.spmd as xs
-
-            sharding = {key: xs.ShardingSpec(self.mesh, ("data",) + (None,) * (ndim - 1))
-                        for key, ndim in BATCH_NDIMS.items()}
+        sharding = self.input_sharding()
         for tensors in pl.MpDeviceLoader(tensors_only(), self.device, input_sharding=sharding):
             yield {"tensors": tensors, **host_parts.popleft()}
 
@@ -145,6 +166,8 @@ def _xla_backend(precision: str) -> Backend:
     if xr.global_runtime_device_count() > 1:
         # SPMD: one process per host drives every local device; XLA inserts
         # the gradient all-reduce. Must be enabled before any XLA tensor exists.
+        # The mesh spans the devices of every host (torch_xla requires the
+        # global count); a host's own devices take its slice of the batch.
         import numpy as np
         import torch_xla.distributed.spmd as xs
 

@@ -5,6 +5,8 @@
   MASTER_ADDR), gloo on the CPU, NCCL on CUDA.
 - TPUs: XLA SPMD in one process per host, driving all of that host's
   devices; multi-host through PJRT (every host runs the same ``octfw run``).
+  Each host loads only its own part of every global batch
+  (:class:`BatchLayout`); docs/tpu-pods.md says how to launch and resume.
 
 Only rank 0 logs, writes files and talks to W&B; every rank takes the same
 skip decision.
@@ -15,9 +17,60 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import attrs
 import torch
 
-__all__ = ["init_process_group", "is_ddp", "broadcast_object", "all_reduce_", "min_across_ranks"]
+__all__ = ["BatchLayout", "init_process_group", "is_ddp", "broadcast_object", "all_reduce_",
+           "min_across_ranks"]
+
+
+@attrs.frozen
+class BatchLayout:
+    """How one update step's global batch splits over processes, devices and micro-steps.
+
+    A *process* loads data: one per TPU host under SPMD (driving all of that
+    host's devices), one per device under torchrun. Every process loads the
+    same number of samples per micro-step, so the global batch is
+    ``per_device_batch x devices x grad_accum_steps`` whatever the split.
+    """
+
+    per_device_batch: int
+    grad_accum_steps: int
+    processes: int = 1
+    devices_per_process: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.processes * self.devices_per_process
+
+    @property
+    def process_micro_batch(self) -> int:
+        """Samples one process loads per micro-step (its data loader's batch size)."""
+        return self.per_device_batch * self.devices_per_process
+
+    @property
+    def global_micro_batch(self) -> int:
+        """Samples of one micro-step over all devices: one forward/backward."""
+        return self.process_micro_batch * self.processes
+
+    @property
+    def global_batch(self) -> int:
+        """Samples of one update step over all devices and micro-steps."""
+        return self.global_micro_batch * self.grad_accum_steps
+
+    def describe(self) -> str:
+        """One line, e.g. for a TPU v4-32: ``global batch 32 = per_device_batch 1 x 16
+        devices x grad_accum_steps 2; 4 processes x 4 devices: each process loads 4
+        samples per micro-step, 8 per update step``."""
+        devices = "device" if self.devices == 1 else "devices"
+        per_process = "device" if self.devices_per_process == 1 else "devices"
+        split = (f"{self.processes} process loads" if self.processes == 1 else
+                 f"{self.processes} processes x {self.devices_per_process} {per_process}: "
+                 "each process loads")
+        return (f"global batch {self.global_batch} = per_device_batch {self.per_device_batch} x "
+                f"{self.devices} {devices} x grad_accum_steps {self.grad_accum_steps}; {split} "
+                f"{self.process_micro_batch} samples per micro-step, "
+                f"{self.process_micro_batch * self.grad_accum_steps} per update step")
 
 
 def init_process_group(kind: str) -> tuple[int, int]:

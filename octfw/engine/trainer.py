@@ -331,6 +331,7 @@ class Trainer:
         engine, total = self.recipe.engine, self.total
         if self.backend.is_main_process:
             log.info(domain_report(self.parts.dataset, engine.domain_sampling))
+            log.info(self.backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps).describe())
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
         started, done, stopped = time.perf_counter(), self.start_step, None
