@@ -17,10 +17,16 @@ Domains: ``natural`` order draws every file once per epoch; ``balanced``
 draws the same number of samples from every domain each epoch
 (:class:`BalancedEpochOrder`), repeating files of small domains and
 spreading those of large ones over epochs.
+
+Several processes (the hosts of a TPU slice, or torchrun ranks) share one
+stream of samples: process ``r`` of ``W`` takes every ``W``-th position from
+``r`` on, so together they draw each epoch exactly once and a step's global
+batch holds the same samples whatever ``W`` is (:class:`EpochOrder`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -39,6 +45,7 @@ __all__ = [
     "SampleSource",
     "collate",
     "make_loader",
+    "share_report",
     "Quarantine",
     "dataset_domains",
     "domain_counts",
@@ -54,25 +61,43 @@ DOMAIN_SAMPLING = ("natural", "balanced")
 class EpochOrder(torch.utils.data.Sampler):
     """An endless stream of ``(epoch, index)``: a fresh permutation per epoch.
 
-    ``start`` skips that many samples, so a resumed run continues exactly
-    where the checkpoint left off. With several processes each takes every
-    ``world_size``-th sample.
+    Position ``p`` of the stream is sample ``p % N`` of epoch ``p // N``'s
+    order: epochs follow each other with nothing dropped, so a batch may
+    straddle two epochs. ``start`` is the stream position to begin at (the
+    samples all processes have consumed), so a resumed run continues exactly
+    where the checkpoint left off.
+
+    With several processes, process ``rank`` takes positions ``start + rank``,
+    ``start + rank + world_size``, ...: over ``k`` samples each, the processes
+    together take exactly the positions ``start .. start + k * world_size``,
+    the same samples one process would take alone. So every epoch is drawn
+    exactly once in total, and which samples form a step's global batch does
+    not depend on how many processes load it.
     """
 
     def __init__(self, size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1):
         self.size, self.seed, self.start = size, seed, start
         self.rank, self.world_size = rank, world_size
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The dataset indices of ``epoch``, in the order they are drawn."""
+        if epoch not in self._epochs:
+            self._epochs = {epoch: self._order(epoch)}  # one epoch at a time is all a stream needs
+        return self._epochs[epoch]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        position = self.start * self.world_size + self.rank
+        position = self.start + self.rank
         while True:
             epoch, offset = divmod(position, self.size)
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
-            yield epoch, int(order[offset])
+            yield epoch, int(self.epoch_order(epoch)[offset])
             position += self.world_size
 
 
-class BalancedEpochOrder(torch.utils.data.Sampler):
+class BalancedEpochOrder(EpochOrder):
     """Like :class:`EpochOrder`, but every domain gets an equal share of each epoch.
 
     An epoch keeps the dataset's length ``N`` (so steps per epoch do not
@@ -81,19 +106,19 @@ class BalancedEpochOrder(torch.utils.data.Sampler):
     through its files in a fresh permutation per pass, continuing across
     epochs, so a large domain is covered over several epochs without
     repeats and a small one repeats evenly. Everything is a function of
-    ``(seed, epoch)``; positions, ``start``, ``rank`` and ``world_size`` work
-    exactly as in :class:`EpochOrder`.
+    ``(seed, epoch)``, so every process computes the same epoch order;
+    positions, ``start``, ``rank`` and ``world_size`` work exactly as in
+    :class:`EpochOrder`, and the processes together draw each epoch's
+    balanced order exactly once.
     """
 
     def __init__(self, domains: list[str], seed: int, start: int = 0, rank: int = 0,
                  world_size: int = 1):
         if not domains:
             raise UserError("balanced domain sampling needs a non-empty dataset")
-        self.size, self.seed, self.start = len(domains), seed, start
-        self.rank, self.world_size = rank, world_size
+        super().__init__(len(domains), seed, start=start, rank=rank, world_size=world_size)
         names = sorted(set(domains))
         self.members = [np.array([i for i, d in enumerate(domains) if d == name]) for name in names]
-        self._epochs: dict[int, np.ndarray] = {}
 
     def _counts(self, epoch: int) -> np.ndarray:
         k = len(self.members)
@@ -115,25 +140,14 @@ class BalancedEpochOrder(torch.utils.data.Sampler):
             position += take
         return out
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The dataset indices of ``epoch``, in the order they are drawn."""
-        if epoch not in self._epochs:
-            consumed = np.zeros(len(self.members), dtype=np.int64)
-            for earlier in range(epoch):
-                consumed += self._counts(earlier)
-            counts = self._counts(epoch)
-            chosen = [i for d in range(len(self.members))
-                      for i in self._draws(d, int(consumed[d]), int(counts[d]))]
-            order = np.array(chosen)[np.random.default_rng([self.seed, epoch, 3]).permutation(self.size)]
-            self._epochs = {epoch: order}  # one epoch at a time is all a stream needs
-        return self._epochs[epoch]
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        position = self.start * self.world_size + self.rank
-        while True:
-            epoch, offset = divmod(position, self.size)
-            yield epoch, int(self.epoch_order(epoch)[offset])
-            position += self.world_size
+    def _order(self, epoch: int) -> np.ndarray:
+        consumed = np.zeros(len(self.members), dtype=np.int64)
+        for earlier in range(epoch):
+            consumed += self._counts(earlier)
+        counts = self._counts(epoch)
+        chosen = [i for d in range(len(self.members))
+                  for i in self._draws(d, int(consumed[d]), int(counts[d]))]
+        return np.array(chosen)[np.random.default_rng([self.seed, epoch, 3]).permutation(self.size)]
 
 
 class SampleSource(torch.utils.data.Dataset):
@@ -238,20 +252,33 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
                 num_workers: int, rank: int = 0, world_size: int = 1,
                 domain_sampling: str = "natural") -> torch.utils.data.DataLoader:
-    """Batches of ``source`` in the ``(epoch, index)`` stream from sample ``start`` on.
+    """This process's batches of ``source``, from its sample ``start`` on.
+
+    ``start`` counts the samples this process has loaded so far (the
+    trainer's ``samples_done``, as its checkpoints record it). Every process
+    loads ``batch_size`` samples per micro-step, so ``start x world_size``
+    samples of the shared stream are done: that is where this process's
+    share resumes. Exact when the run resumes with the same number of
+    processes that wrote the checkpoint; with another number the position is
+    off by the ratio of the two (docs/tpu-pods.md).
 
     ``domain_sampling`` is ``"natural"`` (:class:`EpochOrder`) or
     ``"balanced"`` (:class:`BalancedEpochOrder`, over ``source.dataset``'s domains).
+    With several processes, each logs one line (:func:`share_report`) saying
+    which samples it loads, so the hosts of a slice can be compared.
     """
+    position = start * world_size
     if domain_sampling == "balanced":
         dataset = source.dataset
         domains = [dataset.domain(i) for i in range(len(dataset))]
-        order: torch.utils.data.Sampler = BalancedEpochOrder(
-            domains, seed, start=start, rank=rank, world_size=world_size)
+        order: EpochOrder = BalancedEpochOrder(
+            domains, seed, start=position, rank=rank, world_size=world_size)
     elif domain_sampling == "natural":
-        order = EpochOrder(len(source), seed, start=start, rank=rank, world_size=world_size)
+        order = EpochOrder(len(source), seed, start=position, rank=rank, world_size=world_size)
     else:
         raise UserError(f"engine.domain_sampling must be one of {DOMAIN_SAMPLING}, got {domain_sampling!r}")
+    if world_size > 1:
+        logger.info(share_report(order, batch_size))
     return torch.utils.data.DataLoader(
         source,
         batch_size=batch_size,
@@ -261,6 +288,21 @@ def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
         persistent_workers=num_workers > 0,
         drop_last=True,
     )
+
+
+def share_report(order: EpochOrder, batch_size: int, shown: int = 4) -> str:
+    """One line on what this process loads, e.g. ``host 1 of 4 loads 4 samples per
+    micro-step: offsets 1, 5, 9, 13 of each global micro-batch of 16 stream positions,
+    from position 0 (epoch 0); first dataset indices 12, 40, 3, 27``. Hosts that read
+    different data show different first indices; they are computed, not loaded."""
+    stride = order.world_size
+    offsets = ", ".join(str(order.rank + stride * j) for j in range(min(batch_size, shown)))
+    more = ", ..." if batch_size > shown else ""
+    first = [index for _, index in itertools.islice(iter(order), shown)]
+    return (f"host {order.rank} of {stride} loads {batch_size} samples per micro-step: offsets "
+            f"{offsets}{more} of each global micro-batch of {batch_size * stride} stream positions, "
+            f"from position {order.start} (epoch {order.start // order.size}); first dataset "
+            "indices " + ", ".join(map(str, first)))
 
 
 class Quarantine:
