@@ -11,6 +11,7 @@ import torch
 
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.data import SampleSource, collate, domain_counts
+from octfw.engine.distributed import BatchLayout
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError, UserError
 from octfw.recipe import Recipe
@@ -52,8 +53,14 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | No
                                 f"[{int(both.min())}, {int(both.max())}]")
 
 
-def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print) -> dict[str, Any]:
-    """Build, run one batch forward and backward on the CPU, and report each boundary."""
+def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print, *,
+                 processes: int = 1, devices_per_process: int = 1) -> dict[str, Any]:
+    """Build, run one batch forward and backward on the CPU, and report each boundary.
+
+    ``processes`` and ``devices_per_process`` describe the run to check (a TPU
+    v4-32: 4 hosts x 4 devices); the global batch and the schedule's length
+    follow from them.
+    """
     from octfw.schedules import effective_lr
 
     from octfw.engine.backend import resolve_device
@@ -63,7 +70,9 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
         raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
                         "storm); torch_xla compiles its graphs itself")
     torch.manual_seed(recipe.run.seed)
-    parts = build_components(recipe, registry, run_dir=None, with_loggers=False)
+    layout = BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
+                         processes=processes, devices_per_process=devices_per_process)
+    parts = build_components(recipe, registry, run_dir=None, world_size=layout.devices, with_loggers=False)
     ctx = parts.ctx
     counts = domain_counts(parts.dataset)
     report(f"dataset   {recipe.dataset.name}: {len(parts.dataset)} samples; domains "
@@ -125,10 +134,12 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     report(f"flops     forward {flops['forward'] / 1e9:.4g} GFLOP/sample, "
            f"training step {flops['training_step'] / 1e9:.4g} GFLOP/sample")
 
+    report(f"batch     {layout.describe()}")
     total = ctx.total_update_steps
     check_schedule(recipe, parts)
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
     report(f"schedule  {recipe.scheduler.name}: {total} update steps ({parts.steps_per_epoch} per epoch); lr "
            + ", ".join(f"step {s}: {effective_lr(parts.scheduler, s, recipe.engine.base_lr):.3g}" for s in steps))
     return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach()),
-            "flops": flops, "memory": {**estimate.parts, "total": estimate.total}}
+            "flops": flops, "memory": {**estimate.parts, "total": estimate.total},
+            "global_batch": layout.global_batch, "process_micro_batch": layout.process_micro_batch}
