@@ -173,7 +173,7 @@ def test_check_prints_the_global_batch_arithmetic_of_the_pod(tmp_path, registry)
                          registry)
     lines: list[str] = []
     result = check_recipe(recipe, registry, lines.append, processes=4, devices_per_process=4)
-    assert ("batch     global batch 32 = per_device_batch 1 x 16 devices x grad_accum_steps 2; 4 processes "
+    assert ("layout    global batch 32 = per_device_batch 1 x 16 devices x grad_accum_steps 2; 4 processes "
             "x 4 devices: each process loads 4 samples per micro-step, 8 per update step") in lines
     assert result["global_batch"] == 32 and result["total_update_steps"] == 3 * (64 // 32)
     assert any(line.startswith("schedule") and "(2 per epoch)" in line for line in lines)

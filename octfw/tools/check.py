@@ -134,7 +134,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     report(f"flops     forward {flops['forward'] / 1e9:.4g} GFLOP/sample, "
            f"training step {flops['training_step'] / 1e9:.4g} GFLOP/sample")
 
-    report(f"batch     {layout.describe()}")
+    report(f"layout    {layout.describe()}")
     total = ctx.total_update_steps
     check_schedule(recipe, parts)
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
