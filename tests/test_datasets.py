@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import uuid
+import warnings
 from pathlib import Path
 
 import attrs
@@ -185,6 +186,19 @@ def test_corrupt_files_count_as_unknown_domain_and_fail_to_load(tmp_path):
     for index in range(len(dataset)):
         with pytest.raises(CorruptFile):
             dataset.load(index)
+
+
+def test_reading_headers_in_threads_leaves_the_warning_filters_as_they_were(tmp_path):
+    # Headers are read in a thread pool, and warnings.catch_warnings() is not
+    # thread-safe: interleaved threads used to leave "ignore" installed for the
+    # whole process, hiding every later warning (the prepared cache's "cannot
+    # write" in tests/test_data_cache.py never reached pytest.warns).
+    _cohort(tmp_path / "cohort", 24)
+    before = list(warnings.filters)
+    for _ in range(5):
+        DicomDataset.from_location(tmp_path / "cohort").domain_counts()  # listing: headers in threads
+        DicomDataset.from_location(tmp_path / "cohort" / "manifest.jsonl").domain_counts()  # domains in threads
+        assert warnings.filters == before
 
 
 def test_folder_listing_filters_extensions_hidden_files_and_dicomdir(tmp_path):

@@ -19,12 +19,14 @@ the matching filesystem package (gcsfs, ...) is installed; local paths and
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
 import struct
+import threading
 import warnings
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -270,6 +272,23 @@ def write_oct_dicom(
 
 # --- reading --------------------------------------------------------------
 
+# warnings.catch_warnings() is not thread-safe before Python 3.14: it saves the
+# process-wide warnings.filters on entry and puts that list back on exit. The
+# header threads of octfw.data.dicom_dataset interleave, so one thread saves
+# the list another has just extended with "ignore" and restores it after that
+# one has left: "ignore all warnings" stays installed for the rest of the
+# process and silences every later warning (SpacingDefaulted, the prepared
+# cache's "cannot write", ...). Hence one silencing thread at a time.
+_QUIET_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence warnings (pydicom's) in a block, safely from several threads."""
+    with _QUIET_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
 
 def _read_dataset(url: str, fs: Any, stop_before_pixels: bool) -> tuple[Any, bytes | None]:
     """The parsed dataset and, for a full read, the file's bytes.
@@ -282,16 +301,17 @@ def _read_dataset(url: str, fs: Any, stop_before_pixels: bool) -> tuple[Any, byt
 
     try:
         if stop_before_pixels and fs is None and not is_local(url):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return pydicom.dcmread(io.BytesIO(_remote_head(url)), stop_before_pixels=True), None
-        with open_file(url, fs) as f, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            head = _remote_head(url)  # network I/O outside _quiet(), so threads overlap it
+            with _quiet():
+                return pydicom.dcmread(io.BytesIO(head), stop_before_pixels=True), None
+        with open_file(url, fs) as f:
             if stop_before_pixels:
-                return pydicom.dcmread(f, stop_before_pixels=True), None
+                with _quiet():
+                    return pydicom.dcmread(f, stop_before_pixels=True), None
             # One read of the whole file: remote files arrive in one request,
             # and the bytes tell a truncated file from one without pixels.
             raw = f.read()
+        with _quiet():
             return pydicom.dcmread(io.BytesIO(raw)), raw
     except FileNotFoundError:
         raise CorruptFile(url, "file not found") from None
@@ -334,8 +354,7 @@ def read_header(url: str | os.PathLike[str], fs: Any = None) -> dict[str, Any]:
     url = os.fspath(url)
     ds, _ = _read_dataset(url, fs, stop_before_pixels=True)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet():
             return _header_facts(ds)
     except Exception as exc:  # noqa: BLE001 - a malformed value is a corrupt header
         raise CorruptFile(url, f"malformed header value ({type(exc).__name__})") from exc
@@ -386,8 +405,7 @@ def read_oct_volume(
     url = os.fspath(url_or_path)
     ds, raw = _read_dataset(url, fs, stop_before_pixels=False)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # malformed values fail below, with a reason
+        with _quiet():  # malformed values fail below, with a reason
             volume = _decode_volume(url, ds, raw)
             spacing, missing = _spacing(ds)
             manufacturer = ds.get("Manufacturer", "")
@@ -435,8 +453,7 @@ def read_oct_series(
         name = url.rsplit("/", 1)[-1]
         try:
             ds, raw = _read_dataset(url, fs, stop_before_pixels=False)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with _quiet():
                 count = int(ds.get("NumberOfFrames") or 1)
                 if count != 1:
                     raise CorruptFile(url, f"{count} frames; a file of a series holds one B-scan")
