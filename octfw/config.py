@@ -87,6 +87,12 @@ class EngineConfig:
         "recognised, others report 'unknown peak'.",
         default=None, validator=positive,
     )
+    save_deadline_s: float = doc(
+        "Seconds the end of a run, or a stop on SIGTERM/SIGINT, waits for its last checkpoint "
+        "(including a save still in flight); a preemptible VM gets about 30 s of notice. Saves "
+        "during training run in the background and never wait.",
+        default=25.0, validator=positive,
+    )
     heartbeat_s: float = doc(
         "Warn when no update step completes for this many seconds.",
         default=600.0, validator=positive,

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,16 @@ def stopper(tmp_path_factory, monkeypatch):
     sys.modules.pop("plug_stopper", None)
 
 
+def stop_once_saved(emulator, prefix: str) -> None:
+    """Stop the store once the background save in flight has written its pointer (saves
+    run beside training, so the log step can come before the save is done)."""
+    deadline = time.monotonic() + 60
+    while "latest" not in objects(emulator, prefix):
+        assert time.monotonic() < deadline, "the checkpoint was never written"
+        time.sleep(0.05)
+    emulator.stop()
+
+
 def octfw_run(recipe: Path, *extra: str) -> int:
     return main(["run", str(recipe), *extra])
 
@@ -208,7 +219,7 @@ def test_training_checkpoints_to_gcs_and_resume_auto_continues(bucket, tiny_reci
 
 def test_store_lost_mid_run_the_run_finishes_and_lists_failed_saves(bucket, tiny_recipe, stopper):
     url = f"gs://{BUCKET}/lost"
-    stopper.ON_LOG_STEP[3] = bucket.stop  # after the step-2 save, before the step-4 save
+    stopper.ON_LOG_STEP[3] = lambda: stop_once_saved(bucket, "lost")  # after the step-2 save, before step 4
     text = tiny_recipe.read_text() + '\n[[guard]]\nname = "stopper"\n'
     tiny_recipe.write_text(text)
     code = octfw_run(tiny_recipe, "--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
@@ -16,15 +17,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help=HELP, description=HELP)
     add_recipe_arguments(parser)
     parser.add_argument("--resume", metavar="auto|PATH",
-                        help="continue from the newest complete checkpoint of the latest run (auto) or from PATH")
+                        help="auto: continue the newest run of this recipe from its last complete checkpoint, "
+                             "start a new run when there is none, and do nothing when it finished (safe to "
+                             "repeat, e.g. in a preemptible VM's startup script); PATH: a checkpoint file")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     recipe, registry = load_recipe_from_args(args)
-    from octfw.engine.launch import launch  # imports torch: only when the command runs
+    from octfw.engine.launch import AlreadyFinished, launch  # imports torch: only when the command runs
+    from octfw.engine.preemption import PREEMPTED_EXIT_CODE
 
-    summary = launch(recipe, registry, resume=args.resume)
+    try:
+        summary = launch(recipe, registry, resume=args.resume)
+    except AlreadyFinished as done:  # --resume auto: nothing left to train
+        print(f"octfw: nothing to resume: {done}", file=sys.stderr)
+        return 1 if done.summary.get("stopped") else 0
+    if summary.preempted:
+        again = shlex.join(["octfw", "run", args.recipe, *(f"--set={item}" for item in args.set or ()),
+                            "--resume", "auto"])
+        print(f"octfw: stopped by {summary.stopped}; checkpoint {summary.checkpoint or '(none written)'}. "
+              f"Resume with: {again}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     if summary.stopped:
         print(f"stopped early: {summary.stopped}", file=sys.stderr)
         return 1

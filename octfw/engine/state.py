@@ -1,11 +1,23 @@
 """The full training state: what a checkpoint holds and how a run resumes from it.
 
 Everything is converted to CPU tensors and plain Python data so that the
-checkpointer can load it with ``torch.load(weights_only=True)``.
+checkpointer can load it with ``torch.load(weights_only=True)``. The copy is
+a real copy, even of tensors already on the CPU: a background save
+(:mod:`octfw.engine.checkpointing`) serialises it while training goes on and
+changes the parameters in place.
+
+A checkpoint also records what it cannot be resumed without: the recipe's
+model table, the global batch (the schedule and the data order count in it)
+and the dataset's fingerprint. :func:`restore` refuses a checkpoint whose
+model or global batch differ, and a dataset with another number of samples;
+a dataset with as many samples but other files is resumed with a warning
+(files replaced one for one, for example re-exported DICOM, keep the order).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import random
 from typing import Any
 
@@ -16,19 +28,38 @@ from octfw.engine.build import Components
 from octfw.errors import UserError
 from octfw.recipe import Recipe
 
-__all__ = ["save", "restore", "to_cpu"]
+__all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "global_batch"]
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
 
-def to_cpu(value: Any) -> Any:
+def host_copy(value: Any) -> Any:
+    """CPU copies of every tensor in ``value`` (dicts, lists and tuples walked)."""
     if torch.is_tensor(value):
-        return value.detach().cpu()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
+        return {k: host_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
+        return type(value)(host_copy(v) for v in value)
     return value
+
+
+def global_batch(recipe: Recipe, device_count: int) -> int:
+    """Samples per update step across all devices: per-device batch x devices x accumulation."""
+    return recipe.engine.per_device_batch * device_count * recipe.engine.grad_accum_steps
+
+
+def dataset_fingerprint(dataset: Any) -> dict[str, Any]:
+    """How many samples, and a hash of their names where the dataset can name them."""
+    size = len(dataset)
+    if not hasattr(dataset, "url"):
+        return {"samples": size, "sha256": None}
+    digest = hashlib.sha256()
+    for index in range(size):
+        digest.update(str(dataset.url(index)).encode() + b"\n")
+    return {"samples": size, "sha256": digest.hexdigest()}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -54,41 +85,78 @@ def _component_states(components: list[Any]) -> list[Any]:
     return [c.state_dict() if hasattr(c, "state_dict") else None for c in components]
 
 
-def save(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         update_step: int, samples_done: int, recipe: Recipe) -> tuple[str | None, str | None]:
-    """Save the training state; returns (location, None) or (None, error). Never raises:
-    a failed save must not stop training."""
+def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            update_step: int, samples_done: int, *, global_batch_size: int,
+            fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The training state at ``update_step`` as a host copy the loop no longer touches."""
     from octfw.rundir import versions
 
-    state = {
+    return {
         "format": FORMAT_VERSION,
         "update_step": update_step,
         "samples_done": samples_done,
-        "model": to_cpu(model.state_dict()),
-        "optimizer": to_cpu(optimizer.state_dict()),
-        "guards": _component_states(parts.guards),
-        "loggers": _component_states(parts.loggers),
-        "rng": _rng_state(),
+        "global_batch": global_batch_size,
+        "dataset": fingerprint,
+        "model": host_copy(model.state_dict()),
+        "optimizer": host_copy(optimizer.state_dict()),
+        "guards": host_copy(_component_states(parts.guards)),
+        "loggers": host_copy(_component_states(parts.loggers)),
+        "rng": host_copy(_rng_state()),
         "recipe": parts.ctx.recipe,
         "versions": versions(),
     }
-    try:
-        return parts.checkpointer.save(update_step, state), None
-    except Exception as exc:  # noqa: BLE001 - reported in the summary, training goes on
-        return None, f"{type(exc).__name__}: {exc}"
 
 
-def restore(where: str, parts: Components, model: torch.nn.Module,
-            optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """Load a checkpoint into the built components; returns (update_step, samples_done)."""
-    location = parts.checkpointer.latest() if where == "auto" else where
-    if location is None:
-        raise UserError("--resume auto: no complete checkpoint found for this run")
+def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
+                         global_batch_size: int, fingerprint: dict[str, Any]) -> None:
+    """Refuse what cannot be resumed exactly; warn about what can (see the module docstring)."""
+    recorded_model = dict((state.get("recipe") or {}).get("model") or {})
+    current_model = dict(parts.ctx.recipe.get("model") or {})
+    changed = sorted(k for k in set(recorded_model) | set(current_model)
+                     if recorded_model.get(k) != current_model.get(k))
+    if recorded_model and changed:
+        diff = ", ".join(f"model.{k} {recorded_model.get(k)!r} -> {current_model.get(k)!r}" for k in changed)
+        raise UserError(f"--resume {where}: the checkpoint was trained with another model ({diff})")
+    saved_batch = state.get("global_batch")
+    if saved_batch is not None and saved_batch != global_batch_size:
+        raise UserError(
+            f"--resume {where}: the checkpoint was trained with a global batch of {saved_batch} samples, "
+            f"this run has {global_batch_size} (per_device_batch x devices x grad_accum_steps); "
+            "the schedule and the data order count in it, so the run would not continue as it was")
+    saved_data = state.get("dataset")
+    if saved_data is None:
+        return
+    if saved_data["samples"] != fingerprint["samples"]:
+        raise UserError(
+            f"--resume {where}: the checkpoint's dataset had {saved_data['samples']} samples, this one has "
+            f"{fingerprint['samples']}; the data order and the epoch count depend on it. Start a new run "
+            "(or restore the dataset)")
+    if saved_data["sha256"] != fingerprint["sha256"]:
+        logger.warning("--resume %s: the dataset has as many samples as the checkpoint's but other files; "
+                       "training continues with them in the same order", where)
+
+
+def restore(location: str, parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+            global_batch_size: int, fingerprint: dict[str, Any]) -> tuple[int, int]:
+    """Load the checkpoint at ``location`` into the built components; returns
+    (update_step, samples_done). A file that cannot be read (cut short, not a
+    checkpoint) is a user error naming it, never a partial load."""
     try:
         state = parts.checkpointer.load(location)
     except FileNotFoundError:
         raise UserError(f"--resume {location}: checkpoint not found") from None
-    model.load_state_dict(state["model"])
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UserError(f"--resume {location}: cannot be read as a checkpoint "
+                        f"({type(exc).__name__}: {first})") from None
+    if not isinstance(state, dict) or "model" not in state or "update_step" not in state:
+        raise UserError(f"--resume {location}: not an octfw training checkpoint")
+    _refuse_incompatible(state, location, parts, global_batch_size, fingerprint)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"--resume {location}: its weights do not fit this model ({first})") from None
     optimizer.load_state_dict(state["optimizer"])
     for component, saved in zip(parts.guards + parts.loggers, state["guards"] + state["loggers"]):
         if saved is not None and hasattr(component, "load_state_dict"):

@@ -27,7 +27,9 @@ from octfw.engine.data import Quarantine, SampleSource, domain_report, make_load
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
-from octfw.engine.state import restore, save
+from octfw.engine.checkpointing import BackgroundSaver
+from octfw.engine.preemption import StopRequests
+from octfw.engine.state import capture, dataset_fingerprint, restore
 from octfw.engine.optim import GatedAdamW
 from octfw.engine.update import grad_norm, step_unless_vetoed
 from octfw.errors import UserError
@@ -59,6 +61,8 @@ class RunSummary:
     stopped: str | None = None
     device: str = ""
     mfu: float | str | None = None  #: model FLOPs utilisation, or "unknown peak"
+    skipped_saves: int = 0  #: checkpoints skipped because the previous save was still being written
+    preempted: bool = False  #: stopped by SIGTERM/SIGINT or a TPU preemption notice, after saving
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
@@ -156,9 +160,17 @@ class Trainer:
         self.samples_per_update = per_update * backend.device_count
         #: this process's share of them (its data loader's position, ``samples_done``)
         self.local_samples_per_update = per_update * backend.local_devices
+        self.fingerprint = dataset_fingerprint(parts.dataset)
         self.start_step, self.samples_done = 0, 0
-        if resume is not None:
-            self.start_step, self.samples_done = restore(resume, parts, self.model, self.optimizer)
+        location = parts.checkpointer.latest() if resume == "auto" else resume
+        if resume == "auto" and location is None:  # killed before its first save
+            log.info("--resume auto: %s has no complete checkpoint yet; training from the start", run_dir)
+        if location is not None:
+            self.start_step, _ = restore(location, parts, self.model, self.optimizer,
+                                         global_batch_size=self.samples_per_update, fingerprint=self.fingerprint)
+            # From the update step, not the checkpoint's per-process count: the global batch is the
+            # checkpoint's (restore refuses another), so this is exact with any number of hosts.
+            self.samples_done = self.start_step * self.local_samples_per_update
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
         loader = make_loader(source, recipe.engine.per_device_batch * backend.local_devices,
@@ -172,7 +184,8 @@ class Trainer:
         self._applied = torch.ones((), dtype=torch.bool, device=backend.device)  # the verdict without guards
         self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
         self.first_loss = self.last_loss = None
-        self.checkpoint, self.failed_saves = None, []
+        self.saver = BackgroundSaver(parts.checkpointer)
+        self.stop_requests = StopRequests(backend.kind, backend.device)
         self._last_log = (time.perf_counter(), self.start_step)
         self._skipped_seen = 0.0
         self._step_listeners = [lg for lg in parts.loggers if hasattr(lg, "on_step")]
@@ -312,16 +325,20 @@ class Trainer:
         last_time, last_step = self._last_log
         self._last_log = (last_time + time.perf_counter() - started, last_step)
 
-    def save_checkpoint(self, done: int) -> None:
+    def _capture(self, done: int) -> dict[str, Any]:
+        """The host copy of the training state: all a checkpoint step costs the loop."""
+        return capture(self.parts, self.model, self.optimizer, done, self.samples_done,
+                       global_batch_size=self.samples_per_update, fingerprint=self.fingerprint)
+
+    def save_checkpoint(self, done: int, *, final: bool = False) -> None:
+        """Hand a checkpoint to the background saver (rank 0 only); the final one is awaited."""
         if not self.backend.is_main_process:
             return
         self.heartbeat.waiting_on("the checkpoint save")
-        location, error = save(self.parts, self.model, self.optimizer, done, self.samples_done, self.recipe)
-        if error:
-            self.failed_saves.append(f"step {done}: {error}")
-            log.warning("checkpoint at update step %d failed, training goes on: %s", done, error)
-        elif location:
-            self.checkpoint = location
+        if final:
+            self.saver.save_final(done, lambda: self._capture(done), self.recipe.engine.save_deadline_s)
+        else:  # skipped, without a copy, while the previous save is still being written
+            self.saver.submit(done, lambda: self._capture(done))
 
     # --- the loop ----------------------------------------------------------
 
@@ -334,8 +351,8 @@ class Trainer:
             log.info(self.backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps).describe())
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
-        started, done, stopped = time.perf_counter(), self.start_step, None
-        with self.heartbeat:
+        started, done, stopped, preempted = time.perf_counter(), self.start_step, None, False
+        with self.heartbeat, self.stop_requests:
             try:
                 for update_step in range(self.start_step, total):
                     norm, out = self.update(update_step)
@@ -346,12 +363,20 @@ class Trainer:
                     if self.is_log_step(done):
                         self.log(done, norm, out)
                     self.evaluate(done)
+                    self.saver.poll()  # reports a finished background save (no wait)
+                    if self.stop_requests.should_stop(done):
+                        preempted = True
+                        stopped = f"{self.stop_requests.signal_name} at update step {done}"
+                        break
                     every = engine.checkpoint_every_steps
-                    if (every and done % every == 0) or done == total:
+                    if every and done % every == 0 and done != total:
                         self.save_checkpoint(done)
             except StopTraining as reason:
                 stopped = str(reason)
                 self.guard_log.write(done, stopped)
+            # The last checkpoint of the run (end, guard stop or preemption), awaited with a deadline.
+            if done > self.start_step:
+                self.save_checkpoint(done, final=True)
 
         elapsed = time.perf_counter() - started
         samples_per_s = (done - self.start_step) * self.samples_per_update / max(elapsed, 1e-9)
@@ -360,7 +385,8 @@ class Trainer:
             first_loss=self.first_loss, last_loss=self.last_loss,
             skipped_updates=int(self.totals.skipped.cpu().item()),
             samples_per_s=samples_per_s, elapsed_s=elapsed,
-            checkpoint=self.checkpoint, failed_saves=self.failed_saves,
+            checkpoint=self.saver.latest, failed_saves=self.saver.failed,
+            skipped_saves=len(self.saver.skipped), preempted=preempted,
             quarantined=len(self.quarantine), stopped=stopped, device=self.device_name,
             mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),
         )

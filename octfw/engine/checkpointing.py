@@ -1,0 +1,124 @@
+"""Checkpoints written in the background: the training loop pays only for a host copy.
+
+At a checkpoint step the engine copies the training state to host memory
+(:func:`octfw.engine.state.capture`) and hands it to :class:`BackgroundSaver`,
+whose thread serialises and writes it through the checkpointer (local disk
+or an object store) while training goes on. The checkpointer's own rules stay
+as they are: atomic files, the ``latest`` pointer written last.
+
+Rules:
+
+- At most one save is in flight. A save that comes due while the previous
+  one is still being written is *skipped* (noted in ``octfw.log``, counted in
+  the summary); the next due save tries again. So a slow or unreachable store
+  makes checkpoints rarer, never training slower.
+- A failed save is reported once: one warning line on the console, the
+  traceback in ``octfw.log``, and a line in the run summary.
+- The final save (the end of the run, or a stop on SIGTERM) first waits for
+  the save in flight, then writes its own and waits for it, all within
+  ``engine.save_deadline_s``. What is still being written at the deadline is
+  reported as failed; its thread is a daemon, so the process does not wait for
+  it, and the pointer-last rule means a write cut short is never loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+__all__ = ["BackgroundSaver"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Save:
+    """One checkpoint being written on its own daemon thread."""
+
+    def __init__(self, update_step: int, write: Callable[[], str | None]):
+        self.update_step = update_step
+        self.location: str | None = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self._write = write
+        threading.Thread(target=self._run, name=f"octfw-checkpoint-{update_step}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.location = self._write()
+        except BaseException as exc:  # noqa: BLE001 - reported by the saver, training goes on
+            self.error = exc
+        finally:
+            self.finished.set()
+
+
+class BackgroundSaver:
+    """Writes checkpoints with ``checkpointer.save(update_step, state)`` off the training thread."""
+
+    def __init__(self, checkpointer: Any):
+        self.checkpointer = checkpointer
+        self.latest: str | None = None  #: location of the newest checkpoint written
+        self.failed: list[str] = []  #: "step N: error", one per failed save
+        self.skipped: list[int] = []  #: update steps whose save was skipped (one in flight)
+        self._in_flight: _Save | None = None
+
+    @property
+    def busy(self) -> bool:
+        self.poll()
+        return self._in_flight is not None
+
+    def submit(self, update_step: int, capture: Callable[[], dict[str, Any]]) -> bool:
+        """Start writing the state ``capture()`` returns (a host copy the loop no longer
+        touches); False, without calling ``capture``, if the save is skipped."""
+        if self.busy:
+            self.skipped.append(update_step)
+            logger.debug("checkpoint at update step %d skipped: the save of step %d is still being written",
+                         update_step, self._in_flight.update_step)
+            return False
+        state = capture()
+        self._in_flight = _Save(update_step, lambda: self.checkpointer.save(update_step, state))
+        return True
+
+    def poll(self) -> None:
+        """Settle the save in flight if it has finished (cheap: no wait)."""
+        if self._in_flight is not None and self._in_flight.finished.is_set():
+            self._settle()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the save in flight; False if it is still being written."""
+        if self._in_flight is None:
+            return True
+        if not self._in_flight.finished.wait(max(timeout_s, 0.0)):
+            return False
+        self._settle()
+        return True
+
+    def save_final(self, update_step: int, capture: Callable[[], dict[str, Any]], deadline_s: float) -> None:
+        """The last save of a run: wait for the one in flight, write this one, wait for it,
+        all within ``deadline_s``. ``capture`` takes the host copy only if it will be written."""
+        started = time.monotonic()
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.update_step != update_step:  # not already being written
+            if not self.wait(deadline_s):
+                self._fail(update_step, f"not written: the save of update step {in_flight.update_step} "
+                                        f"was still being written after {deadline_s:g} s")
+                return
+            self.submit(update_step, capture)
+        if not self.wait(deadline_s - (time.monotonic() - started)):
+            self._in_flight = None
+            self._fail(update_step, f"still being written after engine.save_deadline_s = {deadline_s:g} s; "
+                                    "the run ends without it (an unfinished write is never loaded)")
+
+    def _settle(self) -> None:
+        save, self._in_flight = self._in_flight, None
+        if save.error is None:
+            self.latest = save.location or self.latest
+            return
+        self._fail(save.update_step, f"{type(save.error).__name__}: {save.error}", save.error)
+
+    def _fail(self, update_step: int, error: str, exc: BaseException | None = None) -> None:
+        self.failed.append(f"step {update_step}: {error}")
+        # One console line; the traceback goes to octfw.log only (see octfw.logs).
+        logger.warning("checkpoint at update step %d failed, training goes on: %s", update_step, error,
+                       exc_info=exc)
