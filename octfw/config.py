@@ -89,9 +89,10 @@ class EngineConfig:
     )
     save_deadline_s: float = doc(
         "Seconds the end of a run, or a stop on SIGTERM/SIGINT, waits for its last checkpoint "
-        "(including a save still in flight); a preemptible VM gets about 30 s of notice. Saves "
-        "during training run in the background and never wait.",
-        default=25.0, validator=positive,
+        "(including a save still in flight). A preemptible VM gets about 30 s of notice, which "
+        "must also cover finishing the update step and closing the loggers. Saves during "
+        "training run in the background and never wait.",
+        default=15.0, validator=positive,
     )
     heartbeat_s: float = doc(
         "Warn when no update step completes for this many seconds.",
