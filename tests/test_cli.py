@@ -116,3 +116,15 @@ def test_quickstart_runs_end_to_end(tmp_path):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(5, 61, 5))
     assert {"loss", "lr", "grad_norm", "skipped_updates", "samples_per_s", "loss/heidelberg"} <= set(lines[0])
+
+
+def test_check_reports_the_global_batch_of_a_pod_layout(tiny_recipe, capsys):
+    from octfw.cli import main
+
+    assert main(["check", str(tiny_recipe), "--processes", "2", "--devices-per-process", "2",
+                 "--set", "engine.per_device_batch=1"]) == 0
+    out = capsys.readouterr().out
+    assert ("layout    global batch 4 = per_device_batch 1 x 4 devices x grad_accum_steps 1; "
+            "2 processes x 2 devices: each process loads 2 samples per micro-step") in out
+    assert main(["check", str(tiny_recipe), "--processes", "0"]) == 2
+    assert "--processes 0: must be at least 1" in capsys.readouterr().err

@@ -106,3 +106,44 @@ def test_spmd_skips_a_non_finite_update_on_the_device(tmp_path):
     totals = [float(total) for _, total in checksums]
     assert all(math.isfinite(t) for t in totals)
     assert totals[1] == totals[0] and totals[2] != totals[1] and totals[3] != totals[2]
+
+
+def test_ddp_a_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """A spot VM's SIGTERM reaching one process only: both ranks stop after the same
+    update step, rank 0 alone writes the checkpoint and the summary."""
+    import signal
+    import time
+
+    setup(tmp_path)
+    out_dir = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "octfw.cli", "run", str(tmp_path / "tiny.toml"), "--set", f"run.output_dir={out_dir}",
+               "--set", "engine.per_device_batch=1", "--set", "run.max_steps=200",
+               "--set", 'guard=[{name="nan-skip"},{name="checksum"}]']
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)])}
+    torchrun = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list(out_dir.glob("tiny/*/checksum_rank1.txt")) or \
+            len(next(out_dir.glob("tiny/*/checksum_rank1.txt")).read_text().splitlines()) < 3:
+        assert torchrun.poll() is None, torchrun.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "rank 1 logged no 3 update steps within 300 s"
+        time.sleep(0.05)
+    candidates = subprocess.run(["pgrep", "-f", f"octfw.cli run {tmp_path / 'tiny.toml'}"],
+                                capture_output=True, text=True).stdout.split()
+    rank1 = [int(pid) for pid in candidates
+             if "RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")]
+    assert len(rank1) == 1, (candidates, rank1)
+    os.kill(rank1[0], signal.SIGTERM)
+    _out, err = torchrun.communicate(timeout=300)
+    assert "SIGTERM received" in err
+
+    [run_dir] = list((out_dir / "tiny").iterdir())
+    steps = {rank: [int(line.split()[0]) for line in (run_dir / f"checksum_rank{rank}.txt").read_text().splitlines()]
+             for rank in (0, 1)}
+    assert steps[0] == steps[1] and steps[0][-1] < 200  # the same last update step on both ranks
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["preempted"] is True and summary["update_steps"] == steps[0][-1]
+    assert summary["checkpoint"].endswith(f"step_{steps[0][-1]:08d}.pt")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest", f"step_{steps[0][-1]:08d}.pt"]

@@ -16,6 +16,11 @@ HELP = ("Validate, build every component and push one real batch through "
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("check", help=HELP, description=HELP)
     add_recipe_arguments(parser)
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="processes of the run to check: TPU hosts, or torchrun processes (default 1)")
+    parser.add_argument("--devices-per-process", type=int, default=1, metavar="M",
+                        help="devices each process drives, e.g. 4 on a TPU v4 host (default 1); the global "
+                             "batch and the schedule's length follow from N x M")
     parser.set_defaults(func=run)
 
 
@@ -28,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning(warning)
     from octfw.tools.check import check_recipe  # imports torch: only when the command runs
 
-    check_recipe(recipe, registry)
+    for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
+        if value < 1:
+            from octfw.errors import UserError
+
+            raise UserError(f"{flag} {value}: must be at least 1")
+    check_recipe(recipe, registry, processes=args.processes, devices_per_process=args.devices_per_process)
     print("check passed")
     return 0
