@@ -177,14 +177,21 @@ def safe_load(source: str | IO[bytes], location: str) -> dict[str, Any]:
     object). weights_only cannot run code from the file: a pickled arbitrary
     object is refused, not executed.
     """
+    import pickle
+
     import torch
 
     try:
         state = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the checkpoint's name
+    except pickle.UnpicklingError as exc:  # weights_only refused an object: never executed
         raise UserError(
             f"checkpoint {location} cannot be loaded safely ({type(exc).__name__}: {_reason(exc)}); "
             "octfw loads tensors and plain Python data only"
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - re-raised with the checkpoint's name
+        raise UserError(
+            f"checkpoint {location} cannot be read ({type(exc).__name__}: {_reason(exc)}); "
+            "the file is cut short or not a checkpoint"
         ) from exc
     if not isinstance(state, dict):
         raise UserError(f"checkpoint {location} holds a {type(state).__name__}, not a dict")
