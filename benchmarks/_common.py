@@ -52,7 +52,6 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
 
 def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int = 8):
     """The real Trainer, its loader replaced by ``n_batches`` pre-built device batches in a cycle."""
-    from octfw.engine.data import collate
     from octfw.engine.trainer import Trainer
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry

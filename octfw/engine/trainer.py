@@ -21,16 +21,16 @@ import numpy as np
 import torch
 
 from octfw.engine.backend import Backend, resolve_device, select_backend
-from octfw.engine.build import Components, build_components, check_schedule
-from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
+from octfw.engine.build import build_components, check_schedule
+from octfw.engine.checkpointing import BackgroundSaver
 from octfw.engine.data import Quarantine, SampleSource, domain_report, make_loader, provenance_record
+from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
-from octfw.engine.throughput import device_peak_flops, flops_per_sample
-from octfw.engine.checkpointing import BackgroundSaver
+from octfw.engine.optim import GatedAdamW
 from octfw.engine.preemption import StopRequests
 from octfw.engine.state import capture, dataset_fingerprint, restore
-from octfw.engine.optim import GatedAdamW
+from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.update import grad_norm, step_unless_vetoed
 from octfw.errors import UserError
 from octfw.recipe import Recipe
