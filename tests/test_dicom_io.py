@@ -4,7 +4,6 @@ every way a file can be unusable raising CorruptFile with its reason."""
 from __future__ import annotations
 
 import uuid
-import warnings
 
 import numpy as np
 import pydicom
@@ -134,7 +133,7 @@ def test_manufacturer_names_normalise_to_domains(manufacturer, domain):
 
 
 @pytest.mark.parametrize("name", ["rtdose.dcm", "rtdose_expb.dcm", "rtdose_rle.dcm"])
-def test_reads_pydicom_multiframe_files_in_several_transfer_syntaxes(name):
+def test_reads_pydicom_rtdose_files_in_several_transfer_syntaxes(name):
     reference = pydicom.dcmread(get_testdata_file("rtdose.dcm")).pixel_array
     with pytest.warns(SpacingDefaulted, match="slice spacing") as record:
         sample = read_oct_volume(get_testdata_file(name))
@@ -155,7 +154,7 @@ EMRI_FILES = [
 
 
 @pytest.mark.parametrize("name", EMRI_FILES)
-def test_reads_pydicom_multiframe_files_in_several_transfer_syntaxes(name):
+def test_reads_pydicom_emri_files_in_several_transfer_syntaxes(name):
     # These files ship in the pydicom-data package (the dev extra installs it).
     path = get_testdata_file(name)
     reference_path = get_testdata_file("emri_small.dcm")
