@@ -179,3 +179,14 @@ def test_console_prints_evaluator_results_on_their_own_line():
     logger.on_step(3)  # plain mode: nothing to move
     logger.log(10, {"eval/linear-probe/accuracy": 0.875, "eval/knn/accuracy": 0.75})
     assert stream.getvalue() == "eval at step 10: knn/accuracy 0.75 linear-probe/accuracy 0.875\n"
+
+
+def test_summary_shows_skipped_saves_and_the_resume_hint_only_when_they_apply():
+    from octfw.plugins.loggers.console import format_summary
+
+    quiet = format_summary({"update_steps": 4, "total_update_steps": 4, "skipped_saves": 0, "preempted": False})
+    assert "skipped saves" not in quiet and "preempted" not in quiet
+    busy = format_summary({"update_steps": 7, "total_update_steps": 40, "skipped_saves": 3, "preempted": True,
+                           "stopped": "SIGTERM at update step 7"})
+    assert "skipped saves    3 (the previous save was still being written)" in busy
+    assert "stopped          SIGTERM at update step 7; resume with --resume auto" in busy

@@ -13,7 +13,8 @@ pass the number of updates done so the last line reads ``60/60``.
 ``finish(summary)`` prints a summary block from whichever of these keys it
 finds: ``update_steps``, ``total_update_steps``, ``first_loss``,
 ``last_loss``, ``skipped_updates``, ``samples_per_s``, ``elapsed_s``,
-``checkpoint``, ``failed_saves``, ``quarantined``, ``stopped``. Other keys
+``checkpoint``, ``failed_saves``, ``skipped_saves`` (shown when > 0), ``quarantined``,
+``stopped`` (with the resume hint when ``preempted``). Other keys
 with a plain value (number, string, bool) follow under their own name; None
 values are left out.
 
@@ -133,13 +134,17 @@ def format_summary(summary: Mapping[str, Any], total_update_steps: int | None = 
         rows.append(("checkpoint", [str(get("checkpoint"))]))
     if get("failed_saves") is not None:
         rows.append(("failed saves", _listing(get("failed_saves"), "failed")))
+    if get("skipped_saves"):  # only when a save came due while another was being written
+        rows.append(("skipped saves", [f"{int(get('skipped_saves'))} (the previous save was still being written)"]))
     if get("quarantined") is not None:
         rows.append(("quarantined", _listing(get("quarantined"), "files")))
     if get("stopped") is not None:
-        rows.append(("stopped", [str(get("stopped"))]))
+        resume = "; resume with --resume auto" if get("preempted") else ""
+        rows.append(("stopped", [str(get("stopped")) + resume]))
 
     known = {"update_steps", "total_update_steps", "first_loss", "last_loss", "skipped_updates",
-             "samples_per_s", "elapsed_s", "checkpoint", "failed_saves", "quarantined", "stopped"}
+             "samples_per_s", "elapsed_s", "checkpoint", "failed_saves", "skipped_saves", "quarantined",
+             "stopped", "preempted"}
     for key, value in summary.items():
         if key not in known and isinstance(value, (int, float, str, bool)):
             rows.append((str(key), [str(value)]))
