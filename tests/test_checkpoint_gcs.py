@@ -231,3 +231,18 @@ def test_store_lost_mid_run_the_run_finishes_and_lists_failed_saves(bucket, tiny
     assert summary["checkpoint"] == f"{url}/step_00000002.pt"
     [failed] = summary["failed_saves"]
     assert failed.startswith("step 4: StorageError") and "failed after 2 attempts" in failed
+
+
+def test_resume_auto_on_a_fresh_disk_continues_from_the_gcs_checkpoint(bucket, tiny_recipe):
+    """A recreated spot VM: the local run folders are gone, the gs:// checkpoints are not."""
+    import shutil
+
+    url = f"gs://{BUCKET}/spot"
+    sets = ["--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}"]
+    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=2") == 0
+    shutil.rmtree(tiny_recipe.parent / "runs")
+    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=3", "--resume", "auto") == 0
+    summary = summary_of(tiny_recipe)
+    assert summary["update_steps"] == 3 and summary["checkpoint"] == f"{url}/step_00000003.pt"
+    steps = [json.loads(line)["step"] for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [3]  # a new run folder, continuing from the step-2 checkpoint

@@ -7,7 +7,9 @@ it trains, rank 0 writes the run's ``octfw.log`` (:func:`octfw.logs.attach_run_l
 ``--resume auto`` is safe to run again and again (a preemptible VM's startup
 script, a queued job that is requeued):
 
-- no earlier run of the recipe: a new run starts;
+- no earlier run of the recipe: a new run folder, which starts from the
+  checkpointer's newest checkpoint if it has one (a ``gs://`` folder that
+  outlived the VM, as on a recreated spot TPU), else from scratch;
 - the newest run has no ``summary.json`` (killed) or its summary says it was
   preempted: it continues from its last complete checkpoint, or from the
   start when it has none;
@@ -79,8 +81,9 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> Run
         if resume == "auto":
             run_dir, finished = _resumable_run(recipe)
         if run_dir is None:
+            # A new run folder; with "auto" the checkpointer is still asked for its newest
+            # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
             run_dir = create_run_dir(recipe, registry)
-            resume = None if resume == "auto" else resume
     run_dir, resume, finished = broadcast_object((run_dir, resume, finished))  # every rank decides alike
     if finished is not None:
         raise AlreadyFinished(run_dir, finished)

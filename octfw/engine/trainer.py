@@ -163,8 +163,8 @@ class Trainer:
         self.fingerprint = dataset_fingerprint(parts.dataset)
         self.start_step, self.samples_done = 0, 0
         location = parts.checkpointer.latest() if resume == "auto" else resume
-        if resume == "auto" and location is None:  # killed before its first save
-            log.info("--resume auto: %s has no complete checkpoint yet; training from the start", run_dir)
+        if resume == "auto" and location is None:  # a new run, or one killed before its first save
+            log.info("--resume auto: no complete checkpoint yet; training from the start")
         if location is not None:
             self.start_step, _ = restore(location, parts, self.model, self.optimizer,
                                          global_batch_size=self.samples_per_update, fingerprint=self.fingerprint)
