@@ -11,7 +11,9 @@ Every process must stop at the same update step, or collectives would hang
 and ranks would save different states:
 
 - under torchrun (DDP) the request is combined across ranks each update step
-  (one tiny all-reduce; only under DDP);
+  with one tiny all-reduce of a CPU tensor over a gloo group of its own, so
+  the GPU stream is never waited on (a NCCL all-reduce of a GPU flag read
+  with ``.item()`` would stall the device every step);
 - on a TPU pod, torch_xla's preemption sync manager, which learns of the
   maintenance event from the TPU runtime, answers ``True`` on every host at the
   same step (``_sync_point_reached``); a host's own SIGTERM is combined with it.
@@ -36,11 +38,17 @@ PREEMPTED_EXIT_CODE = 75
 class StopRequests:
     """Installs the signal handlers while training (main thread only) and says when to stop."""
 
-    def __init__(self, backend_kind: str = "cpu", device: Any = "cpu"):
+    def __init__(self, backend_kind: str = "cpu"):
+        from octfw.engine.distributed import is_ddp
+
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
-        self._device = device  # where a DDP all-reduce runs (NCCL needs the GPU)
         self._xla_sync = backend_kind == "xla" and _activate_xla_preemption_sync()
+        self._ddp_group = None
+        if is_ddp():  # every rank builds its Trainer, so every rank joins here
+            import torch.distributed as dist
+
+            self._ddp_group = dist.new_group(backend="gloo")
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
@@ -71,15 +79,13 @@ class StopRequests:
             if torch_xla._XLAC._sync_point_reached(update_step):
                 self.signal_name = self.signal_name or "TPU preemption notice"
                 requested = True
-        from octfw.engine.distributed import is_ddp
-
-        if not is_ddp():
+        if self._ddp_group is None:
             return requested
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor(float(requested), device=self._device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a host sync each update step, under DDP only
+        flag = torch.tensor(float(requested))  # on the CPU: no device sync
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ddp_group)
         if flag.item() > 0 and self.signal_name is None:
             self.signal_name = "a stop request on another rank"
         return flag.item() > 0

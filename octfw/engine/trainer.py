@@ -185,7 +185,7 @@ class Trainer:
         self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
         self.first_loss = self.last_loss = None
         self.saver = BackgroundSaver(parts.checkpointer)
-        self.stop_requests = StopRequests(backend.kind, backend.device)
+        self.stop_requests = StopRequests(backend.kind)
         self._last_log = (time.perf_counter(), self.start_step)
         self._skipped_seen = 0.0
         self._step_listeners = [lg for lg in parts.loggers if hasattr(lg, "on_step")]
