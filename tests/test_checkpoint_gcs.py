@@ -186,7 +186,12 @@ def stop_once_saved(emulator, prefix: str) -> None:
     """Stop the store once the background save in flight has written its pointer (saves
     run beside training, so the log step can come before the save is done)."""
     deadline = time.monotonic() + 60
-    while "latest" not in objects(emulator, prefix):
+    while True:
+        try:
+            if "latest" in objects(emulator, prefix):
+                break
+        except FileNotFoundError:  # nothing under the prefix yet
+            pass
         assert time.monotonic() < deadline, "the checkpoint was never written"
         time.sleep(0.05)
     emulator.stop()
