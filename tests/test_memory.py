@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from octfw.tools.memory import GIB, MemoryEstimate, device_memory, estimate_memory, memory_report
+from octfw.tools.memory import (
+    GIB,
+    MemoryEstimate,
+    batch_advice,
+    device_memory,
+    estimate_memory,
+    largest_batch,
+    memory_report,
+    parse_bytes,
+)
 from octfw.types import BuildContext
 
 
@@ -22,8 +33,10 @@ class MLP(torch.nn.Module):
 
 
 def real_saved_bytes(model, batch) -> int:
-    """What autograd really keeps for backward on the CPU (parameters excluded)."""
+    """What autograd really keeps for backward on the CPU (parameters and the batch,
+    counted in parts of their own, excluded)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {t.untyped_storage().data_ptr() for t in batch.values()}
     saved = {}
 
     def pack(t):
@@ -76,8 +89,8 @@ def test_seeds_multi_domain_config_fits_a_tpu_v4_at_batch_1_but_not_at_8(monkeyp
     hbm, desc = device_memory("xla")
     assert hbm == 32 * GIB and desc == "TPU v4 HBM per device"
     model = seeds_model()
-    one = estimate_memory(model, meta_batch(1))
-    eight = estimate_memory(model, meta_batch(8))
+    one = estimate_memory(model, meta_batch(1), device="xla")
+    eight = estimate_memory(model, meta_batch(8), device="xla")
     assert memory_report(one, hbm, desc)[1] is None
     line, warning = memory_report(eight, hbm, desc)
     assert warning and "exceeds 32 GiB (TPU v4 HBM per device)" in warning and "activations" in warning
@@ -104,3 +117,91 @@ def test_report_without_a_known_device_memory_says_so_and_never_warns():
     estimate = MemoryEstimate({"parameters": 10 * GIB})
     line, warning = memory_report(estimate, None, "TPU of unknown generation (v9x-8)")
     assert warning is None and "device memory unknown" in line
+
+
+# --- activation checkpointing, the largest batch, and the estimate against a measured peak ---
+
+
+def test_seeds_config_with_checkpointing_fits_many_more_samples_on_a_tpu_v4():
+    """At 9,216 patches XLA keeps attention's N x N probabilities per block;
+    checkpointing keeps one block's at a time."""
+    model = seeds_model()
+    plain = largest_batch(model, meta_batch(1), 32 * GIB, device="xla")
+    checkpointed = largest_batch(model, meta_batch(1), 32 * GIB, device="xla", checkpointing=True)
+    assert plain >= 1 and checkpointed >= 4 * plain
+    # The answer is the boundary: it fits, one more sample does not.
+    for size, checkpointing in ((plain, False), (checkpointed, True)):
+        assert estimate_memory(model, meta_batch(size), device="xla", checkpointing=checkpointing).total <= 32 * GIB
+        assert estimate_memory(model, meta_batch(size + 1), device="xla",
+                               checkpointing=checkpointing).total > 32 * GIB
+
+
+def test_fused_attention_keeps_no_n_by_n_matrix():
+    """cpu and cuda run a fused kernel (flash / memory-efficient) that keeps a
+    log-sum-exp per row; xla keeps the probabilities: at 9,216 patches that is
+    most of the activations."""
+    model = seeds_model()
+    fused = estimate_memory(model, meta_batch(1), device="cuda").parts["activations"]
+    math = estimate_memory(model, meta_batch(1), device="xla").parts["activations"]
+    assert math > 5 * fused
+    # The predictor's attention probabilities alone: 5 heads x 9,216^2 fp32 per block.
+    assert math - fused > 6 * 5 * 9216**2 * 4
+
+
+def test_largest_batch_is_zero_when_one_sample_does_not_fit():
+    assert largest_batch(seeds_model(), meta_batch(1), GIB // 2, device="xla") == 0
+
+
+def test_batch_advice_names_the_batch_with_and_without_checkpointing():
+    line = batch_advice(seeds_model(), meta_batch(1), 32 * GIB, "xla")
+    assert re.fullmatch(r"fits {6}per-device batch up to \d+; \d+ with model.activation_checkpointing = true "
+                        r"\(estimated for xla, 32 GiB\)", line), line
+
+
+@pytest.mark.parametrize("text, size", [("32GiB", 32 * GIB), ("16 GB", 16 * 10**9), ("80g", 80 * 10**9),
+                                         ("1.5TiB", int(1.5 * 1024**4)), ("512MiB", 512 * 1024**2)])
+def test_parse_bytes(text, size):
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "32 parsecs", "-1GB", "0GiB"])
+def test_parse_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(ValueError, match="is not a memory size"):
+        parse_bytes(text)
+
+
+def test_check_sizes_a_run_for_a_stated_device(tiny_recipe, capsys):
+    from octfw.cli import main
+
+    assert main(["check", str(tiny_recipe), "--device-kind", "xla", "--device-memory", "32GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "of 32 GiB --device-memory" in out
+    assert re.search(r"per-device batch up to \d+; \d+ with model.activation_checkpointing = true "
+                     r"\(estimated for xla, 32 GiB\)", out), out
+    assert main(["check", str(tiny_recipe), "--device-memory", "lots"]) == 2
+    assert "--device-memory 'lots' is not a memory size" in capsys.readouterr().err
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from memory_estimate import CONFIGS, measure_in_fresh_process  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def measured_steps() -> dict:
+    """The engine's real update step on the CPU, each configuration in a fresh
+    process (benchmarks/memory_estimate.py: tiny and small at two sizes)."""
+    return {config: measure_in_fresh_process(*config) for config in CONFIGS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{c[1]}-b{c[2]}-{'ckpt' if c[3] else 'plain'}")
+def test_estimate_is_within_20_percent_of_the_measured_peak_of_an_update_step(measured_steps, config):
+    step = measured_steps[config]
+    assert 0.8 <= step["estimate"] / step["measured"] <= 1.2, step
+
+
+@pytest.mark.slow
+def test_checkpointing_lowers_the_measured_peak(measured_steps):
+    plain = measured_steps[("tiny", "64,192,192", 2, False)]
+    checkpointed = measured_steps[("tiny", "64,192,192", 2, True)]
+    assert checkpointed["measured"] < 0.6 * plain["measured"], (plain, checkpointed)

@@ -38,3 +38,10 @@ def test_a_checkpoint_cut_short_is_a_user_error(tiny_recipe, checkpoint, tmp_pat
 
 def test_the_same_run_shape_resumes(tiny_recipe, checkpoint, capsys):
     assert main(["run", str(tiny_recipe), "--set", "run.max_steps=3", "--resume", str(checkpoint)]) == 0
+
+
+def test_turning_on_activation_checkpointing_resumes(tiny_recipe, checkpoint, capsys):
+    """It changes how memory is spent, not the weights or the numbers: the way
+    out of an out-of-memory crash is allowed on --resume."""
+    assert main(["run", str(tiny_recipe), "--set", "run.max_steps=3", "--set",
+                 "model.activation_checkpointing=true", "--resume", str(checkpoint)]) == 0

@@ -164,6 +164,29 @@ def test_same_seed_gives_the_same_loss():
     assert not torch.equal(losses[0], model(make_batch(model)).loss)
 
 
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_keeps_less():
+    """Recomputing each block in backward changes memory, not numbers (bitwise on the CPU)."""
+    from octfw.tools.memory import activation_bytes
+
+    runs = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = make_model(image_size=(8, 64, 64), activation_checkpointing=checkpointing)
+        batch = make_batch(model)
+        loss = model(batch).loss
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+        runs[checkpointing] = (loss.detach(), grads, activation_bytes(model, batch))
+    (loss_off, grads_off, kept_off), (loss_on, grads_on, kept_on) = runs[False], runs[True]
+    assert torch.equal(loss_off, loss_on)
+    assert grads_off.keys() == grads_on.keys()
+    assert all(torch.equal(grads_off[name], grads_on[name]) for name in grads_off)
+    assert kept_on < kept_off / 2
+    checkpointed = [m.checkpoint_activations for m in model.modules() if hasattr(m, "checkpoint_activations")]
+    # Context encoder and predictor blocks; the target encoder runs under no_grad.
+    assert checkpointed.count(True) == PRESETS["tiny"]["depth"] + PRESETS["tiny"]["predictor_depth"]
+
+
 def test_context_voxels_of_masked_patches_do_not_change_the_loss():
     torch.manual_seed(0)
     model = make_model()

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.errors import UserError
 
 __all__ = ["add_parser"]
 
@@ -21,6 +22,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--devices-per-process", type=int, default=1, metavar="M",
                         help="devices each process drives, e.g. 4 on a TPU v4 host (default 1); the global "
                              "batch and the schedule's length follow from N x M")
+    parser.add_argument("--device-kind", choices=("cpu", "cuda", "xla"), default=None,
+                        help="size the memory estimate for this kind of device (default: the recipe's "
+                             "run.device; xla keeps attention's N x N probabilities, cpu and cuda do not)")
+    parser.add_argument("--device-memory", default=None, metavar="SIZE",
+                        help="memory of one device, e.g. 32GiB for a TPU v4 chip or 80GB for an H100: "
+                             "the estimate is compared with it and the largest per-device batch that "
+                             "fits is shown (default: this machine's device, or OCTFW_DEVICE_MEMORY_GIB)")
     parser.set_defaults(func=run)
 
 
@@ -31,13 +39,19 @@ def run(args: argparse.Namespace) -> int:
 
     for warning in cadence_warnings(recipe.engine):
         logging.getLogger(__name__).warning(warning)
-    from octfw.tools.check import check_recipe  # imports torch: only when the command runs
-
     for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
         if value < 1:
-            from octfw.errors import UserError
-
             raise UserError(f"{flag} {value}: must be at least 1")
-    check_recipe(recipe, registry, processes=args.processes, devices_per_process=args.devices_per_process)
+    from octfw.tools.check import check_recipe  # imports torch: only when the command runs
+    from octfw.tools.memory import parse_bytes
+
+    device_bytes = None
+    if args.device_memory is not None:
+        try:
+            device_bytes = parse_bytes(args.device_memory)
+        except ValueError as error:
+            raise UserError(f"--device-memory {error}") from None
+    check_recipe(recipe, registry, processes=args.processes, devices_per_process=args.devices_per_process,
+                 device_kind=args.device_kind, device_bytes=device_bytes)
     print("check passed")
     return 0

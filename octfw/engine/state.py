@@ -107,12 +107,18 @@ def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Op
     }
 
 
+#: Model keys that change how memory is spent, never the weights or the
+#: numbers computed: a run may resume with them changed (to fit a batch after an
+#: out-of-memory crash, say), and checkpoints written before they existed resume.
+MEMORY_ONLY_MODEL_KEYS = frozenset({"activation_checkpointing"})
+
+
 def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
                          global_batch_size: int, fingerprint: dict[str, Any]) -> None:
     """Refuse what cannot be resumed exactly; warn about what can (see the module docstring)."""
     recorded_model = dict((state.get("recipe") or {}).get("model") or {})
     current_model = dict(parts.ctx.recipe.get("model") or {})
-    changed = sorted(k for k in set(recorded_model) | set(current_model)
+    changed = sorted(k for k in (set(recorded_model) | set(current_model)) - MEMORY_ONLY_MODEL_KEYS
                      if recorded_model.get(k) != current_model.get(k))
     if recorded_model and changed:
         diff = ", ".join(f"model.{k} {recorded_model.get(k)!r} -> {current_model.get(k)!r}" for k in changed)

@@ -15,6 +15,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "Attention",
     "MLP",
     "Block",
+    "checkpointed",
+    "set_activation_checkpointing",
     "ViT3DEncoder",
     "init_weights",
     "rescale_residual_branches",
@@ -130,8 +133,31 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+def checkpointed(function, x: torch.Tensor) -> torch.Tensor:
+    """``function(x)``, keeping only ``x`` for the backward pass: the tensors
+    ``function`` would save are recomputed from ``x`` when the gradient is taken."""
+    if x.device.type == "xla":
+        # One XLA graph holds the forward and the recomputation, and XLA's
+        # common-subexpression elimination would merge them back (no memory
+        # saved): torch_xla's checkpoint puts an optimization barrier between
+        # them. It supports only the reentrant variant.
+        from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+
+        return xla_checkpoint(function, x, use_reentrant=True)
+    return torch.utils.checkpoint.checkpoint(function, x, use_reentrant=False)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    With :attr:`checkpoint_activations` set, a forward that builds a graph
+    keeps only the block's input and recomputes the rest in backward:
+    activation memory of one ``[B, N, E]`` tensor per block instead of about
+    a dozen, for one more forward of the block. :mod:`octfw.tools.memory`
+    reads the same attribute to estimate the saving.
+    """
+
+    checkpoint_activations: bool = False
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
         super().__init__()
@@ -141,8 +167,19 @@ class Block(nn.Module):
         self.mlp = MLP(dim, int(dim * mlp_ratio))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpointed(self._residual_branches, x)
+        return self._residual_branches(x)
+
+    def _residual_branches(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+
+def set_activation_checkpointing(blocks: nn.ModuleList, enabled: bool) -> None:
+    """Checkpoint every block of ``blocks`` (see :class:`Block`) or none."""
+    for block in blocks:
+        block.checkpoint_activations = enabled
 
 
 def init_weights(module: nn.Module) -> None:
@@ -174,6 +211,9 @@ class ViT3DEncoder(nn.Module):
     ``forward(volume, keep_idx=None)``: with ``keep_idx`` (int64 ``[B, K]``)
     only those K tokens enter the blocks, so the cost scales with the visible
     tokens; without it all N tokens are encoded. Returns ``[B, K or N, E]``.
+
+    ``activation_checkpointing`` recomputes each block in backward (see
+    :class:`Block`); a training-time choice, not part of :meth:`architecture`.
     """
 
     def __init__(
@@ -185,6 +225,7 @@ class ViT3DEncoder(nn.Module):
         depth: int,
         num_heads: int,
         mlp_ratio: float,
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
         self.image_size = tuple(image_size)
@@ -206,6 +247,7 @@ class ViT3DEncoder(nn.Module):
         self.norm = nn.LayerNorm(embed_dim)
         self.apply(init_weights)
         rescale_residual_branches(self.blocks)
+        set_activation_checkpointing(self.blocks, activation_checkpointing)
 
     def architecture(self) -> dict:
         """The constructor arguments, as plain data: ``ViT3DEncoder(**enc.architecture())``

@@ -27,6 +27,7 @@ from octfw.models.vit3d import (
     gather_tokens,
     init_weights,
     rescale_residual_branches,
+    set_activation_checkpointing,
     sincos_pos_embed_3d,
 )
 from octfw.types import ModelOutput
@@ -72,6 +73,7 @@ class Predictor(nn.Module):
         depth: int,
         num_heads: int,
         mlp_ratio: float,
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
         self.embed_in = nn.Linear(embed_dim, predictor_embed_dim)
@@ -88,6 +90,7 @@ class Predictor(nn.Module):
         self.embed_out = nn.Linear(predictor_embed_dim, embed_dim)
         self.apply(init_weights)
         rescale_residual_branches(self.blocks)
+        set_activation_checkpointing(self.blocks, activation_checkpointing)
 
     def forward(
         self, context_tokens: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor
@@ -212,13 +215,15 @@ class VJEPA3D(nn.Module):
         predictor_num_heads: int,
         mlp_ratio: float = 4.0,
         loss: str = "l1",
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
         self.loss_kind = loss
         self.context_encoder = ViT3DEncoder(
-            image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio
+            image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio,
+            activation_checkpointing=activation_checkpointing,
         )
         self.predictor = Predictor(
             self.context_encoder.grid_size,
@@ -227,9 +232,12 @@ class VJEPA3D(nn.Module):
             predictor_depth,
             predictor_num_heads,
             mlp_ratio,
+            activation_checkpointing=activation_checkpointing,
         )
         self.target_encoder = copy.deepcopy(self.context_encoder)
         self.target_encoder.requires_grad_(False)
+        # It runs under no_grad, where nothing is saved and nothing to recompute.
+        set_activation_checkpointing(self.target_encoder.blocks, False)
 
     # --- geometry -----------------------------------------------------------
 

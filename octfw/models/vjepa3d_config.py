@@ -76,6 +76,12 @@ class VJEPA3DConfig:
     mlp_ratio: float | None = doc(
         "MLP hidden width / embedding width (default: from preset)", default=None, validator=positive,
     )
+    activation_checkpointing: bool = doc(
+        "recompute each transformer block's activations in the backward pass instead of keeping "
+        "them: much less activation memory (octfw check shows how much, and the largest batch that "
+        "fits) for about one more forward pass of the context encoder and predictor",
+        default=False,
+    )
 
     def __attrs_post_init__(self) -> None:
         # Checked here so that recipe validation catches a bad combination

@@ -54,12 +54,15 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | No
 
 
 def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print, *,
-                 processes: int = 1, devices_per_process: int = 1) -> dict[str, Any]:
+                 processes: int = 1, devices_per_process: int = 1, device_kind: str | None = None,
+                 device_bytes: int | None = None) -> dict[str, Any]:
     """Build, run one batch forward and backward on the CPU, and report each boundary.
 
     ``processes`` and ``devices_per_process`` describe the run to check (a TPU
     v4-32: 4 hosts x 4 devices); the global batch and the schedule's length
-    follow from them.
+    follow from them. ``device_kind`` (default: the recipe's ``run.device``)
+    and ``device_bytes`` (default: what :func:`device_memory` finds) size
+    the memory estimate for the device the run is meant for.
     """
     from octfw.schedules import effective_lr
 
@@ -117,14 +120,17 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 
     # --- memory (octfw.tools.memory): estimated per device, warned before the run ---
-    from octfw.tools.memory import device_memory, estimate_memory, memory_report
+    from octfw.tools.memory import batch_advice, device_memory, estimate_memory, memory_report
 
-    estimate = estimate_memory(model, batch)
-    memory_line, memory_warning = memory_report(estimate, *device_memory(resolve_device(recipe.run.device)))
+    kind = device_kind or resolve_device(recipe.run.device)
+    estimate = estimate_memory(model, batch, device=kind)
+    memory = (device_bytes, "--device-memory") if device_bytes else device_memory(kind)
+    memory_line, memory_warning = memory_report(estimate, *memory)
     report(memory_line)
+    if memory[0]:
+        report(batch_advice(model, batch, memory[0], kind))
     if memory_warning:
         report(f"warning: {memory_warning}")
-    # --- end of the memory block ---
 
     # FLOPs per sample, counted by FlopCounterMode on shape-only tensors (octfw.models.flops).
     from octfw.models.flops import forward_flops_per_sample, training_flops_per_sample

@@ -2,8 +2,9 @@
 
 The seeds' smoke test died with ``BrokenProcessPool`` after workers ran out
 of memory on a batch and volume size nobody had sized beforehand. ``octfw
-check`` calls :func:`estimate_memory` on the model and one per-device batch
-and :func:`memory_report` compares the total with the device's memory.
+check`` calls :func:`estimate_memory` on the model and one per-device batch,
+:func:`memory_report` compares the total with the device's memory and
+:func:`batch_advice` names the largest per-device batch that fits.
 
 What is counted, in bytes, for one device:
 
@@ -12,34 +13,46 @@ What is counted, in bytes, for one device:
 - ``buffers``: position embeddings and other buffers;
 - ``gradients``: one fp32 gradient per trainable parameter;
 - ``optimizer``: AdamW's two moments per trainable parameter;
+- ``batch``: the input tensors of one micro-batch;
 - ``activations``: the tensors autograd saves for the backward pass of one
   micro-batch, measured by running the forward on ``meta`` tensors (shapes
-  only: nothing is computed or allocated) with ``saved_tensors_hooks``.
+  only: nothing is computed or allocated) with ``saved_tensors_hooks``, with
+  attention saved as the device's kernel saves it (:data:`ATTENTION_BY_DEVICE`)
+  and checkpointed blocks counted by what they keep (:class:`SavedTensors`).
   They are counted at the dtype the meta forward produces (fp32), an upper
   bound under bf16 autocast;
-- ``batch``: the input tensors of one micro-batch.
+- ``update_buffers``: the temporaries of the optimizer step and the EMA
+  update (:data:`OPTIMIZER_TEMPORARIES_BY_DEVICE`). They come after the
+  backward pass has freed the activations, so the peak holds the larger of
+  the two, not both.
 
-Allocator fragmentation, compiler workspaces and the transient buffers of
-the backward pass and of the optimizer step (a few per parameter in eager
-mode, fused away on xla) come on top:
-a total near the device's memory is already a risk. A guard's veto costs no
-memory: it goes into the update itself (:mod:`octfw.engine.optim`).
+On the CPU the total is within 20 % of the measured peak of the engine's
+update step for ``tiny`` and ``small`` (``tests/test_memory.py``); allocator
+fragmentation and compiler workspaces on accelerators come on top, so a total
+near the device's memory is already a risk. A guard's veto costs no memory:
+it goes into the update itself (:mod:`octfw.engine.optim`).
 
 Device memory: the CPU's available RAM (``MemAvailable``), a CUDA device's
 total memory, a TPU chip's HBM by generation (from ``TPU_ACCELERATOR_TYPE``,
-set on TPU VMs). ``OCTFW_DEVICE_MEMORY_GIB`` overrides it, to size a run for
-a machine other than the one ``check`` runs on.
+set on TPU VMs). ``OCTFW_DEVICE_MEMORY_GIB`` or ``octfw check
+--device-memory`` overrides it, to size a run for another machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Mapping
+import re
+from typing import Any, Callable, Mapping
 
 import attrs
 import torch
 
-__all__ = ["MemoryEstimate", "estimate_memory", "device_memory", "memory_report", "TPU_HBM_GIB"]
+__all__ = [
+    "ATTENTION_BY_DEVICE", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
+    "batch_advice", "device_memory", "estimate_memory", "largest_batch", "memory_report", "parse_bytes", "peak_rss_growth",
+    "resized_batch", "saved_tensors", "supports_checkpointing",
+]
 
 GIB = 1024**3
 
@@ -54,16 +67,24 @@ ADAMW_STATES = 2
 
 @attrs.frozen
 class MemoryEstimate:
-    """Bytes per part for one device; :attr:`total` is their sum."""
+    """Bytes per part for one device; :attr:`total` is the peak they add up to."""
 
     parts: dict[str, int]
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values())
+        # The activations are freed during the backward pass, before the
+        # optimizer step and the EMA update make their temporaries: the two
+        # never peak at the same time.
+        together = sum(n for name, n in self.parts.items() if name not in ("activations", "update_buffers"))
+        return together + max(self.parts.get("activations", 0), self.parts.get("update_buffers", 0))
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {_gib(n)}" for name, n in self.parts.items() if n)
+        together = [f"{name} {_gib(n)}" for name, n in self.parts.items()
+                    if n and name not in ("activations", "update_buffers")]
+        alternatives = " and ".join(f"{name.replace('_', ' ')} {_gib(self.parts[name])}"
+                                    for name in ("activations", "update_buffers") if self.parts.get(name))
+        return ", ".join(together) + (f", then the larger of {alternatives}" if alternatives else "")
 
 
 def _gib(n: float) -> str:
@@ -78,27 +99,142 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
 
 
-def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any]) -> int:
-    """Bytes autograd saves for backward in one ``model(batch)``, on meta tensors."""
+def resized_batch(batch: Mapping[str, Any], size: int) -> dict[str, Any]:
+    """``batch`` with ``size`` samples, as shape-only (meta) tensors."""
+    return {k: torch.empty((size, *v.shape[1:]), dtype=v.dtype, device="meta") if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
+#: How ``F.scaled_dot_product_attention`` keeps what its backward needs, by
+#: device kind. The fused kernels (flash / memory-efficient; on the CPU and on
+#: CUDA for these shapes, see :mod:`octfw.tools.attention`) keep q, k, v, the
+#: output and a log-sum-exp per row; torch_xla lowers it to matmul, softmax,
+#: matmul and keeps the ``[B, heads, N, N]`` probabilities, which at 9,216
+#: tokens are most of the activations.
+ATTENTION_BY_DEVICE = {"cpu": "fused", "cuda": "fused", "xla": "math"}
+
+#: Temporaries of the optimizer step, in trainable-parameter sizes, by device
+#: kind: torch's foreach AdamW on the CPU keeps one (a square root) beside its
+#: in-place updates; octfw's out-of-place GatedAdamW (cuda) holds up to six at
+#: once in eager mode; on xla the step is one fused graph, counted like the
+#: CPU's. The EMA update holds two EMA-sized temporaries; the larger counts.
+OPTIMIZER_TEMPORARIES_BY_DEVICE = {"cpu": 1, "cuda": 6, "xla": 1}
+EMA_TEMPORARIES = 2
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """Meta tensors run attention on the math path; this swaps in the fused
+    kernel's op (its meta function gives the shapes it saves)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
+            query, key, value = args[:3]
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+@attrs.frozen
+class SavedTensors:
+    """What autograd saves in one forward, by where it was saved (storage sizes, bytes).
+
+    A *checkpointable* module has a ``checkpoint_activations`` attribute
+    (:class:`octfw.models.vit3d.Block`); each of its calls is measured apart.
+    """
+
+    sizes: dict[int, int]  #: bytes of each saved storage, by id
+    outside: frozenset[int]  #: saved outside every checkpointable module
+    calls: tuple[tuple[bool, frozenset[int], frozenset[int]], ...]  #: (checkpointed, input, saved inside)
+
+    def total(self) -> int:
+        """Bytes alive at the start of backward plus, for checkpointed modules,
+        the largest one's recomputed activations (recomputed one at a time)."""
+        kept = set(self.outside)
+        for checkpointed, inputs, inside in self.calls:
+            kept |= inputs if checkpointed else inside
+        recomputed = [sum(self.sizes[i] for i in inside - kept) for checkpointed, _, inside in self.calls
+                      if checkpointed]
+        return sum(self.sizes[i] for i in kept) + max(recomputed, default=0)
+
+
+def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
+                  checkpointing: bool | None = None) -> SavedTensors:
+    """Run ``model(batch)`` on meta tensors (shapes only) and record what autograd saves.
+
+    ``checkpointing``: None measures the model as configured; True or False as
+    if every checkpointable module had ``checkpoint_activations`` set so.
+    """
     state = {name: _meta(p) for name, p in model.named_parameters()}
     state.update({name: _meta(b) for name, b in model.named_buffers()})
     meta_batch = {k: _meta(v) if torch.is_tensor(v) else v for k, v in batch.items()}
-    frozen = {id(state[name]) for name in state}  # parameters and buffers are not activations
-    seen: dict[int, torch.Tensor] = {}
+    # Parameters, buffers and the batch are counted in parts of their own (the
+    # patch embedding saves the batch itself for its weight gradient).
+    frozen = {id(t) for t in state.values()} | {id(t) for t in meta_batch.values() if torch.is_tensor(t)}
+    keep_alive: dict[int, torch.Tensor] = {}  # so that ids are not reused during the forward
+    outside: set[int] = set()
+    calls: list[tuple[bool, set[int], set[int]]] = []
+    current: list[set[int]] = []  # the saved set of the outermost checkpointable call running
+
+    def storage_id(t: torch.Tensor) -> int:
+        base = t._base if t._base is not None else t  # a view shares its base's storage
+        keep_alive.setdefault(id(base), base)
+        return id(base)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t  # a view shares its base's storage
-        if id(base) not in frozen:
-            seen.setdefault(id(base), base)  # kept alive, so ids are not reused
+        key = storage_id(t)
+        if key not in frozen:
+            (current[-1] if current else outside).add(key)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.func.functional_call(model, state, (meta_batch,))
-    return sum(_nbytes(t) for t in seen.values())
+    checkpointable = [m for m in model.modules() if hasattr(m, "checkpoint_activations")]
+    configured = {id(m): m.checkpoint_activations for m in checkpointable}
+    handles = []
+
+    def before(module, args):
+        if not current:
+            inputs = {storage_id(a) for a in args if torch.is_tensor(a)}
+            wanted = configured[id(module)] if checkpointing is None else checkpointing
+            calls.append((bool(wanted), inputs, set()))
+            current.append(calls[-1][2])
+        else:
+            current.append(current[-1])  # nested: counted with the outermost call
+
+    def after(module, args, output):
+        current.pop()
+
+    try:
+        for m in checkpointable:
+            m.checkpoint_activations = False  # run plainly, so every saved tensor is seen
+            handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+        mode = _FusedAttention() if attention == "fused" else contextlib.nullcontext()
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.func.functional_call(model, state, (meta_batch,))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m in checkpointable:
+            m.checkpoint_activations = configured[id(m)]
+    sizes = {key: _nbytes(t) for key, t in keep_alive.items()}
+    return SavedTensors(sizes, frozenset(outside),
+                        tuple((c, frozenset(i), frozenset(s)) for c, i, s in calls))
 
 
-def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any]) -> MemoryEstimate:
-    """Estimate the per-device bytes of training ``model`` on micro-batches like ``batch``."""
+def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
+                     checkpointing: bool | None = None) -> int:
+    """Bytes autograd keeps for backward in one ``model(batch)`` (see :func:`saved_tensors`)."""
+    return saved_tensors(model, batch, attention=attention, checkpointing=checkpointing).total()
+
+
+def supports_checkpointing(model: torch.nn.Module) -> bool:
+    return any(hasattr(m, "checkpoint_activations") for m in model.modules())
+
+
+def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device: str = "cpu",
+                    checkpointing: bool | None = None) -> MemoryEstimate:
+    """Estimate the peak per-device bytes of training ``model`` on micro-batches like ``batch``
+    on a device of kind ``device`` (cpu, cuda, xla); ``checkpointing``: see :func:`saved_tensors`."""
     trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
     frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad)
     parts = {
@@ -107,10 +243,71 @@ def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any]) -> MemoryE
         "buffers": sum(_nbytes(b) for b in model.buffers()),
         "gradients": trainable,
         "optimizer": ADAMW_STATES * trainable,
-        "activations": activation_bytes(model, batch),
         "batch": sum(_nbytes(v) for v in batch.values() if torch.is_tensor(v)),
+        "activations": activation_bytes(model, batch, attention=ATTENTION_BY_DEVICE[device],
+                                        checkpointing=checkpointing),
+        "update_buffers": max(OPTIMIZER_TEMPORARIES_BY_DEVICE[device] * trainable, EMA_TEMPORARIES * frozen),
     }
     return MemoryEstimate(parts)
+
+
+def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, *,
+                  device: str = "cpu", checkpointing: bool | None = None, limit: int = 1 << 16) -> int:
+    """The largest per-device batch of samples like ``batch``'s whose estimate
+    fits in ``device_bytes``; 0 when one sample does not fit."""
+
+    def fits(size: int) -> bool:
+        estimate = estimate_memory(model, resized_batch(batch, size), device=device,
+                                   checkpointing=checkpointing)
+        return estimate.total <= device_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2  # fits(low); the first doubling that does not fit bounds the search
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": GIB, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """``"32GiB"``, ``"16 GB"``, ``"80g"``, ``"1.5TiB"`` -> bytes; ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a memory size; write it like 32GiB, 16GB or 80G")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def peak_rss_growth(function: Callable[[], Any]) -> int:
+    """How far above its resident size at the call the process's peak resident
+    size went while ``function()`` ran, in bytes (Linux: /proc/self).
+
+    Measures CPU tensors the way the kernel sees them. Start the process with
+    ``MALLOC_MMAP_THRESHOLD_`` fixed (e.g. 65536): glibc then serves every
+    large tensor with its own mapping and unmaps it when freed, instead of
+    keeping freed memory resident under a threshold it raises as it goes.
+    """
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # resets VmHWM (the peak) to the current resident size
+    before = _proc_status("VmRSS")
+    function()
+    return _proc_status("VmHWM") - before
 
 
 def _available_ram() -> int | None:
@@ -160,7 +357,20 @@ def memory_report(estimate: MemoryEstimate, device_bytes: int | None, device_des
         return line, None
     biggest = max(estimate.parts, key=estimate.parts.__getitem__)
     warning = (f"estimated memory per device {_gib(estimate.total)} exceeds {_gib(device_bytes)} "
-               f"({device_desc}); the largest part is {biggest} ({_gib(estimate.parts[biggest])}): "
-               "lower engine.per_device_batch (and raise engine.grad_accum_steps to keep the global "
-               "batch), transform.image_size or model.preset")
+               f"({device_desc}); the largest part is {biggest.replace('_', ' ')} "
+               f"({_gib(estimate.parts[biggest])}): lower engine.per_device_batch (and raise "
+               "engine.grad_accum_steps to keep the global batch), turn on model.activation_checkpointing, "
+               "or lower transform.image_size or model.preset")
     return line, warning
+
+
+def batch_advice(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, device: str) -> str:
+    """The largest per-device batch that fits, as configured and, where the
+    model can checkpoint activations but does not, with checkpointing."""
+    fitting = largest_batch(model, batch, device_bytes, device=device)
+    line = f"fits      per-device batch up to {fitting}" if fitting else "fits      not even 1 sample per device"
+    configured = [m.checkpoint_activations for m in model.modules() if hasattr(m, "checkpoint_activations")]
+    if configured and not any(configured):
+        with_checkpointing = largest_batch(model, batch, device_bytes, device=device, checkpointing=True)
+        line += f"; {with_checkpointing} with model.activation_checkpointing = true"
+    return line + f" (estimated for {device}, {_gib(device_bytes)})"

@@ -47,5 +47,6 @@ def build(config: VJEPA3DConfig, ctx: Any):
         patch_size=patch_size,
         in_channels=ctx.in_channels,
         loss=config.loss,
+        activation_checkpointing=config.activation_checkpointing,
         **attrs.asdict(arch),
     )
