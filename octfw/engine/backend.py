@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -117,7 +118,16 @@ class Backend:
                 yield batch["tensors"]
 
         sharding = self.input_sharding()
-        for tensors in pl.MpDeviceLoader(tensors_only(), self.device, input_sharding=sharding):
+        # The loader would cut the graph (torch_xla.sync) before every batch it
+        # hands out unless told how many batches one execution takes; the
+        # engine cuts it itself at each update step's end (step_boundary). Left
+        # to cut, the loader split an update step into one graph per
+        # micro-step plus one for the step's first zeros, and under SPMD the
+        # gradients crossed devices once per micro-step instead of once per
+        # update (tests/test_xla_update_step.py).
+        never = sys.maxsize
+        for tensors in pl.MpDeviceLoader(tensors_only(), self.device, input_sharding=sharding,
+                                         batches_per_execution=never):
             yield {"tensors": tensors, **host_parts.popleft()}
 
     def step_boundary(self) -> None:
