@@ -69,23 +69,32 @@ def test_update_step_compiles_only_during_warm_up(run):
     assert steady and all(not step["compiled"] for step in steady), steady
 
 
-def test_every_gradient_is_all_reduced_once_per_backward_pass_in_fp32(run):
-    gradients = run["gradients"]
+def test_every_gradient_is_all_reduced_once_per_micro_step_in_fp32(run):
+    gradients, accum = run["gradients"], run["grad_accum_steps"]
     assert gradients["dtypes"] == ["torch.float32"]
     for graph in training_graphs(run):
-        # Each graph holds one micro-step's backward pass (the loader cuts the graph
-        # between micro-steps), so each trainable gradient is all-reduced exactly once.
-        assert graph["gradient_rounds"] == 1, graph["name"]
+        # One graph per update step holds every micro-step's backward pass, and each
+        # backward pass all-reduces every trainable gradient once: no more, none left out.
+        assert graph["gradient_rounds"] == accum, graph["name"]
         assert graph["missing"] == [], graph["name"]
-        assert graph["gradient_bytes"] == gradients["bytes"], graph["name"]
+        assert graph["gradient_bytes"] == accum * gradients["bytes"], graph["name"]
         # In fp32 under bf16 autocast: the gradient is reduced at the parameter's precision.
         assert graph["all_reduce_dtypes"] == ["f32"], graph["name"]
+
+
+@pytest.mark.xfail(strict=True, reason="XLA:CPU has no all-reduce reassociation pass either (absent from "
+                   "_XLAC.so): each micro-step's backward pass all-reduces its own gradients, so at accumulation 2 "
+                   "the gradient bytes cross devices twice per update. Whether the TPU compiler folds them into "
+                   "one all-reduce cannot be checked here.")
+def test_gradients_cross_devices_once_per_update_step(run):
+    for graph in training_graphs(run):
+        assert graph["gradient_rounds"] == 1, graph["name"]
 
 
 def test_collectives_besides_the_gradients_are_the_step_s_scalar_and_metric_sums(run):
     for graph in training_graphs(run):
         # Loss and counter sums, per-domain sums, the metrics over the global batch:
-        # a few hundred floats against tens of thousands of gradient floats.
+        # a few hundred floats against hundreds of thousands of gradient floats.
         assert graph["extra_bytes"] <= 0.01 * run["gradients"]["bytes"], graph["extra"]
         assert graph["collectives"]["all-reduce"]["bytes"] == graph["gradient_bytes"] + graph["extra_bytes"]
         # Nothing is scattered or exchanged: parameters stay replicated, batches stay split.
@@ -100,10 +109,9 @@ def test_gradient_all_reduces_are_combined_into_few_collectives(run):
         assert graph["collectives"]["all-reduce"]["count"] <= 8, graph["collectives"]
 
 
-@pytest.mark.xfail(strict=True, reason="the parallel device loader (batches_per_execution=1) syncs before "
-                   "every batch it hands out: the zeros of the step's loss sum become a graph of their own and "
-                   "each micro-step's forward/backward another, so gradients cross devices once per micro-step")
 def test_an_update_step_runs_one_graph(run):
+    # The engine cuts the graph once, at the update step's end; the parallel loader must
+    # not cut it before each micro-batch (it did: three graphs per update step).
     summary = summarize(run["hygiene"])
     steady = run["update_steps"][summary["warm_up_steps"]:-1]
     assert {step["executions"] for step in steady} == {1}

@@ -9,16 +9,21 @@ the compiled program; XLA's dump of the optimised module is the only place
 they can be counted. Ask for it with ``XLA_FLAGS`` set to :func:`dump_flags`
 and read the folder with :func:`compiled_modules`.
 
-Plain text parsing: this module imports neither torch nor torch_xla.
+Everything but :func:`record_update_steps` is plain text parsing, without
+torch or torch_xla; that one wraps the engine's update step and imports
+torch_xla, so call it only in a process of its own (torch_xla patches torch
+process-wide).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import re
+import time
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Iterator
 
 import attrs
 
@@ -35,6 +40,8 @@ __all__ = [
     "gradient_rounds",
     "match_gradients",
     "module_memory_bytes",
+    "module_report",
+    "record_update_steps",
     "trailing_square_buffers",
     "unoptimized",
 ]
@@ -213,3 +220,82 @@ def module_memory_bytes(module: Path) -> int | None:
         return None
     match = re.search(r"Total bytes used: ([0-9]+)", report.read_text())
     return int(match.group(1)) if match else None
+
+
+def module_report(module: Path, gradient_sizes: list[int], tokens: Iterable[int] = ()) -> dict[str, Any]:
+    """One compiled module as JSON-ready data: its collectives, the all-reduces
+    paired with the gradients (``gradient_sizes``: elements per trainable
+    parameter), XLA's per-device memory and, for each size in ``tokens``, the
+    attention buffers of ``size x size`` it materialises and the score
+    matmuls torch_xla emitted (global shapes, the dtypes the model asked for)."""
+    text = module.read_text()
+    ops = collectives(text)
+    all_reduces = [op for op in ops if op.opcode.startswith("all-reduce")]
+    rounds = gradient_rounds(all_reduces, gradient_sizes)
+    match = match_gradients(all_reduces, gradient_sizes, rounds=max(rounds, 1))
+    before = unoptimized(module)
+    before_text = before.read_text() if before.exists() and tokens else ""
+    return {
+        "name": module.name, "memory_bytes": module_memory_bytes(module),
+        "collectives": collective_totals(ops),
+        "all_reduce_dtypes": sorted({a.dtype for op in all_reduces for a in op.arrays}),
+        "gradient_rounds": rounds, "missing": match.missing, "gradient_bytes": match.gradient_bytes,
+        "extra": [{"dims": [list(a.dims) for a in op.arrays], "dtype": op.arrays[0].dtype, "op_type": op.op_type}
+                  for op in match.extra],
+        "extra_bytes": match.extra_bytes,
+        "all_gathers": [{"dims": list(op.arrays[0].dims), "bytes": op.nbytes, "op_type": op.op_type}
+                        for op in ops if op.opcode == "all-gather"],
+        "attention_buffers": [
+            {"tokens": size, "opcode": op.opcode, "dtype": op.arrays[0].dtype, "dims": list(op.arrays[0].dims),
+             "bytes": op.nbytes, "op_type": op.op_type}
+            for size in tokens for op in trailing_square_buffers(text, size)],
+        "attention_score_dots_before_optimization": [
+            {"tokens": size, "dtype": op.arrays[0].dtype, "dims": list(op.arrays[0].dims)}
+            for size in tokens for op in trailing_square_buffers(before_text, size) if op.opcode == "dot"],
+    }
+
+
+@contextlib.contextmanager
+def record_update_steps(dump: Path | str) -> Iterator[list[dict[str, Any]]]:
+    """While open, every ``Trainer.update`` call appends a row: the update
+    step, its wall time, the graphs it compiled (count, seconds from
+    torch_xla's ``CompileTime``, the module files XLA dumped into ``dump``)
+    and the graphs it executed. The first trainer is ``rows[0]["trainer"]``.
+
+    Each update waits for its graphs to finish (executions are counted when
+    they end), so the engine's host/device overlap is gone while recording:
+    times here are per step, not throughput."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    from octfw.engine.trainer import Trainer
+
+    def metric(name: str, field: int) -> int:
+        data = met.metric_data(name)
+        return data[field] if data else 0
+
+    def counters() -> tuple[int, int, int]:
+        executions = metric("ExecuteTime", 0) + metric("ExecuteReplicatedTime", 0)
+        return metric("CompileTime", 0), metric("CompileTime", 1), executions
+
+    rows: list[dict[str, Any]] = []
+    real_update = Trainer.update
+
+    def recorded_update(self, update_step):
+        known, (compiles, compile_ns, executions) = set(compiled_modules(dump)), counters()
+        started = time.perf_counter()
+        result = real_update(self, update_step)
+        xm.wait_device_ops()
+        wall = time.perf_counter() - started
+        after = counters()
+        rows.append({"step": update_step, "wall_s": wall, "compiles": after[0] - compiles,
+                     "compile_s": (after[1] - compile_ns) / 1e9, "executions": after[2] - executions,
+                     "compiled": [p.name for p in compiled_modules(dump) if p not in known],
+                     **({"trainer": self} if not rows else {})})
+        return result
+
+    Trainer.update = recorded_update
+    try:
+        yield rows
+    finally:
+        Trainer.update = real_update

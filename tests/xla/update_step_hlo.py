@@ -17,70 +17,19 @@ import json
 import sys
 from pathlib import Path
 
-import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
-
-from octfw.engine.trainer import Trainer
 from octfw.tools.xla_counters import counted_run
-from octfw.tools.xla_hlo import (collective_totals, collectives, compiled_modules, gradient_rounds, match_gradients,
-                                 trailing_square_buffers, unoptimized)
+from octfw.tools.xla_hlo import compiled_modules, module_report, record_update_steps
 
 recipe, steps, log_every, dump, tokens = (Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                           Path(sys.argv[4]), int(sys.argv[5]))
-overrides = tuple(sys.argv[6:])
 
-
-def executions() -> int:
-    """Graphs executed so far (SPMD programs count as ExecuteReplicated)."""
-    return sum((met.metric_data(name) or (0,))[0] for name in ("ExecuteTime", "ExecuteReplicatedTime"))
-
-
-records: list[dict] = []
-trainers: list[Trainer] = []
-real_update = Trainer.update
-
-
-def recorded_update(self, update_step):
-    if not trainers:
-        trainers.append(self)
-    known, ran = set(compiled_modules(dump)), executions()
-    result = real_update(self, update_step)
-    # Executions are counted when they finish; compilation already happened in the sync.
-    xm.wait_device_ops()
-    records.append({"step": update_step, "executions": executions() - ran,
-                    "compiled": [p.name for p in compiled_modules(dump) if p not in known]})
-    return result
-
-
-Trainer.update = recorded_update  # counted_run's own per-instance wrapper calls this one
-hygiene = counted_run(recipe, steps, log_every, overrides)
-
-trainer = trainers[0]
+with record_update_steps(dump) as records:  # counted_run's own per-instance wrapper calls this one
+    hygiene = counted_run(recipe, steps, log_every, tuple(sys.argv[6:]))
+trainer = records[0].pop("trainer")
 sizes = [p.numel() for p in trainer.parameters]
 compiled_in = {name: r["step"] for r in records for name in r["compiled"]}
-modules = []
-for path in compiled_modules(dump):
-    text = path.read_text()
-    ops = collectives(text)
-    all_reduces = [op for op in ops if op.opcode.startswith("all-reduce")]
-    rounds = gradient_rounds(all_reduces, sizes)
-    match = match_gradients(all_reduces, sizes, rounds=max(rounds, 1))
-    scores_before = [op for op in trailing_square_buffers(unoptimized(path).read_text(), tokens) if op.opcode == "dot"]
-    modules.append({
-        "name": path.name, "compiled_in_update_step": compiled_in.get(path.name),
-        "collectives": collective_totals(ops),
-        "all_reduce_dtypes": sorted({a.dtype for op in all_reduces for a in op.arrays}),
-        "gradient_rounds": rounds, "missing": match.missing, "gradient_bytes": match.gradient_bytes,
-        "extra": [{"dims": [list(a.dims) for a in op.arrays], "dtype": op.arrays[0].dtype, "op_type": op.op_type}
-                  for op in match.extra],
-        "extra_bytes": match.extra_bytes,
-        "all_gathers": [{"dims": list(op.arrays[0].dims), "op_type": op.op_type}
-                        for op in ops if op.opcode == "all-gather"],
-        "attention_buffers": [{"opcode": op.opcode, "dtype": op.arrays[0].dtype, "dims": list(op.arrays[0].dims),
-                               "op_type": op.op_type} for op in trailing_square_buffers(text, tokens)],
-        "attention_score_dots_before_optimization": [{"dtype": op.arrays[0].dtype, "dims": list(op.arrays[0].dims)}
-                                                     for op in scores_before],
-    })
+modules = [{**module_report(path, sizes, [tokens]), "compiled_in_update_step": compiled_in.get(path.name)}
+           for path in compiled_modules(dump)]
 
 backend = trainer.backend
 print(json.dumps({
