@@ -3,6 +3,7 @@ reuse, manifests, domains, listing over fsspec, pickling, registration."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -23,8 +24,13 @@ from octfw.data.dicom_io import read_oct_volume, write_oct_dicom
 from octfw.data.synthetic import (
     CORRUPTION_KINDS,
     PROFILES,
+    TASKS,
+    VendorProfile,
+    cohort_key,
+    cohort_options,
     corrupt_count,
     read_cohort,
+    synthetic_volume,
     write_synthetic_cohort,
 )
 from octfw.errors import CorruptFile, UserError
@@ -124,6 +130,100 @@ def test_labels_are_recorded_and_show_as_a_bright_lesion(tmp_path):
     assert [row["label"] for row in manifest] == cohort["labels"]
     dataset = DicomDataset.from_location(tmp_path / "manifest.jsonl")
     assert [dataset.load(i).provenance.label for i in range(len(files))] == cohort["labels"]
+
+
+# Speckle-free, noise-free and without offset: stored values are the signal
+# (reflectivity x 20000), so layer positions can be read off exactly.
+CLEAN = VendorProfile("test", "clean", (6, 128, 64), (0.3, 0.016, 0.094), gain=1.0, offset=0.0,
+                      looks=1e9, noise=0.0)
+
+
+def _healthy_and(finding, seed=3):
+    """The same retina (same draws up to the finding) without and with ``finding``."""
+    healthy = synthetic_volume(np.random.default_rng(seed), CLEAN.shape, CLEAN).astype(float) / 20000
+    ill = synthetic_volume(np.random.default_rng(seed), CLEAN.shape, CLEAN, finding=finding).astype(float) / 20000
+    return healthy, ill
+
+
+def _surface_rows(volume):
+    """[D, W] index of the first row brighter than the nerve fibre layer's half (the inner surface)."""
+    return np.argmax(volume > 0.4, axis=1)
+
+
+def _epithelium_rows(volume):
+    """[D, W] index of the last row brighter than the choroid ever is: the pigment epithelium's base."""
+    return volume.shape[1] - 1 - np.argmax(volume[:, ::-1] > 0.7, axis=1)
+
+
+def test_the_lesion_task_keeps_generator_version_2s_options_and_pixels():
+    # Cohorts written before tasks existed (the quickstart's, the evaluation's)
+    # must keep their cache folder and bytes: their options have no task key,
+    # and the volumes match what generator version 2 drew (sha256 taken then).
+    options = cohort_options(120, seed=1, with_labels=True)
+    assert "task" not in options and cohort_key(options) == "7c14e970e202"
+    assert cohort_options(120, seed=1, with_labels=True, task="lesion", finding_scale=1.0) == options
+    pinned = {(False, "heidelberg"): "d7b9b7103ba238ef", (False, "zeiss"): "c764e53fd6bc7288",
+              (True, "heidelberg"): "1f4947166cff03cb", (True, "zeiss"): "e6264d4017819bc0"}
+    for (lesion, vendor), digest in pinned.items():
+        volume = synthetic_volume(np.random.default_rng([7, 1]), (4, 24, 16), PROFILES[vendor], lesion=lesion)
+        assert hashlib.sha256(volume.tobytes()).hexdigest()[:16] == digest
+
+
+def test_each_task_and_scale_has_its_own_cache_key():
+    keys = {cohort_key(cohort_options(12, with_labels=True, task=task)) for task in TASKS}
+    keys.add(cohort_key(cohort_options(12, with_labels=True, task="fluid", finding_scale=1.2)))
+    keys.add(cohort_key(cohort_options(12, with_labels=True, finding_scale=0.8)))
+    assert len(keys) == len(TASKS) + 2
+
+
+def test_tasks_and_scales_need_labels_and_known_names():
+    with pytest.raises(ValueError, match="need with_labels"):
+        cohort_options(4, task="fluid")
+    with pytest.raises(ValueError, match="need with_labels"):
+        cohort_options(4, finding_scale=2.0)
+    with pytest.raises(ValueError, match="unknown synthetic task 'drusen'"):
+        cohort_options(4, with_labels=True, task="drusen")
+    with pytest.raises(ValueError, match="finding_scale must be > 0"):
+        cohort_options(4, with_labels=True, finding_scale=0.0)
+
+
+def test_fluid_is_a_dark_pocket_on_a_flat_pigment_epithelium_under_a_lifted_retina():
+    healthy, fluid = _healthy_and("fluid")
+    # The pigment epithelium stays where it was in every A-scan.
+    assert np.array_equal(_epithelium_rows(healthy), _epithelium_rows(fluid))
+    lifted = _surface_rows(healthy) - _surface_rows(fluid)
+    assert lifted.min() >= 0 and lifted.max() >= 0.15 * CLEAN.shape[1]  # about the dome's height
+    # Where the retina is lifted most, the A-scan above the epithelium holds a
+    # run of voxels that reflect nothing; the healthy retina has none there.
+    d, w = np.unravel_index(np.argmax(lifted), lifted.shape)
+    rpe = int(_epithelium_rows(fluid)[d, w])
+    for volume, expected in ((fluid, True), (healthy, False)):
+        column = volume[d, _surface_rows(volume)[d, w]:rpe, w]
+        dark = column < 0.02
+        longest = max((len(run) for run in "".join("1" if v else "0" for v in dark).split("0")), default=0)
+        assert (longest >= 0.1 * CLEAN.shape[1]) is expected
+
+
+def test_thinning_sinks_the_inner_surface_over_a_region_and_leaves_the_outer_layers():
+    healthy, thinned = _healthy_and("thinning")
+    assert np.array_equal(_epithelium_rows(healthy), _epithelium_rows(thinned))
+    sunk = _surface_rows(thinned) - _surface_rows(healthy)
+    # 70 % of the outer nuclear layer (9 % of H) at the centre: about 8 of 128 rows.
+    assert sunk.min() >= -1 and sunk.max() >= 6
+    # A region, not a line: a good part of the scan is thinner by 3 rows or more.
+    assert 0.05 < (sunk >= 3).mean() < 0.8
+
+
+def test_the_finding_task_labels_four_classes_each_with_its_own_finding(tmp_path):
+    files = _cohort(tmp_path, 16, with_labels=True, task="finding", seed=2)
+    cohort = read_cohort(tmp_path)
+    assert cohort["options"]["task"] == "finding" and set(cohort["labels"]) == {0, 1, 2, 3}
+    dataset = DicomDataset.from_location(tmp_path / "manifest.jsonl")
+    assert [dataset.load(i).provenance.label for i in range(len(files))] == cohort["labels"]
+    # The same seed with the binary fluid task draws other findings into other files.
+    fluid = _cohort(tmp_path / "fluid", 16, with_labels=True, task="fluid", seed=2)
+    assert set(read_cohort(tmp_path / "fluid")["labels"]) == {0, 1}
+    assert Path(fluid[0]).read_bytes() != Path(files[0]).read_bytes()
 
 
 def test_a_complete_cohort_is_reused_without_writing(tmp_path):
@@ -397,6 +497,10 @@ def test_dicom_component_builds_from_a_folder(tmp_path):
         ("synthetic-oct", {"domains": ()}, "at least one domain"),
         ("synthetic-oct", {"corrupt_fraction": 1.5}, r"must be in \[0.0, 1.0\]"),
         ("synthetic-oct", {"n_volumes": 0}, "must be > 0"),
+        ("synthetic-oct", {"labels": True, "task": "drusen"}, "must be one of lesion, fluid"),
+        ("synthetic-oct", {"task": "fluid"}, "only with labels = true"),
+        ("synthetic-oct", {"finding_scale": 2.0}, "only with labels = true"),
+        ("synthetic-oct", {"labels": True, "finding_scale": 0.0}, "must be > 0"),
         ("dicom", {"path": "x", "domain_from": "vendor"}, "must be one of"),
         ("dicom", {"path": "x", "extensions": ("dcm",)}, "start with '.'"),
     ],

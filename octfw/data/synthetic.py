@@ -15,6 +15,13 @@ Layout of a cohort folder::
 
 ``cohort.json`` is written last, so a folder without it (or with one for
 other options, or with a file missing or of the wrong size) is rewritten.
+
+Labelled cohorts carry one of three retinal findings (or none), as a
+classification task (see :data:`TASKS`): a bright lesion, sub-retinal fluid
+(a dark dome that lifts the retina off the pigment epithelium) or thinning
+of the outer nuclear layer over a region. Their sizes were fixed by
+measurement before any pretrained encoder was probed on them; see
+docs/evaluation.md and benchmarks/synthetic_tasks.py.
 """
 
 from __future__ import annotations
@@ -34,12 +41,16 @@ from octfw.storage.files import open_filesystem
 
 __all__ = [
     "GENERATOR_VERSION",
+    "FINDINGS_VERSION",
     "COHORT_FILE",
     "MANIFEST_FILE",
     "VendorProfile",
     "PROFILES",
     "DEFAULT_DOMAINS",
     "CORRUPTION_KINDS",
+    "TASKS",
+    "FINDINGS",
+    "task_labels",
     "corrupt_count",
     "cohort_options",
     "cohort_key",
@@ -50,6 +61,10 @@ __all__ = [
 
 #: Bumped whenever the generator's output changes, so cached cohorts are rewritten.
 GENERATOR_VERSION = 2  # 2: a larger, brighter lesion (visible after resizing to 16 x 64 x 64)
+#: Bumped whenever fluid, thinning or a finding_scale change; recorded in the
+#: options of every cohort but the default lesion one, whose options (and so
+#: cache folder and bytes) stay those of generator version 2.
+FINDINGS_VERSION = 1
 
 COHORT_FILE = "cohort.json"
 MANIFEST_FILE = "manifest.jsonl"
@@ -82,6 +97,19 @@ PROFILES: dict[str, VendorProfile] = {
 }
 DEFAULT_DOMAINS: tuple[str, ...] = ("heidelberg", "topcon", "zeiss")
 
+#: Labelled tasks: task -> the finding of each label (None: a healthy retina).
+#: "lesion", "fluid" and "thinning" are binary (label 1: the finding is there,
+#: in about half the volumes); "finding" is multi-class, one of the four in
+#: about a quarter of the volumes each.
+TASKS: dict[str, tuple[str | None, ...]] = {
+    "lesion": (None, "lesion"),
+    "fluid": (None, "fluid"),
+    "thinning": (None, "thinning"),
+    "finding": (None, "lesion", "fluid", "thinning"),
+}
+#: The findings a volume can carry.
+FINDINGS: tuple[str, ...] = ("lesion", "fluid", "thinning")
+
 #: Ways a synthetic file is broken, matching what the reader must catch.
 CORRUPTION_KINDS: tuple[str, ...] = ("truncated", "not-dicom", "no-pixel-data", "constant")
 
@@ -100,6 +128,15 @@ _LAYERS: tuple[tuple[str, float, float], ...] = (
 _INNER_LAYERS = 5  # the first five thin at the fovea; photoreceptors do not
 _FOVEAL_THINNING = 0.5  # inner layers lose half their thickness at the foveal centre
 _FULL_SCALE = 20000.0  # stored units of reflectivity 1.0 at gain 1
+
+# Finding geometry at finding_scale 1, in the generator's units: z and x run
+# over [-1, 1] across the scan (6 mm), y over [0, 1] down the B-scan (about
+# 2 mm). Sized by benchmarks/synthetic_tasks.py (docs/evaluation.md).
+_FLUID_RADII = (0.45, 0.3)  # (z, x) half-widths of the fluid dome's footprint
+_FLUID_HEIGHT = 0.21  # the dome's peak height, as a fraction of H (~0.4 mm)
+_THINNED_LAYER = 4  # the outer nuclear layer: photoreceptor nuclei, lost in atrophy
+_THINNING_RADII = (0.6, 0.42)  # (z, x) half-widths of the thinned region
+_THINNING_DEPTH = 0.7  # the share of the layer lost at the region's centre
 
 
 def corrupt_count(n_volumes: int, corrupt_fraction: float) -> int:
@@ -123,6 +160,14 @@ def _resolve_shapes(domains: Sequence[str], shapes: Mapping[str, Sequence[int]] 
     return resolved
 
 
+def task_labels(task: str) -> tuple[str | None, ...]:
+    """The finding of each label of ``task`` (index = label; None: no finding)."""
+    try:
+        return TASKS[task]
+    except KeyError:
+        raise ValueError(f"unknown synthetic task {task!r}; known: {sorted(TASKS)}") from None
+
+
 def cohort_options(
     n_volumes: int,
     domains: Sequence[str] = DEFAULT_DOMAINS,
@@ -131,8 +176,17 @@ def cohort_options(
     seed: int = 0,
     corrupt_fraction: float = 0.0,
     with_labels: bool = False,
+    task: str = "lesion",
+    finding_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """The options that determine a cohort's bytes, as plain JSON data."""
+    """The options that determine a cohort's bytes, as plain JSON data.
+
+    ``task``, ``finding_scale`` and :data:`FINDINGS_VERSION` appear only
+    when a task or scale differs from the defaults ("lesion", 1.0): the
+    cohorts written before they existed keep their options, so their cache
+    folders (named by :func:`cohort_key`) and bytes stay as they were, while
+    every other task or scale gets its own.
+    """
     if n_volumes < 1:
         raise ValueError(f"n_volumes must be >= 1, got {n_volumes}")
     if not domains or len(set(domains)) != len(domains):
@@ -141,7 +195,13 @@ def cohort_options(
         raise ValueError(f"corrupt_fraction must be in [0, 1], got {corrupt_fraction}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    return {
+    task_labels(task)
+    if not finding_scale > 0:
+        raise ValueError(f"finding_scale must be > 0, got {finding_scale}")
+    if (task != "lesion" or finding_scale != 1.0) and not with_labels:
+        # Findings are drawn only in labelled cohorts; refusing beats ignoring.
+        raise ValueError(f"task {task!r} and finding_scale {finding_scale} need with_labels")
+    options = {
         "version": GENERATOR_VERSION,
         "n_volumes": int(n_volumes),
         "domains": list(domains),
@@ -150,6 +210,11 @@ def cohort_options(
         "corrupt_fraction": float(corrupt_fraction),
         "with_labels": bool(with_labels),
     }
+    if task != "lesion" or finding_scale != 1.0:
+        options["task"] = task
+        options["finding_scale"] = float(finding_scale)
+        options["findings_version"] = FINDINGS_VERSION
+    return options
 
 
 def cohort_key(options: Mapping[str, Any]) -> str:
@@ -158,22 +223,61 @@ def cohort_key(options: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _footprint(rng: np.random.Generator, z: np.ndarray, x: np.ndarray, radii: tuple[float, float],
+               scale: float) -> np.ndarray:
+    """Squared normalised distance from a random centre, for an elliptic (z, x) region.
+
+    Centres stay away from the scan's edges so that most of the region is
+    inside the volume.
+    """
+    centre_z = rng.uniform(-0.5, 0.5)
+    centre_x = rng.uniform(-0.6, 0.6)
+    return ((z - centre_z) / (radii[0] * scale)) ** 2 + ((x - centre_x) / (radii[1] * scale)) ** 2
+
+
+def _layer_ripple(index: int, z: np.ndarray, x: np.ndarray, phases: np.ndarray, pit: np.ndarray) -> np.ndarray:
+    """How much layer ``index`` is thicker or thinner than its nominal thickness, per (z, x)."""
+    ripple = 1.0 + 0.12 * np.sin(2.0 * np.pi * 0.8 * x + phases[2] + index) * np.cos(np.pi * 0.5 * z + phases[3])
+    if index < _INNER_LAYERS:
+        ripple = ripple * (1.0 - _FOVEAL_THINNING * pit)
+    return ripple
+
+
 def synthetic_volume(
     rng: np.random.Generator,
     shape: Sequence[int],
     profile: VendorProfile,
     lesion: bool = False,
+    *,
+    finding: str | None = None,
+    finding_scale: float = 1.0,
 ) -> np.ndarray:
-    """One layered-retina volume, uint16 ``[D, H, W]``.
+    """One layered-retina volume, uint16 ``[D, H, W]``, with at most one finding.
 
-    With ``lesion``, a bright Gaussian ellipsoid (a hyper-reflective lesion,
-    1/e radii of about 1.2, 0.12 and 0.75 mm along D, H, W on a 6 mm scan)
-    sits inside the retina, for label-based evaluation. Its size and
-    brightness were chosen so that it survives resizing to the quickstart's
-    16 x 64 x 64 input (a linear probe on max-pooled voxels detects it)
-    while a randomly initialised encoder's mean-pooled features mostly miss
-    it; see docs/evaluation.md.
+    ``finding`` (``lesion=True`` is ``finding="lesion"``), as on clinical OCT:
+
+    - ``"lesion"``: a bright Gaussian ellipsoid (a hyper-reflective lesion,
+      1/e radii of about 1.2, 0.12 and 0.75 mm along D, H, W on a 6 mm scan)
+      inside the retina;
+    - ``"fluid"``: sub-retinal fluid, a dark (optically empty) dome between
+      the photoreceptors and the pigment epithelium that lifts the
+      neurosensory retina above it, the pigment epithelium staying flat;
+    - ``"thinning"``: the outer nuclear layer loses part of its thickness
+      over an elliptic region (as over photoreceptor atrophy); the inner
+      surface sinks by as much, the layers beneath stay where they were.
+
+    Their sizes were chosen so that a linear probe on the voxels at the
+    quickstart's 16 x 64 x 64 input sees them while a randomly initialised
+    encoder's mean-pooled features mostly do not (docs/evaluation.md).
+    ``finding_scale`` multiplies the finding's size: the lesion's radii,
+    the fluid's height (its footprint stays) and the thinned region's
+    footprint (the share of the layer lost stays). A volume without a finding draws the same numbers whatever the
+    task, and the lesion draws them in the order generator version 2 did.
     """
+    if lesion:
+        finding = "lesion"
+    if finding is not None and finding not in FINDINGS:
+        raise ValueError(f"unknown finding {finding!r}; known: {list(FINDINGS)}")
     depth, height, width = (int(n) for n in shape)
     z = np.linspace(-1.0, 1.0, depth)[:, None, None]
     y = np.linspace(0.0, 1.0, height)[None, :, None]
@@ -194,15 +298,36 @@ def synthetic_volume(
         + _FOVEAL_THINNING * inner_thickness * pit
     )
 
+    # Fluid: a dome of empty space on the pigment epithelium, rounded at its
+    # peak and tapering to the epithelium at its rim, as a serous detachment
+    # does; the retina over it is lifted.
+    dome = np.zeros_like(surface)
+    if finding == "fluid":
+        distance = _footprint(rng, z, x, _FLUID_RADII, 1.0)
+        dome = _FLUID_HEIGHT * finding_scale * np.clip(1.0 - distance, 0.0, None) ** 1.5
+        # A large dome under a high surface would lift the retina out of the
+        # scan; an operator centres the retina, so it stops short of the top.
+        dome = np.minimum(dome, np.clip(surface - 0.02, 0.0, None))
+        surface = surface - dome
+    # Thinning: the share of the layer lost, flat over most of the region and
+    # falling off smoothly at its edge, as the foveal pit does for the inner layers.
+    lost = np.zeros_like(surface)
+    if finding == "thinning":
+        distance = _footprint(rng, z, x, _THINNING_RADII, finding_scale)
+        lost = _THINNING_DEPTH * np.exp(-(distance**2))
+        # The inner surface sinks by exactly what the layer loses, ripple included.
+        layer_thickness = _LAYERS[_THINNED_LAYER][1] * _layer_ripple(_THINNED_LAYER, z, x, phases, pit)
+        surface = surface + lost * layer_thickness
+
     edge = 0.6 / height  # boundaries blur over about one voxel
     signal = np.zeros((depth, height, width), dtype=np.float64)
     top = surface
     for index, (_name, thickness, reflectivity) in enumerate(_LAYERS):
-        ripple = 1.0 + 0.12 * np.sin(2.0 * np.pi * 0.8 * x + phases[2] + index) * np.cos(
-            np.pi * 0.5 * z + phases[3]
-        )
-        if index < _INNER_LAYERS:
-            ripple = ripple * (1.0 - _FOVEAL_THINNING * pit)
+        ripple = _layer_ripple(index, z, x, phases, pit)
+        if index == _THINNED_LAYER and finding == "thinning":
+            ripple = ripple * (1.0 - lost)
+        if index == len(_LAYERS) - 1 and finding == "fluid":
+            top = top + dome  # the fluid pocket: nothing reflects between the photoreceptors and the RPE
         bottom = top + thickness * ripple
         inside = 1.0 / (1.0 + np.exp(-(y - top) / edge)) - 1.0 / (1.0 + np.exp(-(y - bottom) / edge))
         signal += reflectivity * inside
@@ -211,12 +336,14 @@ def synthetic_volume(
     below = np.clip(y - top, 0.0, None)
     signal += 0.45 * np.exp(-below / 0.09) * (y > top)
 
-    if lesion:
+    if finding == "lesion":
         centre_z = rng.uniform(-0.5, 0.5)
         centre_x = rng.uniform(-0.6, 0.6)
         centre_y = surface.mean() + rng.uniform(0.06, 0.18)
         blob = np.exp(
-            -((z - centre_z) / 0.4) ** 2 - ((y - centre_y) / 0.06) ** 2 - ((x - centre_x) / 0.25) ** 2
+            -((z - centre_z) / (0.4 * finding_scale)) ** 2
+            - ((y - centre_y) / (0.06 * finding_scale)) ** 2
+            - ((x - centre_x) / (0.25 * finding_scale)) ** 2
         )
         signal += 1.2 * blob
 
@@ -290,6 +417,8 @@ def write_synthetic_cohort(
     seed: int = 0,
     corrupt_fraction: float = 0.0,
     with_labels: bool = False,
+    task: str = "lesion",
+    finding_scale: float = 1.0,
 ) -> list[str]:
     """Write (or reuse) a synthetic cohort in ``folder``; return its file paths.
 
@@ -298,12 +427,20 @@ def write_synthetic_cohort(
     byte-identical files. ``shapes`` overrides a domain's ``[D, H, W]``.
     ``corrupt_fraction`` of the files (rounded half up) are broken in turn
     as truncated, not DICOM, without pixel data, and constant. With
-    ``with_labels``, each volume has a bright lesion (label 1) or not (0),
-    recorded in the manifest. ``folder`` may be a local path or fsspec URL.
+    ``with_labels``, each volume gets a label of ``task`` (:data:`TASKS`)
+    and the finding that label names, recorded in the manifest; the default
+    task, "lesion", is a bright lesion (label 1) or none (0).
+    ``finding_scale`` multiplies the findings' size. ``folder`` may be a
+    local path or fsspec URL.
     """
     folder = os.fspath(folder).rstrip("/")
     options = cohort_options(n_volumes, domains, shapes=shapes, seed=seed,
-                             corrupt_fraction=corrupt_fraction, with_labels=with_labels)
+                             corrupt_fraction=corrupt_fraction, with_labels=with_labels,
+                             task=task, finding_scale=finding_scale)
+    findings = task_labels(task)
+    # Other tasks' files must not share the lesion cohorts' UIDs; the lesion
+    # task's entropy is left as it was, so its files keep their bytes.
+    task_entropy = [task, repr(finding_scale), str(FINDINGS_VERSION)] if "task" in options else []
     previous = read_cohort(folder)
     if _is_complete(folder, previous, options):
         return [_join(folder, item["path"]) for item in previous["files"]]
@@ -322,14 +459,20 @@ def write_synthetic_cohort(
         domain = domains[index % len(domains)]
         profile = PROFILES[domain]
         rng = np.random.default_rng([seed, index])
-        label = int(rng.random() < 0.5) if with_labels else None
-        volume = synthetic_volume(rng, options["shapes"][domain], profile, lesion=bool(label))
+        label = None
+        if with_labels:
+            # A binary task draws as generator version 2 did (label 1 below 0.5).
+            draw = rng.random()
+            label = int(draw < 0.5) if len(findings) == 2 else int(draw * len(findings))
+        volume = synthetic_volume(rng, options["shapes"][domain], profile,
+                                  finding=None if label is None else findings[label],
+                                  finding_scale=finding_scale)
         name = f"{domain}/{index:05d}.dcm"
 
         def encode(array: np.ndarray, _name: str = name) -> bytes:
             # UIDs derive from the seed and file name: rewriting gives the same bytes.
             return encode_oct_dicom(array, profile.spacing, profile.manufacturer, profile.model_name,
-                                    uid_entropy=[str(seed), _name, str(GENERATOR_VERSION)])
+                                    uid_entropy=[str(seed), _name, str(GENERATOR_VERSION), *task_entropy])
 
         data = encode(volume)
         kind = corruption.get(index)

@@ -25,6 +25,21 @@ def _domains(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) 
         raise ValueError(f"unknown domains {unknown!r}; known: {sorted(PROFILES)!r}")
 
 
+def _task(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    from octfw.data.synthetic import TASKS
+
+    if value not in TASKS:
+        raise ValueError(f"must be one of {', '.join(TASKS)}, got {value!r}")
+    if value != "lesion" and not instance.labels:
+        raise ValueError(f"task {value!r} draws findings only with labels = true")
+
+
+def _finding_scale(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    positive(instance, attribute, value)
+    if value != 1.0 and not instance.labels:
+        raise ValueError("scales findings, which are drawn only with labels = true")
+
+
 @attrs.frozen
 class SyntheticOctConfig:
     n_volumes: int = doc("Number of volumes in the cohort.", default=32, validator=positive)
@@ -46,8 +61,21 @@ class SyntheticOctConfig:
         validator=in_range(0.0, 1.0),
     )
     labels: bool = doc(
-        "Give each volume a lesion (label 1) or none (label 0), recorded in the manifest.",
+        "Give each volume a label of `task` and the finding it names, recorded in the manifest.",
         default=False,
+    )
+    task: str = doc(
+        "With labels: lesion (a bright lesion, 1, or none, 0), fluid (sub-retinal fluid, "
+        "1, or none), thinning (outer nuclear layer thinned over a region, 1, or none), "
+        "or finding (multi-class: 0 none, 1 lesion, 2 fluid, 3 thinning). "
+        "Sizes and how they were chosen: docs/evaluation.md.",
+        default="lesion",
+        validator=_task,
+    )
+    finding_scale: float = doc(
+        "With labels: multiplies the finding's size (1.0: as sized in docs/evaluation.md).",
+        default=1.0,
+        validator=_finding_scale,
     )
     folder: Location | None = doc(
         "Where the cohort is written; unset: <cache_dir>/synthetic-oct/<options key>.",

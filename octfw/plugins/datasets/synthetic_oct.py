@@ -26,6 +26,8 @@ def build(config: SyntheticOctConfig, ctx: Any):
         seed=seed,
         corrupt_fraction=config.corrupt_fraction,
         with_labels=config.labels,
+        task=config.task,
+        finding_scale=config.finding_scale,
     )
     if config.folder is not None:
         folder = str(config.folder)
