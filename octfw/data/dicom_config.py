@@ -25,7 +25,8 @@ def _extensions(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...
 class DicomConfig:
     path: Location = doc(
         "Folder (searched recursively), glob, or manifest .csv/.jsonl with columns "
-        "path and optional domain, split, label; local path or URL (gs://...)."
+        "path and optional domain, split, label, patient (evaluation splits keep a patient's volumes "
+        "on one side); local path or URL (gs://...)."
     )
     split: str | None = doc(
         "Keep only manifest rows of this split (needs a manifest); unset: all rows.",

@@ -56,6 +56,7 @@ class DicomEntry:
     domain: str | None = None  #: known from the manifest or folder; None: read the header
     label: int | None = None
     files: tuple[str, ...] = ()  #: a series' files (unordered); () for a single file
+    patient: str | None = None  #: the manifest's patient key; never read from a DICOM header
 
     @property
     def first_file(self) -> str:
@@ -220,9 +221,9 @@ class DicomDataset:
                     files = tuple(list_dicom_files(row.path, extensions))
                     if not files:
                         raise UserError(f"{path}: series folder {row.path} holds no DICOM files")
-                    volumes.append((row.path.rstrip("/"), files, row.domain, row.label, None))
+                    volumes.append((row.path.rstrip("/"), files, row.domain, row.label, None, row.patient))
                 else:
-                    volumes.append((row.path, (), row.domain, row.label, None))
+                    volumes.append((row.path, (), row.domain, row.label, None, row.patient))
         else:
             urls = list_dicom_files(path, extensions)
             if not urls:
@@ -230,13 +231,13 @@ class DicomDataset:
                     f"no DICOM files in {path} (extensions {list(extensions)}; '' = none)"
                 )
             if series:
-                volumes = [(source, files, None, None, header_domain)
+                volumes = [(source, files, None, None, header_domain, None)
                            for source, files, header_domain in group_series(urls)]
             else:
-                volumes = [(url, (), None, None, None) for url in urls]
+                volumes = [(url, (), None, None, None, None) for url in urls]
 
         entries, header_domains = [], {}
-        for source, files, manifest_domain, label, header_domain in volumes:
+        for source, files, manifest_domain, label, header_domain, patient in volumes:
             if domain_from == "manifest":
                 domain = manifest_domain
             elif domain_from == "folder":
@@ -245,7 +246,7 @@ class DicomDataset:
                 domain = None
                 if header_domain is not None:
                     header_domains[len(entries)] = header_domain
-            entries.append(DicomEntry(url=source, domain=domain, label=label, files=files))
+            entries.append(DicomEntry(url=source, domain=domain, label=label, files=files, patient=patient))
         dataset = cls(entries, location=path)
         dataset._header_domains.update(header_domains)
         return dataset
@@ -269,6 +270,10 @@ class DicomDataset:
 
     def label(self, index: int) -> int | None:
         return self.entries[index].label
+
+    def patient(self, index: int) -> str | None:
+        """The manifest's patient key of ``index`` (None: not given); evaluation splits group by it."""
+        return self.entries[index].patient
 
     def load(self, index: int) -> Sample:
         """Decode volume ``index``; raises CorruptFile for an unusable file."""

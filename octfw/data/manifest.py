@@ -1,8 +1,11 @@
 """Dataset manifests: a CSV or JSON-lines file listing volumes.
 
-Columns (CSV header or JSON keys): ``path`` (required), ``domain``, ``split``
-and ``label`` (all optional; empty or null means unknown). Other columns are
-ignored, so a manifest may carry bookkeeping of its own. A relative ``path``
+Columns (CSV header or JSON keys): ``path`` (required), ``domain``, ``split``,
+``label`` and ``patient`` (all optional; empty or null means unknown). Other
+columns are ignored, so a manifest may carry bookkeeping of its own.
+``patient`` is any key shared by the volumes of one patient (use a
+pseudonym): evaluation splits keep a patient's volumes on one side. It is
+only compared, never written to a run's outputs. A relative ``path``
 is relative to the manifest's folder, on the same filesystem (a manifest in
 ``gs://bucket/cohort/`` can list ``scans/a.dcm``).
 """
@@ -33,6 +36,7 @@ class ManifestRow:
     domain: str | None = None
     split: str | None = None
     label: int | None = None
+    patient: str | None = None  #: groups volumes of one patient; compared only, never written out
 
 
 def is_manifest(location: str) -> bool:
@@ -80,6 +84,7 @@ def _row(manifest: str, line: int, record: dict[str, Any]) -> ManifestRow:
         domain=_text(record.get("domain")),
         split=_text(record.get("split")),
         label=_label(manifest, line, record.get("label")),
+        patient=_text(record.get("patient")),
     )
 
 
@@ -140,8 +145,9 @@ def write_manifest(url: str, rows: Iterable[ManifestRow], relative: bool = True)
         path = row.path
         if relative and path.startswith(folder):
             path = path[len(folder):]
-        lines.append(json.dumps(
-            {"path": path, "domain": row.domain, "split": row.split, "label": row.label}
-        ))
+        record: dict[str, Any] = {"path": path, "domain": row.domain, "split": row.split, "label": row.label}
+        if row.patient is not None:  # left out otherwise: manifests without patients stay byte-identical
+            record["patient"] = row.patient
+        lines.append(json.dumps(record))
     write_bytes(url, ("\n".join(lines) + "\n").encode("utf-8"))
 
