@@ -193,11 +193,19 @@ def test_guard_is_registered_and_its_module_imports_without_torch(registry):
 # --- in a run -------------------------------------------------------------------
 
 
-def run_tiny(write_recipe, tmp_path, guard: str) -> tuple[int, dict]:
+def run_tiny(write_recipe, tmp_path, guard: str, sets: tuple[str, ...] = ()) -> tuple[int, dict]:
     path = write_recipe(TINY_RECIPE + '\n[[guard]]\nname = "nan-skip"\n\n[[guard]]\nname = "collapse"\n' + guard)
-    code = main(["run", str(path), "--set", f"run.output_dir={tmp_path / 'runs'}"])
+    overrides = [arg for value in sets for arg in ("--set", value)]
+    code = main(["run", str(path), "--set", f"run.output_dir={tmp_path / 'runs'}", *overrides])
     run_dir = next((tmp_path / "runs" / "recipe").iterdir())
     return code, json.loads((run_dir / "summary.json").read_text())
+
+
+def logged(tmp_path, key: str) -> list[float]:
+    """``key`` at every log step of the run in ``tmp_path``, from its metrics.jsonl."""
+    run_dir = next((tmp_path / "runs" / "recipe").iterdir())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row[key] for row in rows if key in row]
 
 
 def test_tiny_run_with_the_guard_warning_completes(write_recipe, tmp_path, capsys):
@@ -213,3 +221,44 @@ def test_tiny_run_with_the_guard_stopping_ends_cleanly(write_recipe, tmp_path):
     code, summary = run_tiny(write_recipe, tmp_path, 'min_effective_rank = 1000.0\npatience = 1\naction = "stop"\n')
     assert code == 1
     assert summary["update_steps"] == 1 and "metric/effective_rank" in summary["stopped"]
+
+
+# --- a collapse induced in a real run ------------------------------------------
+#
+# The tiny recipe with 32 patch tokens per volume (8 x 64 x 64 in 4 x 16 x 16
+# patches, so a healthy encoder's effective rank, about 4, is well clear of a
+# collapsed one's 1) and a high learning rate. With the EMA's lag (0.996 -> 1)
+# the target encoder barely moves and gives the predictor a fixed target;
+# with momentum 0 the target encoder is the context encoder itself after every
+# update, the target moves with the network that predicts it, and the pair
+# falls into the trivial solution, every token the same vector, within a few
+# updates. Nothing is mocked: the real model, engine, metrics and guard.
+FAST_LR = ("transform.image_size=[8, 64, 64]", "engine.base_lr=1e-2", "run.max_steps=20")
+NO_EMA_LAG = ("scheduler.ema_start=0.0", "scheduler.ema_end=0.0")
+
+
+def test_a_run_without_ema_lag_collapses_and_the_guard_says_so(write_recipe, tmp_path, capsys):
+    code, summary = run_tiny(write_recipe, tmp_path, 'action = "warn"\n', FAST_LR + NO_EMA_LAG)
+    assert code == 0 and summary["update_steps"] == 20  # warn: the run goes on
+    ranks, stds = logged(tmp_path, "metric/effective_rank"), logged(tmp_path, "metric/target_std")
+    assert ranks[0] > 3.5 and max(ranks[-10:]) < 1.5  # many directions, then one
+    assert max(stds[-10:]) < 0.5 * stds[0]  # the normalised target features bunch together
+    err = capsys.readouterr().err
+    assert "collapse: metric/effective_rank" in err and "min_effective_rank = 2" in err
+    assert "the effective_rank of the target features is collapsing" in err
+
+
+def test_a_collapse_stops_a_run_that_asks_to_stop(write_recipe, tmp_path):
+    code, summary = run_tiny(write_recipe, tmp_path, 'action = "stop"\n', FAST_LR + NO_EMA_LAG)
+    assert code == 1 and summary["update_steps"] < 20
+    assert "metric/effective_rank" in summary["stopped"]
+    assert logged(tmp_path, "metric/effective_rank")[-1] < 2.0
+
+
+def test_the_same_run_with_the_ema_lag_stays_healthy_and_the_guard_quiet(write_recipe, tmp_path, capsys):
+    # The control: only the EMA differs from the collapsing run.
+    code, summary = run_tiny(write_recipe, tmp_path, 'action = "stop"\n', FAST_LR)
+    assert code == 0 and summary["update_steps"] == 20 and summary["stopped"] is None
+    assert min(logged(tmp_path, "metric/effective_rank")) > 3.0
+    assert min(logged(tmp_path, "metric/target_std")) > 0.015
+    assert "collapse:" not in capsys.readouterr().err
