@@ -1,19 +1,28 @@
-"""Frozen-encoder evaluation: labelled volumes -> pooled features -> probe or kNN.
+"""Frozen-encoder evaluation: labelled volumes -> features or tokens -> probe or kNN -> metrics.
 
 Modules:
 
 - :mod:`octfw.evaluation.config`: the options every feature evaluator shares
   and the nested component tables (``dataset = { name = ... }``); light.
 - :mod:`octfw.evaluation.features`: labelled volumes prepared as in training,
-  a stratified train/test split, batched feature extraction.
+  a stratified train/test split (whole patients when the dataset knows
+  them), batched extraction of mean-pooled features or pooled patch tokens.
 - :mod:`octfw.evaluation.probe`: multinomial logistic regression (LBFGS, L2).
 - :mod:`octfw.evaluation.knn`: k-nearest neighbours with cosine similarity.
-- :mod:`octfw.evaluation.metrics`: accuracy, balanced accuracy, AUROC, per domain.
-- :mod:`octfw.evaluation.evaluator`: the evaluators the ``linear-probe`` and
-  ``knn`` components build.
+- :mod:`octfw.evaluation.attentive`: attentive probes, a learning rate x
+  weight decay grid trained in one pass, and the choice on validation.
+- :mod:`octfw.evaluation.metrics`: accuracy, balanced accuracy, AUROC, AUPRC,
+  bootstrap intervals, per domain.
+- :mod:`octfw.evaluation.shots`: label efficiency (k labelled volumes per class).
+- :mod:`octfw.evaluation.curves`: PNGs of label efficiency and of a metric
+  over checkpoints.
+- :mod:`octfw.evaluation.evaluator`: the evaluators the ``linear-probe``,
+  ``knn`` and ``attentive-probe`` components build.
 - :mod:`octfw.tools.evaluate`: ``octfw eval``: a checkpoint against a
-  randomly initialised encoder of the same architecture.
+  randomly initialised encoder of the same architecture (``--shots`` and
+  ``--checkpoints`` in the two modules beside it).
 
 Only ``config`` may be imported where torch must not be (plugin modules,
-recipe validation); the others import torch.
+recipe validation); the others import torch or numpy at import (``curves``
+imports matplotlib only when drawing).
 """

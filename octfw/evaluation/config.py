@@ -24,7 +24,7 @@ __all__ = ["FeatureEvaluatorConfig"]
 
 @attrs.frozen
 class FeatureEvaluatorConfig:
-    """Options every frozen-feature evaluator (``linear-probe``, ``knn``) takes."""
+    """Options every frozen-feature evaluator (``linear-probe``, ``knn``, ``attentive-probe``) takes."""
 
     dataset: dict[str, Any] = component_table(
         "dataset",
@@ -39,7 +39,8 @@ class FeatureEvaluatorConfig:
     )
     train_fraction: float = doc(
         "share of `dataset` the classifier is fitted on when test_dataset is unset; "
-        "the split is stratified by domain and label",
+        "the split is stratified by domain and label, and keeps each patient's volumes on one side "
+        "when the manifest has a patient column",
         default=0.5, validator=in_range(0.0, 1.0, low_open=True, high_open=True),
     )
     split_seed: int = doc(
@@ -54,6 +55,11 @@ class FeatureEvaluatorConfig:
     batch_size: int = doc(
         "volumes per forward pass of the encoder during feature extraction",
         default=4, validator=positive,
+    )
+    bootstrap: int = doc(
+        "bootstrap resamples of the test split (whole patients when the manifest has a patient "
+        "column) for the 95 % intervals of AUROC and AUPRC; 0: no intervals",
+        default=1000, validator=non_negative,
     )
     keep_volumes: bool = doc(
         "keep the prepared volumes in host memory between evaluations (decoded once); "

@@ -1,12 +1,17 @@
-"""The ``linear-probe`` and ``knn`` evaluators.
+"""The ``linear-probe``, ``knn`` and ``attentive-probe`` evaluators.
 
-Both build their labelled dataset(s) and the *training* transform (from the
+Each builds its labelled dataset(s) and the *training* transform (from the
 run's recipe in ``ctx.recipe``) through the registry, so features come from
 volumes prepared exactly as the encoder saw them in training. Volumes are
 decoded, checked for labels and split once, at the first evaluation; labels
 are checked already at build time when the dataset can tell them without
 decoding (``dicom`` and ``synthetic-oct`` can), so a recipe without labels
 fails before training starts rather than after it.
+
+An evaluation is two steps: :meth:`FeatureEvaluator.encode` runs the frozen
+encoder over both splits once, :meth:`FeatureEvaluator.score` fits the
+classifier on (a subset of) the train split and measures it on the test
+split. ``octfw eval --shots`` scores one encoding many times.
 
 Called by the engine under ``torch.no_grad`` with the RNG state forked; on
 its own this code uses no global random generator either.
@@ -17,18 +22,26 @@ from __future__ import annotations
 import abc
 from typing import Any, Mapping
 
+import attrs
 import numpy as np
 import torch
 
 from octfw.errors import UserError
 from octfw.evaluation.config import FeatureEvaluatorConfig
-from octfw.evaluation.features import LabelledVolumes, extract_features, load_labelled, stratified_split
+from octfw.evaluation.features import (
+    LabelledVolumes,
+    extract_features,
+    extract_tokens,
+    load_labelled,
+    stratified_split,
+)
 from octfw.evaluation.knn import knn_probabilities
 from octfw.evaluation.metrics import classification_metrics
 from octfw.evaluation.probe import fit_linear_probe
 from octfw.types import BuildContext
 
-__all__ = ["FeatureEvaluator", "LinearProbeEvaluator", "KNNEvaluator", "build_from_table"]
+__all__ = ["Encoded", "FeatureEvaluator", "PooledFeatureEvaluator", "LinearProbeEvaluator", "KNNEvaluator",
+           "AttentiveProbeEvaluator", "build_from_table"]
 
 
 def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str) -> Any:
@@ -61,21 +74,55 @@ def _check_labels_early(dataset: Any, where: str) -> None:
         raise UserError(f"{where}: every volume has label {labels[0]}; a classifier needs two classes or more")
 
 
-class FeatureEvaluator(abc.ABC):
-    """Labelled volumes -> frozen, mean-pooled features -> a classifier -> metrics.
+def _check_patients_disjoint(train: Any, test: Any, where: str) -> None:
+    """Refuse a test dataset that shares a patient with the train dataset (before decoding).
 
-    Subclasses implement :meth:`classify`. ``evaluate`` returns ``accuracy``,
-    ``balanced_accuracy`` and, for labels 0/1, ``auroc``, each also per domain
-    (``accuracy/<domain>``), measured on the test split.
+    The message names files, never the patient key: it may be an identifier.
+    """
+    if not (hasattr(train, "patient") and hasattr(test, "patient")):
+        return
+    train_files: dict[str, int] = {}
+    for index in range(len(train)):
+        patient = train.patient(index)
+        if patient is not None:
+            train_files.setdefault(patient, index)
+    shared = [(train_files[p], index) for index in range(len(test))
+              if (p := test.patient(index)) is not None and p in train_files]
+    if shared:
+        first_train, first_test = shared[0]
+        name = (lambda ds, i: ds.url(i) if hasattr(ds, "url") else f"volume {i}")
+        raise UserError(
+            f"{where}: {len(shared)} test volumes belong to patients of the train dataset (first: "
+            f"{name(test, first_test)} and {name(train, first_train)}); keep each patient on one side"
+        )
+
+
+@attrs.frozen(eq=False)
+class Encoded:
+    """Frozen-encoder features of both splits, on the device the classifier is fitted on."""
+
+    train: torch.Tensor  #: [N_train, E] pooled features, or [N_train, T, E] tokens
+    test: torch.Tensor
+
+
+class FeatureEvaluator(abc.ABC):
+    """Labelled volumes -> frozen encoder features -> a classifier -> metrics.
+
+    Subclasses implement :meth:`encode` and :meth:`fit_and_predict`.
+    ``evaluate`` returns ``accuracy``, ``balanced_accuracy``, ``auroc`` and
+    ``auprc`` (with bootstrap 95 % intervals ``auroc_ci_low`` /
+    ``auroc_ci_high``, ...), each also per domain (``accuracy/<domain>``),
+    measured on the test split.
     """
 
     component = "feature evaluator"
 
     def __init__(self, config: FeatureEvaluatorConfig, train_dataset: Any, test_dataset: Any | None,
-                 transform: Any):
+                 transform: Any, grid: tuple[int, int, int] | None = None):
         self.config = config
         self.every_steps: int | None = config.every_steps
         self.train_dataset, self.test_dataset, self.transform = train_dataset, test_dataset, transform
+        self.grid = grid  #: the encoder's patch grid (D, H, W), when the run knows it
         self._split: tuple[LabelledVolumes, LabelledVolumes] | None = None
 
     @classmethod
@@ -91,7 +138,11 @@ class FeatureEvaluator(abc.ABC):
         if config.test_dataset is not None:
             test = build_from_table("dataset", config.test_dataset, ctx, f"{where}: test_dataset")
             _check_labels_early(test, f"{where}: test_dataset")
-        return cls(config, train, test, transform)
+            _check_patients_disjoint(train, test, where)
+        grid = None
+        if ctx.image_size is not None and ctx.patch_size is not None:
+            grid = tuple(int(i) // int(p) for i, p in zip(ctx.image_size, ctx.patch_size))
+        return cls(config, train, test, transform, grid)
 
     # --- data ----------------------------------------------------------------
 
@@ -103,8 +154,8 @@ class FeatureEvaluator(abc.ABC):
         keep = self.config.keep_volumes
         volumes = load_labelled(self.train_dataset, self.transform, keep=keep, where=f"{where}: dataset")
         if self.test_dataset is None:
-            train_pos, test_pos = stratified_split(volumes.labels, volumes.domains,
-                                                   self.config.train_fraction, self.config.split_seed)
+            train_pos, test_pos = stratified_split(volumes.labels, volumes.domains, self.config.train_fraction,
+                                                   self.config.split_seed, groups=volumes.groups)
             train, test = volumes.subset(train_pos), volumes.subset(test_pos)
         else:
             train = volumes
@@ -117,30 +168,69 @@ class FeatureEvaluator(abc.ABC):
         self._split = (train, test)
         return self._split
 
+    def fit_positions(self) -> np.ndarray:
+        """Positions in the train split a classifier may be fitted on (all of them here)."""
+        return np.arange(len(self.split()[0]))
+
     # --- evaluation --------------------------------------------------------
+
+    @abc.abstractmethod
+    def encode(self, model: Any, device: Any) -> Encoded:
+        """Frozen features of both splits, on the device the classifier is fitted on."""
+
+    @abc.abstractmethod
+    def fit_and_predict(self, encoded: Encoded, positions: np.ndarray,
+                        classes: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
+        """Fit on the train volumes at ``positions``; ``([N_test, len(classes)]`` test
+        probabilities, extra host floats to report)."""
+
+    def score(self, encoded: Encoded, positions: np.ndarray | None = None) -> dict[str, float]:
+        """Fit on the train volumes at ``positions`` (default :meth:`fit_positions`), measure on test."""
+        train, test = self.split()
+        positions = self.fit_positions() if positions is None else np.asarray(positions, dtype=np.int64)
+        classes = np.unique(train.labels)  # all of them, even when a subset lacks one: columns stay fixed
+        probabilities, extra = self.fit_and_predict(encoded, positions, classes)
+        metrics = classification_metrics(test.labels, probabilities.cpu().numpy(), classes, test.domains,
+                                         groups=test.groups, bootstrap=self.config.bootstrap,
+                                         seed=self.config.split_seed)
+        return {**metrics, **extra}
+
+    def evaluate(self, model: Any, device: Any, update_step: int) -> dict[str, float]:
+        return self.score(self.encode(model, device))
+
+    def _train_part(self, encoded: Encoded, positions: np.ndarray,
+                    classes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, class indices) of the train volumes at ``positions``, on the features' device."""
+        train = self.split()[0]
+        device = encoded.train.device
+        targets = torch.from_numpy(np.searchsorted(classes, train.labels[positions])).to(device)
+        return encoded.train[torch.from_numpy(positions).to(device)], targets
+
+
+class PooledFeatureEvaluator(FeatureEvaluator):
+    """A classifier on mean-pooled features ``[N, E]``; subclasses implement :meth:`classify`."""
 
     @abc.abstractmethod
     def classify(self, train_features: torch.Tensor, train_targets: torch.Tensor,
                  test_features: torch.Tensor, n_classes: int) -> torch.Tensor:
         """``[M, n_classes]`` class probabilities of the test features."""
 
-    def evaluate(self, model: Any, device: Any, update_step: int) -> dict[str, float]:
+    def encode(self, model: Any, device: Any) -> Encoded:
         train, test = self.split()
-        batch_size = self.config.batch_size
-        train_features = extract_features(model, train, device, batch_size)
-        test_features = extract_features(model, test, device, batch_size)
+        train_features = extract_features(model, train, device, self.config.batch_size)
+        test_features = extract_features(model, test, device, self.config.batch_size)
         # The classifier is a small [N, E] problem with a data-dependent loop
         # (line search); on XLA each iteration would cut a graph, so it runs
         # on the host there. On cpu and cuda it runs where the features are.
         fit_device = torch.device("cpu") if torch.device(device).type == "xla" else train_features.device
-        classes = np.unique(train.labels)
-        targets = torch.from_numpy(np.searchsorted(classes, train.labels)).to(fit_device)
-        probabilities = self.classify(train_features.to(fit_device), targets, test_features.to(fit_device),
-                                      len(classes))
-        return classification_metrics(test.labels, probabilities.cpu().numpy(), classes, test.domains)
+        return Encoded(train_features.to(fit_device), test_features.to(fit_device))
+
+    def fit_and_predict(self, encoded, positions, classes):
+        features, targets = self._train_part(encoded, positions, classes)
+        return self.classify(features, targets, encoded.test, len(classes)), {}
 
 
-class LinearProbeEvaluator(FeatureEvaluator):
+class LinearProbeEvaluator(PooledFeatureEvaluator):
     component = "linear-probe"
 
     def classify(self, train_features, train_targets, test_features, n_classes):
@@ -149,10 +239,72 @@ class LinearProbeEvaluator(FeatureEvaluator):
         return probe.probabilities(test_features)
 
 
-class KNNEvaluator(FeatureEvaluator):
+class KNNEvaluator(PooledFeatureEvaluator):
     component = "knn"
 
     def classify(self, train_features, train_targets, test_features, n_classes):
         return knn_probabilities(train_features, train_targets, test_features, n_classes,
                                  k=self.config.k, weighting=self.config.weighting,
                                  temperature=self.config.temperature)
+
+
+class AttentiveProbeEvaluator(FeatureEvaluator):
+    """Attentive probes on cached patch tokens; the grid member is chosen on a validation split.
+
+    The validation split is carved out of the train split (``val_fraction``
+    of each domain and label, whole patients when the dataset knows them);
+    the members are fitted on the rest, the one with the best validation
+    balanced accuracy is measured on the test split, and only that one: the
+    test split never picks a member. Besides the test metrics it reports the
+    chosen ``selected_lr``, ``selected_weight_decay`` and its
+    ``val_balanced_accuracy``.
+    """
+
+    component = "attentive-probe"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._fit_val: tuple[np.ndarray, np.ndarray] | None = None
+
+    def fit_val_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """(fit positions, validation positions) in the train split; drawn once, seeded."""
+        if self._fit_val is None:
+            train = self.split()[0]
+            fit, val = stratified_split(train.labels, train.domains, 1.0 - self.config.val_fraction,
+                                        [self.config.split_seed, 1], groups=train.groups)
+            if not val:
+                raise UserError(f"evaluator {self.component}: the validation split is empty (train split "
+                                f"of {len(train)} volumes, val_fraction {self.config.val_fraction}); "
+                                "use more volumes")
+            self._fit_val = (np.asarray(fit, dtype=np.int64), np.asarray(val, dtype=np.int64))
+        return self._fit_val
+
+    def fit_positions(self) -> np.ndarray:
+        return self.fit_val_positions()[0]
+
+    def encode(self, model: Any, device: Any) -> Encoded:
+        # Tokens stay on the training device: the probe trains there in fixed-shape
+        # mini-batches (one XLA graph), with a sync per step.
+        train, test = self.split()
+        dtype = getattr(torch, self.config.token_dtype)
+        options = dict(grid=self.grid, max_tokens=self.config.max_tokens, dtype=dtype)
+        return Encoded(extract_tokens(model, train, device, self.config.batch_size, **options),
+                       extract_tokens(model, test, device, self.config.batch_size, **options))
+
+    def fit_and_predict(self, encoded, positions, classes):
+        from octfw.evaluation.attentive import fit_attentive_grid, select_member
+
+        config = self.config
+        if encoded.train.shape[-1] % config.num_heads:
+            raise UserError(f"evaluator {self.component}: num_heads = {config.num_heads} does not divide "
+                            f"the encoder's width {encoded.train.shape[-1]}")
+        fit_tokens, fit_targets = self._train_part(encoded, positions, classes)
+        val_tokens, val_targets = self._train_part(encoded, self.fit_val_positions()[1], classes)
+        grid = fit_attentive_grid(fit_tokens, fit_targets, len(classes), learning_rates=config.learning_rates,
+                                  weight_decays=config.weight_decays, num_heads=config.num_heads,
+                                  epochs=config.epochs, batch_size=config.fit_batch_size, seed=config.seed)
+        chosen, val_balanced, _val_loss = select_member(grid, val_tokens, val_targets)
+        lr, weight_decay = grid.members[chosen]
+        extra = {"selected_lr": lr, "selected_weight_decay": weight_decay,
+                 "val_balanced_accuracy": float(val_balanced[chosen])}
+        return grid.probabilities(encoded.test, chosen), extra

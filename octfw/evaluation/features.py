@@ -5,6 +5,17 @@ augmentation and masking: the transform's deterministic ``prepare(sample)``
 when it has one (``oct-standard`` does), else the ``target`` view of one call
 with a fixed generator. The encoder then sees the whole volume, unmasked.
 
+Features come in two forms: mean-pooled ``[N, E]`` (linear probe, kNN) or
+patch tokens ``[N, T, E]`` (attentive probe), average-pooled over the patch
+grid to at most ``max_tokens`` and stored in a narrow dtype, because the
+full token set of a real volume is large (a 128 x 256 x 256 volume in
+4 x 16 x 16 patches is 8,192 tokens: 6 MiB per volume in bfloat16 at
+E = 384).
+
+A dataset that knows each volume's patient (``dataset.patient(index)``, from
+a manifest's ``patient`` column) makes the split keep each patient's volumes
+on one side. The key stays in memory: it is never logged or written.
+
 Nothing here touches a global random generator: the split draws from its
 own seeded generator, and feature extraction is deterministic.
 """
@@ -12,7 +23,8 @@ own seeded generator, and feature extraction is deterministic.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Sequence
+import math
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -21,7 +33,8 @@ import torch
 from octfw.errors import CorruptFile, UserError
 from octfw.types import Dataset, Sample
 
-__all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features"]
+__all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
+           "pooled_grid", "pool_tokens", "extract_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +59,8 @@ class LabelledVolumes:
     domains: list[str]
     sources: list[str]
     prepared: list[np.ndarray] | None  #: None: prepared again on each pass
+    #: one key per volume, equal for the volumes of one patient; None: the dataset knows no patients
+    groups: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -56,6 +71,7 @@ class LabelledVolumes:
             self.dataset, self.transform, [self.indices[p] for p in positions], self.labels[positions],
             [self.domains[p] for p in positions], [self.sources[p] for p in positions],
             None if self.prepared is None else [self.prepared[p] for p in positions],
+            None if self.groups is None else [self.groups[p] for p in positions],
         )
 
     def arrays(self) -> Iterator[np.ndarray]:
@@ -73,9 +89,12 @@ def load_labelled(dataset: Dataset, transform: Any, *, keep: bool, where: str) -
     """Decode and prepare every volume once; skip unusable files (counted in one warning).
 
     Raises UserError, naming ``where`` (``evaluator linear-probe dataset``),
-    when a volume has no label or no volume is usable.
+    when a volume has no label or no volume is usable. A volume without a
+    patient, in a dataset that knows some, is a group of its own.
     """
     indices, labels, domains, sources, prepared, skipped = [], [], [], [], [], []
+    patient_of: Callable[[int], str | None] | None = getattr(dataset, "patient", None)
+    groups: list[str] = []
     for index in range(len(dataset)):
         try:
             sample = dataset.load(index)
@@ -92,48 +111,69 @@ def load_labelled(dataset: Dataset, transform: Any, *, keep: bool, where: str) -
         labels.append(int(sample.provenance.label))
         domains.append(sample.provenance.domain)
         sources.append(sample.provenance.source)
+        patient = patient_of(index) if patient_of is not None else None
+        groups.append(f"patient:{patient}" if patient is not None else f"volume:{index}")
         if keep:
             prepared.append(volume)
     if skipped:
         logger.warning("%s: skipped %d unusable files (first: %s)", where, len(skipped), skipped[0])
     if not indices:
         raise UserError(f"{where}: no usable labelled volume among {len(dataset)} files")
+    known = patient_of is not None and any(g.startswith("patient:") for g in groups)
     return LabelledVolumes(dataset, transform, indices, np.asarray(labels, dtype=np.int64), domains, sources,
-                           prepared if keep else None)
+                           prepared if keep else None, groups if known else None)
 
 
 def stratified_split(
-    labels: np.ndarray, domains: Sequence[str], train_fraction: float, seed: int
+    labels: np.ndarray, domains: Sequence[str], train_fraction: float, seed: int | Sequence[int],
+    groups: Sequence[str] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(train positions, test positions), stratified by (domain, label).
 
     Each stratum puts ``round(train_fraction x n)`` of its ``n`` volumes in
     train, at least one on each side when ``n >= 2`` (a single volume goes to
     train). The draw uses its own generator seeded with ``seed``.
+
+    With ``groups`` (one key per volume, e.g. its patient) whole groups are
+    assigned instead of volumes: a group's stratum is the set of its domains
+    and the set of its labels, and the rule above counts groups. Groups of
+    one volume each give exactly the volume split.
     """
     rng = np.random.default_rng(seed)
-    strata: dict[tuple[str, int], list[int]] = {}
-    for position, (domain, label) in enumerate(zip(domains, labels.tolist())):
-        strata.setdefault((domain, label), []).append(position)
+    keys = list(range(len(labels))) if groups is None else list(groups)
+    members: dict[Any, list[int]] = {}
+    for position, key in enumerate(keys):
+        members.setdefault(key, []).append(position)
+    order = list(members)  # groups in order of first appearance
+    strata: dict[tuple[tuple[str, ...], tuple[int, ...]], list[int]] = {}
+    for number, key in enumerate(order):
+        positions = members[key]
+        stratum = (tuple(sorted({domains[p] for p in positions})),
+                   tuple(sorted({int(labels[p]) for p in positions})))
+        strata.setdefault(stratum, []).append(number)
     train, test = [], []
-    for key in sorted(strata):
-        members = np.asarray(strata[key])[rng.permutation(len(strata[key]))].tolist()
-        n = len(members)
+    for stratum in sorted(strata):
+        drawn = np.asarray(strata[stratum])[rng.permutation(len(strata[stratum]))].tolist()
+        n = len(drawn)
         n_train = n if n == 1 else min(max(int(round(train_fraction * n)), 1), n - 1)
-        train += members[:n_train]
-        test += members[n_train:]
+        train += [p for number in drawn[:n_train] for p in members[order[number]]]
+        test += [p for number in drawn[n_train:] for p in members[order[number]]]
     return sorted(train), sorted(test)
 
 
-def _encode(model: Any, volumes: torch.Tensor) -> torch.Tensor:
-    """Pooled features ``[B, E]``: ``model.embed`` (target encoder tokens) or ``model(volumes)``."""
+def _tokens(model: Any, volumes: torch.Tensor) -> torch.Tensor:
+    """``model.embed`` (target encoder tokens) or ``model(volumes)``: ``[B, N, E]`` or ``[B, E]``."""
     encode = model.embed if hasattr(model, "embed") else model
-    tokens = encode(volumes)
+    return encode(volumes)
+
+
+def _mean_pooled(tokens: torch.Tensor) -> torch.Tensor:
     return tokens.float().mean(dim=1) if tokens.ndim == 3 else tokens.float()
 
 
-def extract_features(model: Any, volumes: LabelledVolumes, device: Any, batch_size: int) -> torch.Tensor:
-    """Mean-pooled frozen-encoder features ``[N, E]`` on ``device``, in batches.
+def _extract(model: Any, volumes: LabelledVolumes, device: Any, batch_size: int,
+             reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``reduce(encoder output)`` of every volume, batch by batch, concatenated on ``device``.
 
     Every batch has ``batch_size`` volumes (the last one padded by repeating
     its final volume, then trimmed) so an XLA graph compiles once. The
@@ -149,13 +189,69 @@ def extract_features(model: Any, volumes: LabelledVolumes, device: Any, batch_si
             for array in volumes.arrays():
                 batch.append(array)
                 if len(batch) == batch_size:
-                    chunks.append(_encode(model, torch.from_numpy(np.stack(batch)).to(device)))
+                    chunks.append(reduce(_tokens(model, torch.from_numpy(np.stack(batch)).to(device))))
                     batch = []
             if batch:
                 real = len(batch)
                 batch += [batch[-1]] * (batch_size - real)
-                chunks.append(_encode(model, torch.from_numpy(np.stack(batch)).to(device))[:real])
+                chunks.append(reduce(_tokens(model, torch.from_numpy(np.stack(batch)).to(device)))[:real])
     finally:
         if was_training and hasattr(model, "train"):
             model.train()
     return torch.cat(chunks)
+
+
+def extract_features(model: Any, volumes: LabelledVolumes, device: Any, batch_size: int) -> torch.Tensor:
+    """Mean-pooled frozen-encoder features ``[N, E]`` (float32) on ``device``, in batches."""
+    return _extract(model, volumes, device, batch_size, _mean_pooled)
+
+
+def pooled_grid(grid: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """The patch grid, its longest side halved (rounded up) until at most ``max_tokens`` cells remain.
+
+    Halving the longest side keeps the cells close to the patches' own shape;
+    ``(32, 16, 16)`` with 64 tokens becomes ``(4, 4, 4)``. A grid already small
+    enough is kept.
+    """
+    cells = [int(g) for g in grid]
+    while math.prod(cells) > max_tokens and max(cells) > 1:
+        longest = cells.index(max(cells))
+        cells[longest] = -(-cells[longest] // 2)
+    return tuple(cells)
+
+
+def pool_tokens(tokens: torch.Tensor, grid: Sequence[int] | None, max_tokens: int) -> torch.Tensor:
+    """``[B, N, E]`` patch tokens -> ``[B, T, E]`` float32 with ``T <= max_tokens``.
+
+    With the patch ``grid`` (row-major, as the encoder orders its tokens) the
+    tokens are average-pooled over 3-D cells of :func:`pooled_grid`, so a
+    pooled token still covers one region of the volume; without it (or when
+    the count does not match) over runs of consecutive tokens.
+    """
+    tokens = tokens.float()
+    count, width = tokens.shape[1], tokens.shape[2]
+    if count <= max_tokens:
+        return tokens
+    if grid is not None and math.prod(grid) == count:
+        cells = pooled_grid(grid, max_tokens)
+        volume = tokens.transpose(1, 2).reshape(tokens.shape[0], width, *grid)
+        pooled = torch.nn.functional.adaptive_avg_pool3d(volume, cells)
+        return pooled.reshape(tokens.shape[0], width, -1).transpose(1, 2)
+    pooled = torch.nn.functional.adaptive_avg_pool1d(tokens.transpose(1, 2), max_tokens)
+    return pooled.transpose(1, 2)
+
+
+def extract_tokens(model: Any, volumes: LabelledVolumes, device: Any, batch_size: int, *,
+                   grid: Sequence[int] | None, max_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Frozen patch tokens ``[N, T, E]`` on ``device`` in ``dtype``, ``T <= max_tokens``.
+
+    Pooled and narrowed batch by batch, so the full token set of only one
+    batch exists at a time; the cache is ``N x T x E`` elements of ``dtype``.
+    """
+    def reduce(tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.ndim != 3:
+            raise UserError(f"the encoder returned features of shape {list(tokens.shape)}; "
+                            "an attentive probe needs patch tokens [B, N, E]")
+        return pool_tokens(tokens, grid, max_tokens).to(dtype)
+
+    return _extract(model, volumes, device, batch_size, reduce)

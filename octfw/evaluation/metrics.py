@@ -1,8 +1,30 @@
-"""Classification metrics on the host, overall and per domain.
+"""Classification metrics on the host, overall and per domain, with bootstrap intervals.
 
-Plain numpy on a few hundred predictions. A metric that is undefined for a
-subset (AUROC where the subset holds one class only) is left out rather than
-logged as NaN.
+Plain numpy on a few hundred to a few thousand predictions. A metric that is
+undefined for a subset (AUROC or AUPRC where the subset holds one class only)
+is left out rather than logged as NaN.
+
+AUROC and AUPRC are computed from per-volume *weights*: all ones for the
+point estimate, and the number of times a volume was drawn for a bootstrap
+resample. One weighted formula then serves both, vectorised over the
+resamples, and ties are handled exactly in each:
+
+- AUROC is the Mann-Whitney statistic, P(score of a positive > score of a
+  negative) with ties counted half.
+- AUPRC is average precision: the precision at each distinct score threshold
+  (from the highest down), weighted by the recall gained there. It is the
+  step-wise area, not the trapezoid, which overstates the area between
+  distant thresholds.
+
+Two classes: the higher label is the positive one. More classes: the macro
+average over classes of one-vs-rest AUROC and AUPRC, over the classes the
+classifier knows that have both positives and negatives in the subset.
+
+The bootstrap draws volumes with replacement, or whole patients when groups
+are given (volumes of one patient are correlated, so resampling them one by
+one would make the interval too narrow). The 95 % interval is the 2.5th and
+97.5th percentile of the resampled values; resamples holding one class only
+are dropped, and no interval is given when half of them or more are.
 """
 
 from __future__ import annotations
@@ -11,7 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["accuracy", "balanced_accuracy", "auroc", "classification_metrics"]
+__all__ = ["accuracy", "balanced_accuracy", "auroc", "auprc", "one_vs_rest", "bootstrap_weights",
+           "classification_metrics"]
 
 
 def accuracy(labels: np.ndarray, predicted: np.ndarray) -> float:
@@ -24,47 +47,146 @@ def balanced_accuracy(labels: np.ndarray, predicted: np.ndarray) -> float:
     return float(np.mean(recalls))
 
 
+def _by_score(positive: np.ndarray, scores: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positive and negative weight at each distinct score, ascending: two ``[B, V]`` arrays."""
+    _values, inverse = np.unique(scores, return_inverse=True)
+    n_values = int(inverse.max()) + 1
+    rows = weights.shape[0]
+    # One bincount over all rows at once: row r's bins are offset by r x V.
+    bins = (inverse[None, :] + n_values * np.arange(rows)[:, None]).ravel()
+
+    def total(mask: np.ndarray) -> np.ndarray:
+        return np.bincount(bins, weights=(weights * mask[None, :]).ravel(),
+                           minlength=rows * n_values).reshape(rows, n_values)
+
+    return total(positive), total(~positive)
+
+
+def _weighted_auroc(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    n_pos, n_neg = pos.sum(axis=1), neg.sum(axis=1)
+    negatives_below = np.cumsum(neg, axis=1) - neg
+    u = (pos * (negatives_below + 0.5 * neg)).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        area = u / (n_pos * n_neg)
+    return np.where((n_pos > 0) & (n_neg > 0), area, np.nan)
+
+
+def _weighted_auprc(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    n_pos, n_neg = pos.sum(axis=1), neg.sum(axis=1)
+    pos_down, neg_down = pos[:, ::-1], neg[:, ::-1]  # thresholds from the highest score down
+    true_pos, false_pos = np.cumsum(pos_down, axis=1), np.cumsum(neg_down, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        precision = np.where(true_pos > 0, true_pos / (true_pos + false_pos), 0.0)
+        area = (pos_down * precision).sum(axis=1) / n_pos
+    # Like AUROC, undefined with one class: with no negative it is 1 whatever the scores.
+    return np.where((n_pos > 0) & (n_neg > 0), area, np.nan)
+
+
+def _single(value: np.ndarray) -> float | None:
+    return None if np.isnan(value[0]) else float(value[0])
+
+
 def auroc(labels: np.ndarray, scores: np.ndarray) -> float | None:
     """Area under the ROC curve for binary ``labels`` (1 = positive) and scores of
-    the positive class: the Mann-Whitney U statistic with tied scores counted
-    half. None when only one class is present."""
-    positive = labels == 1
-    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
-    if n_pos == 0 or n_neg == 0:
-        return None
-    _values, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    # 1-based rank of each distinct score, averaged over its ties.
-    average_rank = np.cumsum(counts) - (counts - 1) / 2.0
-    ranks = average_rank[inverse]
-    u = ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0
-    return float(u / (n_pos * n_neg))
+    the positive class; tied scores count half. None when only one class is present."""
+    labels, scores = np.asarray(labels), np.asarray(scores, dtype=np.float64)
+    return _single(_weighted_auroc(*_by_score(labels == 1, scores, np.ones((1, len(labels))))))
 
 
-def _metrics(labels: np.ndarray, probabilities: np.ndarray, classes: np.ndarray) -> dict[str, float]:
+def auprc(labels: np.ndarray, scores: np.ndarray) -> float | None:
+    """Average precision for binary ``labels`` (1 = positive) and scores of the
+    positive class. None when only one class is present."""
+    labels, scores = np.asarray(labels), np.asarray(scores, dtype=np.float64)
+    return _single(_weighted_auprc(*_by_score(labels == 1, scores, np.ones((1, len(labels))))))
+
+
+def one_vs_rest(labels: np.ndarray, probabilities: np.ndarray, classes: np.ndarray,
+                weights: np.ndarray) -> dict[str, np.ndarray]:
+    """``{"auroc": [B], "auprc": [B]}`` for each row of ``weights`` (``[B, N]``).
+
+    Two classes: the higher one is positive. More: the macro average over the
+    classes that have positives and negatives in the unweighted subset; a
+    weighted row that loses one of them is NaN, so every value averages the
+    same classes. All NaN when no class qualifies.
+    """
+    if len(classes) == 2:
+        pos, neg = _by_score(labels == classes[1], probabilities[:, 1], weights)
+        return {"auroc": _weighted_auroc(pos, neg), "auprc": _weighted_auprc(pos, neg)}
+    areas: dict[str, list[np.ndarray]] = {"auroc": [], "auprc": []}
+    for column, label in enumerate(classes):
+        positive = labels == label
+        if positive.all() or not positive.any():
+            continue
+        pos, neg = _by_score(positive, probabilities[:, column], weights)
+        areas["auroc"].append(_weighted_auroc(pos, neg))
+        areas["auprc"].append(_weighted_auprc(pos, neg))
+    rows = weights.shape[0]
+    # np.mean over classes keeps a NaN: a resample missing one class is dropped whole.
+    return {key: np.mean(values, axis=0) if values else np.full(rows, np.nan) for key, values in areas.items()}
+
+
+def bootstrap_weights(n: int, resamples: int, rng: np.random.Generator,
+                      groups: Sequence[object] | None = None) -> np.ndarray:
+    """``[resamples, n]`` draw counts: volumes, or whole groups (patients), with replacement."""
+    if groups is None:
+        return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(np.float64)
+    _keys, group_of = np.unique(np.asarray([str(g) for g in groups]), return_inverse=True)
+    n_groups = int(group_of.max()) + 1
+    drawn = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=resamples)
+    return drawn[:, group_of].astype(np.float64)
+
+
+def _metrics(labels: np.ndarray, probabilities: np.ndarray, classes: np.ndarray,
+             groups: Sequence[object] | None, resamples: int, rng: np.random.Generator) -> dict[str, float]:
     predicted = classes[np.argmax(probabilities, axis=1)]
     out = {"accuracy": accuracy(labels, predicted), "balanced_accuracy": balanced_accuracy(labels, predicted)}
-    if len(classes) == 2 and classes[1] == 1:
-        area = auroc(labels, probabilities[:, 1])
-        if area is not None:
-            out["auroc"] = area
+    if len(classes) < 2:
+        return out
+    weights = np.ones((1, len(labels)))
+    if resamples > 0:
+        weights = np.concatenate([weights, bootstrap_weights(len(labels), resamples, rng, groups)])
+    for key, values in one_vs_rest(labels, probabilities, classes, weights).items():
+        if np.isnan(values[0]):
+            continue
+        out[key] = float(values[0])
+        resampled = values[1:]
+        if resamples > 0 and np.count_nonzero(~np.isnan(resampled)) > resamples / 2:
+            low, high = np.nanpercentile(resampled, [2.5, 97.5])
+            out[f"{key}_ci_low"], out[f"{key}_ci_high"] = float(low), float(high)
     return out
 
 
 def classification_metrics(
-    labels: np.ndarray, probabilities: np.ndarray, classes: np.ndarray, domains: Sequence[str]
+    labels: np.ndarray,
+    probabilities: np.ndarray,
+    classes: np.ndarray,
+    domains: Sequence[str],
+    *,
+    groups: Sequence[object] | None = None,
+    bootstrap: int = 0,
+    seed: int = 0,
 ) -> dict[str, float]:
-    """``accuracy``, ``balanced_accuracy`` and (binary 0/1 labels) ``auroc``, then
-    the same per domain as ``accuracy/<domain>``.
+    """``accuracy``, ``balanced_accuracy``, ``auroc`` and ``auprc`` (with
+    ``<metric>_ci_low`` / ``_ci_high`` when ``bootstrap`` > 0), then the same
+    per domain as ``accuracy/<domain>``.
 
     ``probabilities`` is ``[N, K]`` over ``classes`` (sorted labels seen in
-    training); the prediction is the most probable class, ties to the lower one.
+    training); the prediction is the most probable class, ties to the lower
+    one. ``groups`` (one key per volume, e.g. a patient) makes the bootstrap
+    draw whole groups. The resamples come from a generator seeded with
+    ``seed``, overall first, then per domain in sorted order: the same inputs
+    give the same intervals.
     """
     labels = np.asarray(labels)
     probabilities = np.asarray(probabilities, dtype=np.float64)
     domains = np.asarray(list(domains))
-    out = _metrics(labels, probabilities, classes)
+    group_array = None if groups is None else np.asarray([str(g) for g in groups])
+    rng = np.random.default_rng(seed)
+    out = _metrics(labels, probabilities, classes, group_array, bootstrap, rng)
     for domain in sorted(set(domains.tolist())):
         keep = domains == domain
-        for key, value in _metrics(labels[keep], probabilities[keep], classes).items():
+        subset_groups = None if group_array is None else group_array[keep]
+        for key, value in _metrics(labels[keep], probabilities[keep], classes, subset_groups, bootstrap,
+                                   rng).items():
             out[f"{key}/{domain}"] = value
     return out

@@ -1,15 +1,16 @@
 """Built-in evaluators: measure the frozen encoder on labelled data.
 
-Both fit a classifier on mean-pooled target-encoder features of a labelled
-dataset, prepared exactly as training prepares its volumes, and report
-accuracy, balanced accuracy and (for two classes) AUROC on held-out volumes,
-overall and per domain.
+Each fits a classifier on target-encoder features of a labelled dataset,
+prepared exactly as training prepares its volumes: mean-pooled features
+(``linear-probe``, ``knn``) or patch tokens (``attentive-probe``). Each
+reports accuracy, balanced accuracy, AUROC and AUPRC (with bootstrap 95 %
+intervals) on held-out volumes, overall and per domain.
 """
 
 from __future__ import annotations
 
 from octfw.hookspecs import hookimpl
-from octfw.plugins.evaluators import knn, linear_probe
+from octfw.plugins.evaluators import attentive_probe, knn, linear_probe
 
 
 @hookimpl
@@ -25,4 +26,11 @@ def octfw_register_evaluators(register):
         knn.KNNConfig,
         "octfw.plugins.evaluators.knn:build",
         "k-nearest neighbours (cosine) on frozen, mean-pooled encoder features of a labelled dataset.",
+    )
+    register(
+        "attentive-probe",
+        attentive_probe.AttentiveProbeConfig,
+        "octfw.plugins.evaluators.attentive_probe:build",
+        "Attentive probes (learned queries over frozen patch tokens), a learning rate x weight decay "
+        "grid trained in one pass; the member is chosen on a validation split.",
     )

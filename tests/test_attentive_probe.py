@@ -1,0 +1,135 @@
+"""The attentive probe: learned queries over frozen tokens, a grid chosen on validation.
+
+Tokens here are made by hand: a "lesion" is a few consecutive tokens shifted
+along one channel, on top of an offset all tokens share (as frozen features
+do), so a mean over tokens dilutes it and a query that finds it does not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from octfw.evaluation.attentive import fit_attentive_grid, select_member
+from octfw.evaluation.evaluator import AttentiveProbeEvaluator, Encoded
+from octfw.evaluation.features import LabelledVolumes, pool_tokens, pooled_grid
+from octfw.plugins.evaluators.attentive_probe import AttentiveProbeConfig
+
+
+def _lesions(n: int, seed: int, *, flip: bool = False, tokens: int = 16, width: int = 16):
+    """``[n, tokens, width]`` bfloat16 tokens and labels 0/1 (alternating); label 1 carries the
+    lesion, or label 0 with ``flip`` (the same signal meaning the opposite)."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % 2
+    x = torch.randn(n, tokens, width, generator=generator) + 3.0
+    start = torch.randint(0, tokens - 2, (n,), generator=generator)
+    carrier = 1 - labels if flip else labels
+    for i in range(n):
+        if carrier[i]:
+            x[i, start[i]:start[i] + 3, 0] += 3.0
+    return x.to(torch.bfloat16), labels
+
+
+def _fit(x, y, seed=0, **options):
+    options = {"learning_rates": [3e-3, 3e-2], "weight_decays": [0.01], "epochs": 20, "batch_size": 16,
+               **options}
+    return fit_attentive_grid(x, y, 2, seed=seed, **options)
+
+
+def test_the_probe_finds_a_small_lesion_far_above_chance():
+    train_x, train_y = _lesions(64, seed=0)
+    val_x, val_y = _lesions(32, seed=1)
+    test_x, test_y = _lesions(200, seed=2)
+    grid = _fit(train_x, train_y)
+    chosen, _balanced, _losses = select_member(grid, val_x, val_y)
+    accuracy = float((grid.probabilities(test_x, chosen).argmax(1) == test_y).float().mean())
+    assert accuracy >= 0.8  # chance: 0.5
+
+
+def test_the_grid_is_deterministic_for_a_seed_and_the_seed_matters():
+    x, y = _lesions(40, seed=0)
+    torch.manual_seed(1)
+    first = _fit(x, y, seed=7, epochs=8)
+    torch.manual_seed(2)  # the global generator plays no part
+    torch.rand(5)
+    second = _fit(x, y, seed=7, epochs=8)
+    assert all(torch.equal(first.params[k], second.params[k]) for k in first.params)
+    other = _fit(x, y, seed=8, epochs=8)
+    assert not torch.equal(first.params["query"], other.params["query"])
+
+
+def test_members_differ_only_by_learning_rate_and_weight_decay():
+    x, y = _lesions(32, seed=0)
+    # Two identical grid entries train to identical members: same start, same batches.
+    grid = _fit(x, y, learning_rates=[1e-2, 1e-2], weight_decays=[0.1])
+    assert grid.members == ((1e-2, 0.1), (1e-2, 0.1))
+    assert all(torch.equal(grid.params[k][0], grid.params[k][1]) for k in ("query", "w_v", "w_c"))
+    alone = _fit(x, y, learning_rates=[1e-2], weight_decays=[0.1])
+    # Trained as part of a grid or alone: the same member, to float rounding of the batched products.
+    assert torch.allclose(grid.params["w_c"][0], alone.params["w_c"][0], atol=1e-5)
+
+
+def _evaluator(train, test, **options) -> AttentiveProbeEvaluator:
+    config = AttentiveProbeConfig(dataset={"name": "hand-made"}, bootstrap=0, **options)
+    evaluator = AttentiveProbeEvaluator(config, None, None, None)
+
+    def volumes(labels):
+        n = len(labels)
+        return LabelledVolumes(None, None, list(range(n)), np.asarray(labels, dtype=np.int64), ["a"] * n,
+                               [f"v{i}" for i in range(n)], None)
+
+    # The split the evaluator would decode from a dataset, given directly.
+    evaluator._split = (volumes(train), volumes(test))
+    return evaluator
+
+
+def test_the_member_is_chosen_on_validation_even_where_another_scores_higher_on_test():
+    # Train and validation: the lesion means label 1. Test: it means label 0. A member that
+    # learned nothing (learning rate 1e-7) scores higher on this test split than the member that
+    # learned the lesion; choosing by test would report it. Choosing on validation must not.
+    train_x, train_y = _lesions(64, seed=0)
+    test_x, test_y = _lesions(60, seed=3, flip=True)
+    options = dict(learning_rates=(1e-7, 1e-2), weight_decays=(0.01,), epochs=20, seed=0)
+    evaluator = _evaluator(train_y.numpy(), test_y.numpy(), **options)
+    metrics = evaluator.score(Encoded(train_x, test_x))
+    assert metrics["selected_lr"] == 1e-2 and metrics["val_balanced_accuracy"] > 0.5
+    assert metrics["accuracy"] <= 0.3  # the chosen member, measured honestly on the flipped test split
+
+    fit, val = evaluator.fit_val_positions()
+    assert not set(fit) & set(val) and len(val) == 16
+    grid = fit_attentive_grid(train_x[fit], train_y[fit], 2, learning_rates=[1e-7, 1e-2], weight_decays=[0.01],
+                              epochs=20, batch_size=16, seed=0)
+    on_test = [float((member.argmax(1) == test_y).float().mean()) for member in grid.logits(test_x)]
+    assert on_test[0] > on_test[1] and on_test[1] == pytest.approx(metrics["accuracy"])
+
+
+def test_the_score_is_the_same_twice():
+    train_x, train_y = _lesions(48, seed=0)
+    test_x, test_y = _lesions(30, seed=1)
+    evaluator = _evaluator(train_y.numpy(), test_y.numpy(), learning_rates=(1e-2,), weight_decays=(0.01, 0.1),
+                           epochs=10)
+    encoded = Encoded(train_x, test_x)
+    assert evaluator.score(encoded) == evaluator.score(encoded)
+
+
+def test_tokens_are_pooled_over_grid_cells_to_a_bounded_count():
+    assert pooled_grid((32, 16, 16), 64) == (4, 4, 4)
+    assert pooled_grid((4, 4, 4), 64) == (4, 4, 4)
+    assert pooled_grid((3, 5, 7), 10) == (2, 2, 2)
+    grid = (8, 4, 4)
+    tokens = torch.randn(2, 8 * 4 * 4, 3)
+    assert pooled_grid(grid, 16) == (2, 2, 4)  # (8, 4, 4) -> (4, 4, 4) -> (2, 4, 4) -> (2, 2, 4)
+    pooled = pool_tokens(tokens, grid, 16)
+    assert pooled.shape == (2, 16, 3)
+    # Row-major tokens: the first pooled token is the mean of the patches (0-3, 0-1, 0).
+    cube = tokens.reshape(2, 8, 4, 4, 3)[:, :4, :2, :1].reshape(2, -1, 3).mean(dim=1)
+    assert torch.allclose(pooled[:, 0], cube, atol=1e-6)
+    assert pool_tokens(tokens, grid, 128) is not None and pool_tokens(tokens, grid, 128).shape == tokens.shape
+    # Without a grid: runs of consecutive tokens.
+    assert pool_tokens(tokens, None, 16).shape == (2, 16, 3)
+
+
+def test_a_width_the_heads_do_not_divide_is_refused():
+    with pytest.raises(ValueError, match="not a multiple of num_heads"):
+        _fit(torch.randn(8, 4, 10), torch.arange(8) % 2, num_heads=4)
