@@ -2,8 +2,12 @@
 
 :func:`read_metrics` turns the log into one series per metric over update
 steps; :func:`plot_run` draws loss (overall and per domain, the
-``loss/<domain>`` keys), learning rate, gradient norm and skipped updates into
-one PNG. A resumed run appends to the same log and may log a step again (the
+``loss/<domain>`` keys), then, when the run logged them, the collapse signals
+(``metric/target_std``, ``metric/effective_rank``, with the ``collapse``
+guard's thresholds from the run's ``recipe.toml``) and the evaluators'
+held-out scores (``eval/<evaluator>/<score>``), then learning rate, gradient
+norm and skipped updates, into one PNG: a loss that keeps falling while the
+features collapse or the probes stall is the thing to see. A resumed run appends to the same log and may log a step again (the
 steps between its checkpoint and the crash): the last line of each step wins.
 ``null`` values (a non-finite metric, or a log step whose every update was
 skipped) become NaN, drawn as gaps. So does a per-domain loss of exactly 0.0:
@@ -16,20 +20,43 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+import attrs
 
 from octfw.errors import UserError
 
-__all__ = ["read_metrics", "plot_run"]
+__all__ = ["Panel", "read_metrics", "plan_panels", "collapse_thresholds", "plot_run"]
 
-#: Panels of :func:`plot_run`: (title, metric keys; a trailing "/" means every key with that prefix).
+#: Panels of every plot: (title, metric keys; a trailing "/" means every key
+#: with that prefix). A panel whose keys were not logged says so.
 PANELS = (
     ("loss", ("loss", "loss/")),
     ("learning rate", ("lr",)),
     ("gradient norm (before clipping)", ("grad_norm",)),
     ("skipped updates (total)", ("skipped_updates",)),
 )
+#: Drawn after the loss only when logged (older runs and other models lack
+#: them): (title, keys). Values near 0 and 1 mean collapse.
+COLLAPSE_PANELS = (
+    ("target std (collapse: towards 0)", ("metric/target_std",)),
+    ("effective rank (collapse: towards 1)", ("metric/effective_rank",)),
+)
+#: Scores of ``eval/<evaluator>/<score>`` drawn in the evaluation panel: the
+#: overall held-out scores, not per-domain values, intervals or probe settings.
+EVAL_SCORES = ("accuracy", "balanced_accuracy", "auroc", "auprc")
+_GUARD_OPTIONS = {"metric/target_std": "min_std", "metric/effective_rank": "min_effective_rank"}
+
+
+@attrs.frozen
+class Panel:
+    """One panel of :func:`plot_run`: its title and the series it draws, in order."""
+
+    title: str
+    keys: tuple[str, ...]
+    thresholds: tuple[float, ...] = ()  #: dashed lines (the collapse guard's limits)
 
 
 def read_metrics(path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
@@ -66,8 +93,79 @@ def read_metrics(path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
     return series
 
 
+def _matching(series: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str, ...]:
+    shown = [k for k in series if k in keys or any(p.endswith("/") and k.startswith(p) for p in keys)]
+    return tuple(sorted(shown, key=lambda k: (k != "loss", k)))
+
+
+def _eval_keys(series: Mapping[str, Any]) -> tuple[str, ...]:
+    """``eval/<evaluator>/<score>`` keys of :data:`EVAL_SCORES`, by evaluator then score."""
+    keys = []
+    for key in series:
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[2] in EVAL_SCORES:
+            keys.append((parts[1], EVAL_SCORES.index(parts[2]), key))
+    return tuple(key for _name, _order, key in sorted(keys))
+
+
+def collapse_thresholds(run_dir: str | Path) -> dict[str, float]:
+    """``{metric key: limit}`` of the ``collapse`` guards in ``run_dir/recipe.toml``.
+
+    Empty when the run has no such guard or no recipe file (a metrics log
+    copied on its own): the limits only annotate the plot.
+    """
+    try:
+        recipe = tomllib.loads((Path(run_dir) / "recipe.toml").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{Path(run_dir) / 'recipe.toml'}: cannot be read ({exc})") from None
+    out: dict[str, float] = {}
+    guards = recipe.get("guard", [])
+    for guard in guards if isinstance(guards, list) else []:
+        if not isinstance(guard, dict) or guard.get("name") != "collapse":
+            continue
+        for key, option in _GUARD_OPTIONS.items():
+            if isinstance(guard.get(option), (int, float)):
+                out[key] = float(guard[option])
+    return out
+
+
+def plan_panels(series: Mapping[str, Any], thresholds: Mapping[str, float] | None = None) -> list[Panel]:
+    """The panels :func:`plot_run` draws for ``series``, top to bottom.
+
+    Loss first; then target std, effective rank and the evaluators' scores
+    when the log has them; then learning rate, gradient norm and skipped
+    updates (shown as "not logged" when absent).
+    """
+    thresholds = thresholds or {}
+    (loss_title, loss_keys), *rest = PANELS
+    panels = [Panel(loss_title, _matching(series, loss_keys))]
+    for title, keys in COLLAPSE_PANELS:
+        shown = _matching(series, keys)
+        if shown:
+            limits = tuple(thresholds[k] for k in keys if k in thresholds)
+            panels.append(Panel(title, shown, limits))
+    scores = _eval_keys(series)
+    if scores:
+        panels.append(Panel("evaluation (held-out, higher is better)", scores))
+    panels += [Panel(title, _matching(series, keys)) for title, keys in rest]
+    return panels
+
+
+def _label(key: str) -> str:
+    if key == "loss":
+        return "overall"
+    if key.startswith("eval/"):
+        return key.removeprefix("eval/")  # "<evaluator>/<score>"
+    return key.split("/", 1)[-1]
+
+
 def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
-    """Draw loss (overall and per domain), LR, gradient norm and skipped updates into ``png_path``."""
+    """Draw the panels of :func:`plan_panels` for the log at ``metrics_path`` into ``png_path``.
+
+    The collapse guard's thresholds come from ``recipe.toml`` beside the log.
+    """
     from matplotlib.figure import Figure  # heavy imports: only when a plot is drawn
     from matplotlib.ticker import MaxNLocator
 
@@ -75,25 +173,28 @@ def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
     series = read_metrics(metrics_path)
     if "loss" not in series:
         raise UserError(f"{metrics_path}: no 'loss' in the metrics log; is it a training run's log?")
+    panels = plan_panels(series, collapse_thresholds(metrics_path.parent))
 
-    fig = Figure(figsize=(8.0, 9.0), layout="constrained")
-    axes = fig.subplots(len(PANELS), 1, sharex=True)
-    for ax, (title, keys) in zip(axes, PANELS):
-        shown = [k for k in series if k in keys or any(p.endswith("/") and k.startswith(p) for p in keys)]
-        for key in sorted(shown, key=lambda k: (k != "loss", k)):
+    fig = Figure(figsize=(8.0, 2.25 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    for ax, panel in zip(axes, panels):
+        for key in panel.keys:
             steps, values = series[key]
             overall = key == "loss"
             if key.startswith("loss/"):  # 0.0: no sample of that domain in the interval
                 values = [math.nan if v == 0.0 else v for v in values]
-            label = "overall" if overall else key.split("/", 1)[-1]
-            ax.plot(steps, values, label=label, linewidth=2.0 if overall else 1.2,
-                    marker="." if len(steps) < 50 else None)
-        if not shown:
+            # Evaluations are few points far apart: always marked.
+            marked = len(steps) < 50 or key.startswith("eval/")
+            ax.plot(steps, values, label=_label(key), linewidth=2.0 if overall else 1.2,
+                    marker="." if marked else None)
+        for limit in panel.thresholds:
+            ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1.0, label=f"collapse guard {limit:g}")
+        if not panel.keys:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-        if len(shown) > 1:
+        if len(panel.keys) + len(panel.thresholds) > 1:
             ax.legend(fontsize="small", loc="best")
-        ax.set_ylabel(title.split(" (")[0])
-        ax.set_title(title, fontsize="medium")
+        ax.set_ylabel(panel.title.split(" (")[0])
+        ax.set_title(panel.title, fontsize="medium")
         ax.grid(True, alpha=0.3)
     if "loss" in series and all(v > 0 for v in series["loss"][1] if not math.isnan(v)):
         axes[0].set_yscale("log")  # losses span decades early in training

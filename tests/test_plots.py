@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from octfw.cli import main
-from octfw.plots import read_metrics
+from octfw.errors import UserError
+from octfw.plots import collapse_thresholds, plan_panels, read_metrics
 from octfw.plugins.loggers.jsonl import JsonlLogger
 
 from conftest import make_dist
@@ -65,6 +66,61 @@ def test_plot_of_a_missing_or_empty_log_is_a_clear_error(tmp_path, capsys):
     assert "metrics.jsonl:2: not a metrics line" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def write_collapsing_log(run_dir, steps=range(1, 21)):
+    """A run whose features collapse after step 5, with two evaluators every 10 steps
+    (their per-domain values and intervals too, as the engine logs them)."""
+    logger = JsonlLogger()
+    logger.start(len(steps), run_dir, {})
+    for step in steps:
+        healthy = step <= 5
+        logger.log(step, {"loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "skipped_updates": 0.0,
+                          "metric/target_std": 0.03 if healthy else 0.004,
+                          "metric/effective_rank": 4.2 if healthy else 1.05, "metric/pred_std": 0.03})
+        if step % 10 == 0:
+            logger.log(step, {"eval/linear-probe/accuracy": 0.6, "eval/linear-probe/auroc": 0.7,
+                              "eval/linear-probe/auroc_ci_low": 0.6, "eval/linear-probe/accuracy/zeiss": 0.5,
+                              "eval/knn/balanced_accuracy": 0.55})
+    logger.finish({})
+
+
+def test_plot_puts_collapse_signals_and_evaluations_next_to_the_loss(tmp_path):
+    write_collapsing_log(tmp_path)
+    (tmp_path / "recipe.toml").write_text(
+        'guard = [{ name = "nan-skip" }, { name = "collapse", min_std = 0.01, min_effective_rank = 2.0 }]\n')
+    series = read_metrics(tmp_path / "metrics.jsonl")
+    panels = plan_panels(series, collapse_thresholds(tmp_path))
+    assert [p.title.split(" (")[0] for p in panels] == [
+        "loss", "target std", "effective rank", "evaluation", "learning rate", "gradient norm", "skipped updates"]
+    loss, std, rank, evaluation = panels[:4]
+    assert std.keys == ("metric/target_std",) and std.thresholds == (0.01,)
+    assert rank.keys == ("metric/effective_rank",) and rank.thresholds == (2.0,)
+    # Overall scores by evaluator, not per-domain values or interval ends.
+    assert evaluation.keys == ("eval/knn/balanced_accuracy", "eval/linear-probe/accuracy",
+                               "eval/linear-probe/auroc")
+    assert series["eval/linear-probe/accuracy"][0] == [10, 20]
+    png = tmp_path / "run.png"
+    assert main(["plot", str(tmp_path), "--png", str(png)]) == 0
+    assert png.stat().st_size > MIN_PNG_BYTES
+
+
+def test_plot_of_a_run_without_collapse_metrics_or_evaluations_keeps_four_panels(tmp_path):
+    write_log(tmp_path)
+    panels = plan_panels(read_metrics(tmp_path / "metrics.jsonl"), collapse_thresholds(tmp_path))
+    assert [p.title for p in panels] == ["loss", "learning rate", "gradient norm (before clipping)",
+                                         "skipped updates (total)"]
+    assert panels[0].keys == ("loss", "loss/heidelberg", "loss/topcon")
+
+
+def test_collapse_thresholds_come_from_the_collapse_guard_only(tmp_path):
+    assert collapse_thresholds(tmp_path) == {}  # no recipe.toml: nothing to annotate
+    (tmp_path / "recipe.toml").write_text('guard = [{ name = "loss-spike", min_std = 5.0 }, '
+                                          '{ name = "collapse", min_effective_rank = 3.0 }]\n')
+    assert collapse_thresholds(tmp_path) == {"metric/effective_rank": 3.0}  # min_std left out: unwatched
+    (tmp_path / "recipe.toml").write_text("guard = [\n")
+    with pytest.raises(UserError, match="recipe.toml: cannot be read"):
+        collapse_thresholds(tmp_path)
 
 
 def test_lr_draws_the_schedule_and_accepts_cosine(tiny_recipe, tmp_path, capsys):

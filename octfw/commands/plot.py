@@ -1,4 +1,5 @@
-"""``octfw plot RUN_DIR --png run.png``: draw a run's loss, LR, gradient norm and skipped updates."""
+"""``octfw plot RUN_DIR --png run.png``: draw a run's loss, collapse signals, evaluations, LR,
+gradient norm and skipped updates."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 __all__ = ["add_parser"]
 
-HELP = ("Draw loss (overall and per domain), learning rate, gradient norm and skipped updates "
-        "over update steps from a run folder's metrics.jsonl.")
+HELP = ("Draw loss (overall and per domain), the collapse signals (target std, effective rank, "
+        "with the collapse guard's thresholds) and evaluator scores when logged, learning rate, "
+        "gradient norm and skipped updates over update steps from a run folder's metrics.jsonl.")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
