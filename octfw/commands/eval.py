@@ -1,17 +1,25 @@
 """``octfw eval RUN_DIR_OR_ENCODER --recipe EVAL.toml``: probe a pretrained encoder
-against a randomly initialised one of the same architecture."""
+against a randomly initialised one of the same architecture.
+
+``--shots 5,10,50,all`` measures label efficiency; ``--checkpoints all`` (a run
+folder) probes every saved checkpoint and plots the metric over update steps.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from pathlib import Path
+from typing import Any, Iterator
 
 __all__ = ["add_parser"]
 
 HELP = ("Evaluate a run's latest checkpoint, a checkpoint file or an exported encoder with the "
         "[[evaluator]] tables of a recipe, next to a randomly initialised encoder of the same "
-        "architecture; print a table.")
+        "architecture; print a table. --shots: label efficiency; --checkpoints: compare a run's "
+        "checkpoints.")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,21 +32,109 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(a training recipe with [[evaluator]] tables works as it is)")
     parser.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE",
                         help="override a recipe value, e.g. --set evaluator.0.k=5 (repeatable)")
+    parser.add_argument("--shots", metavar="K,K,...,all",
+                        help="label efficiency: fit each probe on K labelled volumes per class (seeded "
+                             "draws; 'all': the whole train split), e.g. --shots 5,10,50,all; prints a "
+                             "table, writes a PNG and a CSV")
+    parser.add_argument("--draws", type=int, default=None, metavar="N",
+                        help="draws of the K volumes per shot count (default 3); the table shows mean ± std")
+    parser.add_argument("--checkpoints", metavar="all|latest|STEP,STEP",
+                        help="probe these saved checkpoints of the run folder and plot the metric against "
+                             "the update step")
+    parser.add_argument("--metric", metavar="NAME",
+                        help="metric the PNG shows (default: auroc, or balanced_accuracy where an evaluator "
+                             "reports no AUROC)")
+    parser.add_argument("--png", metavar="FILE",
+                        help="PNG to write with --shots or --checkpoints (default: eval_shots.png or "
+                             "eval_checkpoints.png in the run folder, else in the current folder)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(func=run)
 
 
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Any]:
+    """A rich progress bar on stderr when it is a terminal (stdout keeps the table or JSON);
+    None otherwise, so logs and pipes get no control characters."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("eval"), MofNCompleteColumn(), BarColumn(bar_width=20), TimeElapsedColumn(),
+                  TextColumn("{task.description}", markup=False), console=Console(file=sys.stderr),
+                  transient=True) as bar:
+        task = bar.add_task("loading volumes", total=None)
+
+        def update(done: int, total: int, text: str) -> None:
+            bar.update(task, completed=done, total=total, description=text)
+
+        yield update
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    from octfw.errors import UserError
+
+    if args.shots is not None and args.checkpoints is not None:
+        raise UserError("--shots and --checkpoints: give one of them (label efficiency of one checkpoint, "
+                        "or a metric over checkpoints)")
+    if args.draws is not None and args.shots is None:
+        raise UserError("--draws applies to --shots")
+    if args.draws is not None and args.draws < 1:
+        raise UserError(f"--draws {args.draws}: give 1 or more")
+    if args.shots is None and args.checkpoints is None:
+        for option in ("png", "metric"):
+            if getattr(args, option) is not None:
+                raise UserError(f"--{option} applies to --shots or --checkpoints")
+
+
+def _default_png(source: str, name: str) -> Path:
+    folder = Path(source)
+    return (folder if folder.is_dir() else Path.cwd()) / name
+
+
 def run(args: argparse.Namespace) -> int:
     from octfw.commands._common import load_registry_once
+    from octfw.evaluation.shots import parse_shots
     from octfw.tools.evaluate import evaluate_target, format_report, load_eval_recipe, load_target
 
+    _check_options(args)
+    shots = parse_shots(args.shots) if args.shots is not None else None
     registry = load_registry_once()
     recipe = load_eval_recipe(args.recipe, args.set or (), registry)
+
+    if args.checkpoints is not None:
+        from octfw.tools.evaluate_checkpoints import compare_checkpoints, format_checkpoints, plot_checkpoints
+
+        with _progress_bar() as progress:
+            report = compare_checkpoints(args.source, recipe, registry, args.checkpoints, progress)
+        png = plot_checkpoints(report, args.png or _default_png(args.source, "eval_checkpoints.png"),
+                               args.metric)
+        _print(args, report, format_checkpoints, {"png": str(png)})
+        return 0
+
     target = load_target(args.source, recipe.run.seed, registry)
-    report = evaluate_target(target, recipe, registry)
-    if args.json:
-        json.dump(report.as_dict(), sys.stdout, indent=2)
-        print()
-    else:
-        print(format_report(report))
+    if shots is not None:
+        from octfw.tools.evaluate_shots import evaluate_shots, format_shots, write_shots
+
+        draws = 3 if args.draws is None else args.draws
+        with _progress_bar() as progress:
+            report = evaluate_shots(target, recipe, registry, shots, draws, progress)
+        png, table = write_shots(report, args.png or _default_png(args.source, "eval_shots.png"), args.metric)
+        _print(args, report, format_shots, {"png": str(png), "csv": str(table)})
+        return 0
+
+    with _progress_bar() as progress:
+        report = evaluate_target(target, recipe, registry, progress)
+    _print(args, report, format_report, {})
     return 0
+
+
+def _print(args: argparse.Namespace, report: Any, formatter: Any, files: dict[str, str]) -> None:
+    if args.json:
+        json.dump({**report.as_dict(), **files}, sys.stdout, indent=2)
+        print()
+        return
+    print(formatter(report))
+    for kind, path in files.items():
+        print(f"{kind.ljust(9)} {path}")

@@ -8,12 +8,16 @@ because the encoder must see volumes prepared as *its* training prepared them
 
 The baseline is the same architecture, randomly initialised with the
 recipe's seed: a metric is only informative next to it.
+
+Beside this module, :mod:`octfw.tools.evaluate_shots` (``--shots``: label
+efficiency) and :mod:`octfw.tools.evaluate_checkpoints` (``--checkpoints``:
+every saved checkpoint of a run) reuse its recipe, targets and evaluators.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -24,8 +28,12 @@ from octfw.registry import Registry
 from octfw.fields import Location, choices, doc, non_negative
 from octfw.types import BuildContext
 
-__all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "load_eval_recipe", "load_target",
-           "evaluate_target", "format_report"]
+__all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress", "load_eval_recipe",
+           "load_target", "checkpoint_model", "eval_device", "build_evaluators", "evaluate_target",
+           "run_evaluators", "format_report", "format_value", "is_interval_key", "main_metric"]
+
+#: ``progress(done, total, text)``: called as units of work finish (a progress bar's update).
+Progress = Callable[[int, int, str], None]
 
 
 @attrs.frozen
@@ -102,7 +110,7 @@ class EvalTarget:
     location: str  #: the checkpoint or encoder file
     update_step: int | None
     pretrained: torch.nn.Module  #: ``.embed(volume)`` or ``module(volume)`` -> ``[B, N, E]``
-    random_init: torch.nn.Module
+    random_init: torch.nn.Module | None  #: None when not asked for (another checkpoint of a compared run)
     recipe: Mapping[str, Any]  #: the training recipe as plain data (``transform``, ``model``, ...)
     image_size: tuple[int, int, int] | None
     patch_size: tuple[int, int, int] | None
@@ -117,17 +125,20 @@ def _geometry(recipe: Mapping[str, Any], model_config: Any = None) -> dict[str, 
             "patch_size": tuple(patch_size) if patch_size is not None else None}
 
 
-def _model_from_checkpoint(location: str, state: Mapping[str, Any], seed: int,
-                           registry: Registry) -> EvalTarget:
+def checkpoint_model(location: str, state: Mapping[str, Any], seed: int, registry: Registry,
+                     random_init: bool = True) -> EvalTarget:
+    """The network a checkpoint's ``state`` holds, and (``random_init``) the seeded baseline."""
     from octfw.tools.export import rebuild_model, recorded_recipe
 
     recipe = recorded_recipe(state, location, registry)
     pretrained = rebuild_model(state, location, registry)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        random_init = recipe.model.build(recipe.build_context(registry=registry))
+    baseline = None
+    if random_init:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            baseline = recipe.model.build(recipe.build_context(registry=registry))
     geometry = _geometry(state["recipe"], recipe.model.config)
-    return EvalTarget(location, int(state.get("update_step", 0)), pretrained, random_init, state["recipe"],
+    return EvalTarget(location, int(state.get("update_step", 0)), pretrained, baseline, state["recipe"],
                       **geometry)
 
 
@@ -162,9 +173,9 @@ def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget
             return _model_from_export(path, seed)
         if not isinstance(head, Mapping) or "model" not in head:
             raise UserError(f"{path}: neither an octfw checkpoint nor an exported encoder")
-        return _model_from_checkpoint(str(path), head, seed, registry)
+        return checkpoint_model(str(path), head, seed, registry)
     location, state = find_checkpoint(path, registry)
-    return _model_from_checkpoint(location, state, seed, registry)
+    return checkpoint_model(location, state, seed, registry)
 
 
 # --------------------------------------------------------------------------
@@ -184,46 +195,108 @@ class EvalReport:
         return attrs.asdict(self)
 
 
-def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry) -> EvalReport:
-    """Run every evaluator of ``recipe`` on the pretrained and the random network."""
+def eval_device(recipe: EvalRecipe) -> torch.device:
     from octfw.engine.backend import select_backend
 
-    device = select_backend(recipe.run.device, "fp32").device
+    return select_backend(recipe.run.device, "fp32").device
+
+
+def build_evaluators(target: EvalTarget, recipe: EvalRecipe, registry: Registry) -> list[tuple[str, Any]]:
+    """``[(name, evaluator)]`` of every ``[[evaluator]]`` table, built for ``target``'s geometry."""
     # Not Recipe.build_context: an evaluation recipe has no model or transform;
     # the encoder's geometry and training recipe come from the target.
     ctx = BuildContext(recipe_dir=recipe.source.parent, cache_dir=cache_dir_for(recipe.run), run_dir=None,
                        seed=recipe.run.seed, image_size=target.image_size, patch_size=target.patch_size,
                        recipe=target.recipe, registry=registry)
-    evaluators = [(spec.name, spec.build(ctx)) for spec in recipe.evaluators]
-    results: dict[str, dict[str, float]] = {}
-    for label, model in (("pretrained", target.pretrained), ("random_init", target.random_init)):
-        model = model.to(device)
-        scores: dict[str, float] = {}
+    return [(spec.name, spec.build(ctx)) for spec in recipe.evaluators]
+
+
+def run_evaluators(model: torch.nn.Module, evaluators: Sequence[tuple[str, Any]], device: torch.device,
+                   update_step: int, on_done: Callable[[str], None] | None = None) -> dict[str, float]:
+    """``{"<evaluator>/<metric>": value}`` of ``model``, moved to ``device`` for the time it takes."""
+    model = model.to(device)
+    scores: dict[str, float] = {}
+    try:
         with torch.no_grad():
             for name, evaluator in evaluators:
-                update_step = target.update_step or 0
                 for key, value in evaluator.evaluate(model, device, update_step).items():
                     scores[f"{name}/{key}"] = float(value)
-        results[label] = scores
+                if on_done is not None:
+                    on_done(name)
+    finally:
         model.to("cpu")
+    return scores
+
+
+def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
+                    progress: Progress | None = None) -> EvalReport:
+    """Run every evaluator of ``recipe`` on the pretrained and the random network."""
+    device = eval_device(recipe)
+    evaluators = build_evaluators(target, recipe, registry)
+    total, done = 2 * len(evaluators), 0
+    results: dict[str, dict[str, float]] = {}
+    for label, model in (("pretrained", target.pretrained), ("random_init", target.random_init)):
+        def advance(name: str, label: str = label) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{label.replace('_', ' ')}: {name}")
+
+        results[label] = run_evaluators(model, evaluators, device, target.update_step or 0, advance)
     return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),
                       results["pretrained"], results["random_init"])
 
 
+def main_metric(metrics: Sequence[str], asked: str | None) -> str:
+    """The metric to plot: ``asked``, else ``auroc`` where reported, else ``balanced_accuracy``."""
+    if asked is not None:
+        if asked not in metrics:
+            shown = ", ".join(m for m in dict.fromkeys(metrics) if "/" not in m)
+            raise UserError(f"--metric {asked}: not reported by every evaluator (reported: {shown})")
+        return asked
+    return "auroc" if "auroc" in metrics else "balanced_accuracy"
+
+
+CI_SUFFIXES = ("_ci_low", "_ci_high")
+
+
+def _interval_keys(key: str) -> tuple[str, str]:
+    metric, _, domain = key.partition("/")
+    tail = f"/{domain}" if domain else ""
+    return f"{metric}_ci_low{tail}", f"{metric}_ci_high{tail}"
+
+
+def is_interval_key(key: str) -> bool:
+    return key.partition("/")[0].endswith(CI_SUFFIXES)
+
+
+def format_value(scores: Mapping[str, float], key: str) -> str:
+    """``0.813`` or, with its bootstrap interval, ``0.813 [0.70, 0.91]``; ``-`` when missing."""
+    evaluator, _, metric = key.partition("/")
+    value = scores.get(key)
+    if value is None:
+        return "-"
+    low, high = (scores.get(f"{evaluator}/{k}") for k in _interval_keys(metric))
+    text = f"{value:.3f}"
+    return text if low is None or high is None else f"{text} [{low:.2f}, {high:.2f}]"
+
+
 def format_report(report: EvalReport) -> str:
-    """A plain-text table: one row per metric, pretrained next to random init."""
+    """A plain-text table: one row per metric, pretrained next to random init;
+    an AUROC or AUPRC carries its bootstrap 95 % interval in brackets."""
     step = "" if report.update_step is None else f" (update step {report.update_step})"
     lines = [f"encoder   {report.location}{step}",
              f"baseline  same architecture, randomly initialised (seed {report.seed})",
              f"device    {report.device}", ""]
     keys = list(report.pretrained) + [k for k in report.random_init if k not in report.pretrained]
+    keys = [k for k in keys if not is_interval_key(k.partition("/")[2])]
     width = max([len("metric")] + [len(k) for k in keys])
-    lines.append(f"{'metric'.ljust(width)}  {'pretrained':>10}  {'random init':>11}")
-
-    def cell(value: float | None, size: int) -> str:
-        return ("-" if value is None else f"{value:.3f}").rjust(size)
-
+    cells = {k: (format_value(report.pretrained, k), format_value(report.random_init, k)) for k in keys}
+    size = max([len("pretrained"), len("random init")] + [len(c) for pair in cells.values() for c in pair])
+    lines.append(f"{'metric'.ljust(width)}  {'pretrained'.rjust(size)}  {'random init'.rjust(size)}")
     for key in keys:
-        lines.append(f"{key.ljust(width)}  {cell(report.pretrained.get(key), 10)}  "
-                     f"{cell(report.random_init.get(key), 11)}")
+        pretrained, random_init = cells[key]
+        lines.append(f"{key.ljust(width)}  {pretrained.rjust(size)}  {random_init.rjust(size)}")
+    if any(is_interval_key(k.partition("/")[2]) for k in report.pretrained):
+        lines += ["", "[low, high]: bootstrap 95 % interval over test volumes (whole patients when known)"]
     return "\n".join(lines)

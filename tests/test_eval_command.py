@@ -1,0 +1,241 @@
+"""``octfw eval`` over a real short run: checkpoints compared, label efficiency, patients.
+
+One tiny run (6 update steps, a checkpoint every 2) is trained once for the
+module; the evaluators probe it through the command line as a user would.
+The attentive probe also runs inside that training, as an evaluator stage.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from octfw.cli import main
+from octfw.data.manifest import ManifestRow, read_manifest, write_manifest
+from octfw.engine.build import build_components
+from octfw.engine.trainer import train
+from octfw.errors import UserError
+from octfw.recipe import load_recipe
+from octfw.registry import load_registry
+from octfw.rundir import create_run_dir
+
+from conftest import TINY_RECIPE
+
+LABELLED = '{ name = "synthetic-oct", n_volumes = 24, labels = true, seed = 5 }'
+# A small grid and few epochs: the mechanics, not the probe's quality, are under test here.
+ATTENTIVE = f"""
+[[evaluator]]
+name = "attentive-probe"
+dataset = {LABELLED}
+learning_rates = [0.01]
+weight_decays = [0.01, 0.1]
+epochs = 4
+bootstrap = 100
+"""
+EVAL_RECIPE = f"""
+[run]
+seed = 3
+device = "cpu"
+
+[[evaluator]]
+name = "knn"
+dataset = {LABELLED}
+k = 3
+bootstrap = 100
+{ATTENTIVE}
+"""
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("short")
+    path = root / "short.toml"
+    path.write_text(TINY_RECIPE + ATTENTIVE.replace("epochs = 4", "epochs = 4\nevery_steps = 3"),
+                    encoding="utf-8")
+    registry = load_registry()
+    # A fast EMA, so that the target encoder the probes read moves between checkpoints.
+    overrides = ["run.max_steps=6", "engine.checkpoint_every_steps=2", "scheduler.ema_start=0.5",
+                 "scheduler.ema_end=0.5"]
+    recipe = load_recipe(path, overrides, registry)
+    run_dir = create_run_dir(recipe, registry)
+    train(recipe, registry, run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def eval_recipe(tmp_path) -> Path:
+    path = tmp_path / "eval.toml"
+    path.write_text(textwrap.dedent(EVAL_RECIPE), encoding="utf-8")
+    return path
+
+
+def _json(capsys, *args: str) -> dict:
+    assert main(["eval", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _error(capsys, *args: str) -> str:
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    return err
+
+
+def test_the_attentive_probe_runs_as_an_evaluator_stage_during_training(short_run):
+    records = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "eval/attentive-probe/accuracy" in r]
+    assert [r["step"] for r in logged] == [3, 6]
+    last = logged[-1]
+    assert last["eval/attentive-probe/selected_lr"] == 0.01
+    assert last["eval/attentive-probe/selected_weight_decay"] in (0.01, 0.1)
+    assert 0.0 <= last["eval/attentive-probe/auroc"] <= 1.0
+
+
+def test_every_saved_checkpoint_is_probed_and_the_metric_plotted_against_the_step(short_run, eval_recipe,
+                                                                                 tmp_path, capsys):
+    png = tmp_path / "curve.png"
+    report = _json(capsys, str(short_run), "--recipe", str(eval_recipe), "--checkpoints", "all", "--png", str(png))
+    assert report["steps"] == [2, 4, 6] and len(report["pretrained"]) == 3
+    assert report["png"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for scores in report["pretrained"] + [report["random_init"]]:
+        assert {"knn/auroc", "knn/auprc_ci_low", "attentive-probe/balanced_accuracy",
+                "attentive-probe/selected_lr"} <= set(scores)
+        assert scores["knn/auroc_ci_low"] <= scores["knn/auroc"] <= scores["knn/auroc_ci_high"]
+    # The checkpoints differ, so do their features: the comparison is not one model thrice.
+    assert report["pretrained"][0] != report["pretrained"][2]
+
+    # The newest checkpoint gives what a plain `octfw eval` of the run folder gives, baseline included.
+    plain = _json(capsys, str(short_run), "--recipe", str(eval_recipe))
+    assert plain["update_step"] == 6
+    assert plain["pretrained"] == report["pretrained"][2] and plain["random_init"] == report["random_init"]
+
+
+def test_chosen_checkpoints_are_probed_in_step_order_and_the_table_shows_them(short_run, eval_recipe, capsys):
+    assert main(["eval", str(short_run), "--recipe", str(eval_recipe), "--set", "evaluator.1.epochs=1",
+                 "--checkpoints", "4,2"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("knn:"):out.index("attentive-probe:")]
+    rows = [line.split()[0] for line in table.splitlines()[2:] if line.strip()]
+    assert rows == ["2", "4", "random"]
+    assert "[" in table and (short_run / "eval_checkpoints.png").is_file()
+
+
+def test_bad_checkpoint_choices_are_one_line_user_errors(short_run, eval_recipe, tmp_path, capsys):
+    recipe = str(eval_recipe)
+    err = _error(capsys, str(short_run), "--recipe", recipe, "--checkpoints", "5")
+    assert "no saved checkpoint at update step 5 (saved: 2, 4, 6)" in err
+    assert "'last' is not an update step" in _error(capsys, str(short_run), "--recipe", recipe,
+                                                    "--checkpoints", "last")
+    checkpoint = short_run / "checkpoints" / "step_00000006.pt"
+    assert "not a run folder" in _error(capsys, str(checkpoint), "--recipe", recipe, "--checkpoints", "all")
+    assert "give one of them" in _error(capsys, str(short_run), "--recipe", recipe, "--checkpoints", "all",
+                                        "--shots", "2")
+
+
+def test_label_efficiency_prints_a_table_and_writes_a_png_and_a_csv(short_run, eval_recipe, tmp_path, capsys):
+    png = tmp_path / "shots" / "efficiency.png"
+    args = [str(short_run), "--recipe", str(eval_recipe), "--shots", "2,all", "--draws", "2", "--png", str(png)]
+    report = _json(capsys, *args)
+    assert report["shots"] == ["2", "all"] and report["draws"] == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["csv"] == str(png.with_suffix(".csv"))
+    with png.with_suffix(".csv").open(encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    auroc = {(r["encoder"], r["evaluator"], r["shots"]): r for r in rows if r["metric"] == "auroc"}
+    assert set(auroc) == {(e, v, s) for e in ("pretrained", "random_init")
+                          for v in ("knn", "attentive-probe") for s in ("2", "all")}
+    assert auroc[("pretrained", "knn", "2")]["draws"] == "2"
+    assert auroc[("pretrained", "knn", "all")]["draws"] == "1"
+    assert float(auroc[("pretrained", "knn", "all")]["std"]) == 0.0
+    assert float(auroc[("pretrained", "knn", "2")]["volumes_per_class"]) == 2.0
+
+    first_csv = png.with_suffix(".csv").read_text(encoding="utf-8")
+    assert main(["eval", *args]) == 0
+    table = capsys.readouterr().out
+    assert "attentive-probe:" in table and " ± " in table and f"png       {png}" in table
+    # Written again by the second run: seeded draws and deterministic probes give the same numbers.
+    assert png.with_suffix(".csv").read_text(encoding="utf-8") == first_csv
+
+
+def test_bad_shot_counts_are_one_line_user_errors(short_run, eval_recipe, capsys):
+    recipe = str(eval_recipe)
+    assert "cannot train a classifier" in _error(capsys, str(short_run), "--recipe", recipe, "--shots", "0")
+    assert "use at most" in _error(capsys, str(short_run), "--recipe", recipe, "--shots", "50")
+    assert "--draws applies to --shots" in _error(capsys, str(short_run), "--recipe", recipe, "--draws", "2")
+
+
+def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):
+    from octfw.commands.eval import _progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with _progress_bar() as update:
+        update(1, 4, "pretrained: linear-probe")
+    assert update is not None and "eval" in terminal.getvalue()
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    with _progress_bar() as update:
+        assert update is None
+
+
+# --- patients ------------------------------------------------------------------------
+
+
+def _patient_manifest(tmp_path: Path, registry, share_with: list[str] | None = None) -> tuple[Path, list]:
+    """The labelled synthetic cohort's manifest again, with a patient column: volumes 2k and 2k+1
+    (two domains, often two labels) belong to one patient."""
+    recipe = load_recipe(_write(tmp_path, TINY_RECIPE + f"\n[[evaluator]]\nname = \"knn\"\ndataset = {LABELLED}\n"),
+                         (), registry)
+    source = build_components(recipe, registry, run_dir=None).evaluators[0].train_dataset.location
+    rows = read_manifest(source)
+    with_patients = [ManifestRow(path=r.path, domain=r.domain, label=r.label, patient=f"anon-{i // 2}")
+                     for i, r in enumerate(rows)]
+    manifest = tmp_path / "patients.jsonl"
+    write_manifest(str(manifest), with_patients, relative=False)
+    return manifest, with_patients
+
+
+def _write(tmp_path: Path, text: str, name: str = "recipe.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_the_split_keeps_each_patients_volumes_on_one_side(tmp_path, registry):
+    manifest, rows = _patient_manifest(tmp_path, registry)
+    patient_of = {r.path: r.patient for r in rows}
+    table = f'{{ name = "dicom", path = "{manifest}" }}'
+    recipe = load_recipe(_write(tmp_path, TINY_RECIPE + f"\n[[evaluator]]\nname = \"attentive-probe\"\n"
+                                                        f"dataset = {table}\n"), (), registry)
+    evaluator = build_components(recipe, registry, run_dir=None).evaluators[0]
+    train, test = evaluator.split()
+    train_patients = {patient_of[s] for s in train.sources}
+    test_patients = {patient_of[s] for s in test.sources}
+    assert len(train) + len(test) == 24 and not train_patients & test_patients
+    fit, val = evaluator.fit_val_positions()
+    assert not {patient_of[train.sources[p]] for p in fit} & {patient_of[train.sources[p]] for p in val}
+
+
+def test_a_test_dataset_sharing_a_patient_with_the_train_dataset_is_refused_naming_files(tmp_path, registry):
+    _manifest, rows = _patient_manifest(tmp_path, registry)
+    # Volumes 10 and 11 belong to one patient: 10 on the train side, 11 on the test side.
+    split = [ManifestRow(path=r.path, domain=r.domain, label=r.label, patient=r.patient,
+                         split="train" if i < 11 else "test") for i, r in enumerate(rows)]
+    both = tmp_path / "split.jsonl"
+    write_manifest(str(both), split, relative=False)
+    text = (TINY_RECIPE + "\n[[evaluator]]\nname = \"linear-probe\"\n"
+            f'dataset = {{ name = "dicom", path = "{both}", split = "train" }}\n'
+            f'test_dataset = {{ name = "dicom", path = "{both}", split = "test" }}\n')
+    recipe = load_recipe(_write(tmp_path, text), (), registry)
+    with pytest.raises(UserError, match="1 test volumes belong to patients of the train dataset") as info:
+        build_components(recipe, registry, run_dir=None)
+    assert rows[11].path in str(info.value) and rows[10].path in str(info.value)
+    assert rows[10].patient not in str(info.value)  # files are named, never the patient key
