@@ -59,7 +59,10 @@ def pretrain(out: Path, seed: int, updates: int, n_volumes: int | None) -> dict[
     """Train ``recipes/pretrain_cpu.toml`` for ``updates`` update steps; its summary and run folder."""
     from octfw.cli import main
 
-    sets = [f"run.seed={seed}", f"run.max_steps={updates}", f"run.output_dir={json.dumps(str(out))}",
+    # run.max_steps caps run.epochs: epochs high enough that the budget, not the
+    # recipe's 10 epochs, decides the length (and the LR and EMA schedules span it).
+    sets = [f"run.seed={seed}", f"run.max_steps={updates}", "run.epochs=100000",
+            f"run.output_dir={json.dumps(str(out))}",
             'logger=[{name="jsonl"}]', "evaluator=[]"]  # probed below, on every task
     if n_volumes is not None:
         sets.append(f"dataset.n_volumes={n_volumes}")
