@@ -119,19 +119,16 @@ class Backend:
 
         sharding = self.input_sharding()
         # The loader would cut the graph (torch_xla.sync) before every batch it
-        # hands out unless told how many batches one execution takes; the
-        # engine cuts it itself at each update step's end (step_boundary). Left
-        # to cut, the loader split an update step into one graph per
-        # micro-step plus one for the step's first zeros, and under SPMD the
-        # gradients crossed devices once per micro-step instead of once per
-        # update (tests/test_xla_update_step.py).
+        # hands out, as a default for loops that never cut it themselves. The
+        # engine cuts it where it wants: after each micro-step and at each
+        # update step's end (Trainer.update), so the loader must not.
         never = sys.maxsize
         for tensors in pl.MpDeviceLoader(tensors_only(), self.device, input_sharding=sharding,
                                          batches_per_execution=never):
             yield {"tensors": tensors, **host_parts.popleft()}
 
     def step_boundary(self) -> None:
-        """End of one update step: cut and launch the XLA graph; nothing elsewhere."""
+        """End of an update step or a micro-step: cut and launch the XLA graph; nothing elsewhere."""
         if self.kind == "xla":
             import torch_xla
 

@@ -233,6 +233,12 @@ class Trainer:
                 (out.loss / engine.grad_accum_steps).backward()
             step_loss += out.loss.detach().float() / engine.grad_accum_steps
             self._add_domain_losses(out, batch["tensors"][DOMAIN_ID_KEY])
+            if not last_micro:
+                # One XLA graph per micro-step, so that a graph holds one
+                # micro-batch's activations, as accumulation intends: with the
+                # whole update in one graph XLA:CPU planned twice the memory
+                # for `small` at the seeds' size (docs/performance.md).
+                backend.step_boundary()
         self.samples_done += self.local_samples_per_update
         self.guard_log.remember(update_step + 1, provenance)
         if is_ddp():  # every rank's guards see the same (mean) loss; SPMD's is global already
