@@ -50,8 +50,8 @@ import torch
 
 __all__ = [
     "ATTENTION_BY_DEVICE", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
-    "batch_advice", "device_memory", "estimate_memory", "largest_batch", "memory_report", "parse_bytes", "peak_rss_growth",
-    "resized_batch", "saved_tensors", "supports_checkpointing",
+    "batch_advice", "device_memory", "estimate_memory", "largest_batch", "largest_fitting",
+    "memory_report", "parse_bytes", "peak_rss_growth", "resized_batch", "saved_tensors",
 ]
 
 GIB = 1024**3
@@ -227,10 +227,6 @@ def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any], *, attent
     return saved_tensors(model, batch, attention=attention, checkpointing=checkpointing).total()
 
 
-def supports_checkpointing(model: torch.nn.Module) -> bool:
-    return any(hasattr(m, "checkpoint_activations") for m in model.modules())
-
-
 def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device: str = "cpu",
                     checkpointing: bool | None = None) -> MemoryEstimate:
     """Estimate the peak per-device bytes of training ``model`` on micro-batches like ``batch``
@@ -251,16 +247,9 @@ def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device:
     return MemoryEstimate(parts)
 
 
-def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, *,
-                  device: str = "cpu", checkpointing: bool | None = None, limit: int = 1 << 16) -> int:
-    """The largest per-device batch of samples like ``batch``'s whose estimate
-    fits in ``device_bytes``; 0 when one sample does not fit."""
-
-    def fits(size: int) -> bool:
-        estimate = estimate_memory(model, resized_batch(batch, size), device=device,
-                                   checkpointing=checkpointing)
-        return estimate.total <= device_bytes
-
+def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
+    """The largest size in ``[1, limit]`` for which ``fits(size)``, 0 when not even 1 fits;
+    ``fits`` must be monotone (true up to some size, false above it). Doubles, then bisects."""
     if not fits(1):
         return 0
     low, high = 1, 2  # fits(low); the first doubling that does not fit bounds the search
@@ -271,6 +260,19 @@ def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, *,
+                  device: str = "cpu", checkpointing: bool | None = None, limit: int = 1 << 16) -> int:
+    """The largest per-device batch of samples like ``batch``'s whose estimate
+    fits in ``device_bytes``; 0 when one sample does not fit."""
+
+    def fits(size: int) -> bool:
+        estimate = estimate_memory(model, resized_batch(batch, size), device=device,
+                                   checkpointing=checkpointing)
+        return estimate.total <= device_bytes
+
+    return largest_fitting(fits, limit)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
