@@ -35,7 +35,7 @@ On a CUDA machine (``--device cuda``, or ``auto`` with a GPU visible):
 
 Without a GPU (``--device cpu``, or ``auto``) it runs the same measurements
 at a size two CPU cores manage: ``tiny`` and ``small`` at [32, 128, 128],
-fp32 (the engine's CPU precision), the batch search capped at 8, compile only
+fp32 (the engine's CPU precision), the batch search capped at 4, compile only
 for the first preset at batch 1 without checkpointing (compiling takes
 minutes there), attention at 9,216 tokens forward only. The CUDA tests are
 run too and come back skipped. CPU memory is the process's peak resident size
@@ -245,8 +245,11 @@ class Probe:
         return (budget is None or peak <= budget), peak
 
 
-def largest_fitting(probe: Probe, budget: int | None, limit: int) -> tuple[int, dict[int, int | None]]:
-    """The largest batch that fits, by doubling then bisection; and each probe's peak."""
+def largest_fitting_batch(probe: Probe, budget: int | None, limit: int) -> tuple[int, dict[int, int | None]]:
+    """The largest batch that fits, by the search ``largest_batch`` uses (doubling,
+    then bisection) with real update steps; and each probe's peak."""
+    from octfw.tools.memory import largest_fitting
+
     peaks: dict[int, int | None] = {}
 
     def fits(size: int) -> bool:
@@ -256,16 +259,7 @@ def largest_fitting(probe: Probe, budget: int | None, limit: int) -> tuple[int, 
               flush=True)
         return ok
 
-    if not fits(1):
-        return 0, peaks
-    low, high = 1, 2
-    while high <= limit and fits(high):
-        low, high = high, 2 * high
-    high = min(high, limit + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low, peaks
+    return largest_fitting(fits, limit), peaks
 
 
 def memory_and_batch(probe: Probe, budget: int | None, device_bytes: int | None, limit: int) -> dict[str, Any]:
@@ -276,7 +270,7 @@ def memory_and_batch(probe: Probe, budget: int | None, device_bytes: int | None,
     estimate = estimate_memory(probe.trainer.model, single, device=kind, checkpointing=config.checkpointing)
     measured = probe.peak_memory(1)
     release()
-    largest, peaks = largest_fitting(probe, budget, limit)
+    largest, peaks = largest_fitting_batch(probe, budget, limit)
     limit_bytes = budget if budget is not None else device_bytes
     predicted = (largest_batch(probe.trainer.model, single, limit_bytes, device=kind,
                                checkpointing=config.checkpointing, limit=limit)
@@ -306,7 +300,8 @@ def throughput(probe: Probe, batch: int, steps: int, warm_up: int, flops_per_sam
         return row
     step_s = median(times)
     row.update(step_s=step_s, step_times_s=times, samples_per_s=batch / step_s,
-               achieved_flops=flops_per_sample * batch / step_s)
+               achieved_flops=flops_per_sample * batch / step_s,
+               load_average_1m=os.getloadavg()[0])  # other jobs on the machine skew CPU timings
     return row
 
 
@@ -383,6 +378,10 @@ def table(result: dict[str, Any]) -> str:
                 cells += [f"{row['samples_per_s']:.3g}", f"{row['step_s'] * 1e3:.0f}"]
                 cells += [f"{row[f'mfu_{n}']:.1%}" for n in peak_names]
             lines.append("| " + " | ".join(cells) + " |")
+    if any((row.get("mfu_measured_matmul_peak") or 0) > 1 for s in result["presets"].values()
+           for row in s["throughput"]):
+        lines.append("\nMFU above 100 %: the matmul peak was measured while the machine was busier "
+                     "than during that step (see load_average_1m in the JSON).")
     lines += ["", "| preset | act. ckpt | peak GiB (batch 1) | estimate GiB | largest batch | predicted |",
               "| --- | --- | --- | --- | --- | --- |"]
     for preset, section in result["presets"].items():
@@ -403,7 +402,7 @@ def main() -> None:
     parser.add_argument("--presets", help="comma-separated (default: small,base on cuda; tiny,small on cpu)")
     parser.add_argument("--image-size", help="D,H,W (default: 64,384,384 on cuda; 32,128,128 on cpu)")
     parser.add_argument("--steps", type=int, help="timed update steps per throughput figure (default 5 cuda, 3 cpu)")
-    parser.add_argument("--max-batch", type=int, help="cap of the batch search (default 256 cuda, 8 cpu)")
+    parser.add_argument("--max-batch", type=int, help="cap of the batch search (default 256 cuda, 4 cpu)")
     parser.add_argument("--compile", default="both", choices=["both", "off", "on"])
     parser.add_argument("--cpu-budget", default="1GiB", help="memory a batch must fit in on the CPU")
     parser.add_argument("--tests", nargs="*", default=CUDA_TESTS, help="paths given to pytest -m cuda")
@@ -425,7 +424,7 @@ def main() -> None:
     image_size = [int(x) for x in args.image_size.split(",")] if args.image_size else (
         SEED_IMAGE if cuda else CPU_IMAGE)
     dtype, precision = (CUDA_DTYPE, "bf16") if cuda else (CPU_DTYPE, "fp32")
-    args.max_batch = args.max_batch or (256 if cuda else 8)
+    args.max_batch = args.max_batch or (256 if cuda else 4)
     args.steps = args.steps or (5 if cuda else 3)
     args.compile = {"both": [False, True], "off": [False], "on": [True]}[args.compile]
     budget = None if cuda else parse_bytes(args.cpu_budget)
