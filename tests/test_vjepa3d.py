@@ -354,3 +354,65 @@ def test_param_groups_split_decay_and_no_decay():
     assert "context_encoder.norm.weight" in no_decay_names
     assert "context_encoder.blocks.0.attn.qkv.bias" in no_decay_names
     torch.optim.AdamW(model.param_groups(0.05), lr=1e-4)  # accepted as is
+
+
+# --- LayerNorm (written out on XLA) -------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, normalized", [((2, 7, 48), (48,)), ((3, 4, 5, 6), (5, 6))])
+def test_written_out_layer_norm_matches_the_fused_kernel(shape, normalized):
+    """What octfw's LayerNorm computes on XLA, run here on the CPU: output and
+    every gradient as F.layer_norm's, with and without the affine part."""
+    from octfw.models.vit3d import written_out_layer_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen) * 4.0 + 2.0
+    weight = torch.rand(normalized, generator=gen) + 0.5
+    bias = torch.randn(normalized, generator=gen)
+    upstream = torch.randn(*shape, generator=gen)
+    for affine in (True, False):
+        results = []
+        for norm in (F.layer_norm, written_out_layer_norm):
+            inputs = [t.clone().requires_grad_() for t in ((x, weight, bias) if affine else (x,))]
+            out = norm(inputs[0], normalized, *inputs[1:], eps=1e-6)
+            out.backward(upstream)
+            results.append([out, *(t.grad for t in inputs)])
+        for mine, fused in zip(results[1], results[0]):
+            torch.testing.assert_close(mine, fused, rtol=1e-5, atol=1e-5)
+
+
+def test_written_out_layer_norm_computes_in_float32():
+    from octfw.models.vit3d import written_out_layer_norm
+
+    x = torch.randn(4, 64) * 3.0 + 100.0  # a large mean: cancellation in bf16 would show
+    expected = F.layer_norm(x, (64,))
+    out = written_out_layer_norm(x.bfloat16(), (64,))
+    assert out.dtype == torch.bfloat16  # as F.layer_norm returns without weights
+    # Only the input's and the result's bf16 rounding (within one bf16 step of the
+    # fused kernel on the rounded input), not bf16 arithmetic: a mean of 100 held
+    # in bf16 is off by up to 0.25, a twelfth of the std.
+    reference = F.layer_norm(x.bfloat16().float(), (64,))
+    torch.testing.assert_close(out.float(), reference, rtol=2 ** -8, atol=2 ** -8)
+    assert (out.float() - expected).abs().max() < 0.2
+
+
+def test_model_layer_norms_keep_nn_layer_norm_state_dicts():
+    """Checkpoints written with nn.LayerNorm load into the model and back."""
+    from torch import nn
+
+    from octfw.models.vit3d import LayerNorm
+
+    model = make_model()
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(type(m) is LayerNorm for m in norms)
+    plain = nn.LayerNorm(32)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+        plain.bias.uniform_(-1.0, 1.0)
+    norm = LayerNorm(32)
+    norm.load_state_dict(plain.state_dict())
+    assert list(norm.state_dict()) == ["weight", "bias"]
+    x = torch.randn(3, 32)
+    assert torch.equal(norm(x), plain(x))  # the fused kernel off XLA
+    keys = model.state_dict().keys()
+    assert "predictor.norm.weight" in keys and "context_encoder.norm.bias" in keys

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_RECIPE
+from octfw.models.vjepa3d import RANK_TOKENS
 from octfw.tools.xla_counters import summarize
 from octfw.tools.xla_hlo import (collective_totals, collectives, compiled_modules, dump_flags, gradient_rounds,
                                  match_gradients, module_memory_bytes, trailing_square_buffers, unoptimized)
@@ -107,6 +108,42 @@ def test_collectives_besides_the_gradients_are_the_step_s_scalar_and_metric_sums
         assert graph["collectives"]["all-reduce"]["bytes"] == graph["gradient_bytes"] + graph["extra_bytes"]
         # Nothing is scattered or exchanged: parameters stay replicated, batches stay split.
         assert set(graph["collectives"]) <= {"all-reduce", "all-gather"}, graph["collectives"]
+
+
+def test_no_compiled_graph_gathers_the_activations(run):
+    # torch_xla's fused layer_norm (a batch norm over [1, rows, E]) made the SPMD
+    # partitioner all-gather the batch-sharded activations onto every device in every
+    # LayerNorm and its backward (at the seeds' size 74 all-gathers in tiny's update
+    # graph, 7.47 GB in small's); octfw's LayerNorm is written out on XLA. What may be gathered
+    # is the effective-rank metric's token subset: at most RANK_TOKENS x E, whatever the
+    # batch. Here its 56 tokens (fewer than E) take the Gram-matrix path, a tokens x
+    # tokens product that needs every device's tokens.
+    gathers = [(m["name"], g) for m in run["modules"] for g in m["all_gathers"]]
+    assert {g["op_type"] for _, g in gathers} <= {"aten__mm"}, gathers
+    for module in run["modules"]:
+        gathered = sum(g["bytes"] for g in module["all_gathers"])
+        assert gathered <= RANK_TOKENS * run["embed_dim"] * 4, (module["name"], module["all_gathers"])
+        assert set(module["collectives"]) <= {"all-reduce", "all-gather"}, (module["name"], module["collectives"])
+
+
+def test_layer_norm_on_xla_matches_the_fused_kernel(run):
+    check = run["layer_norm"]
+    for what, diff in check["max_abs_diff"].items():
+        assert diff < 1e-5, (what, diff)
+    assert check["dtype"] == "torch.float32"
+    assert check["autocast_dtype"] == "torch.float32"  # as F.layer_norm: fp32 under autocast
+
+
+def test_the_last_update_step_compiles_nothing(run):
+    # The recipe's schedule ends at EMA momentum exactly 1.0 and the LR at its floor.
+    # torch_xla compiles a 0-d tensor made from a host 0 or 1 in as a constant, so the
+    # last step recompiled the whole update graph until the momentum went in as data
+    # (Backend.scalar).
+    momentum, lr = run["schedule"]["ema_momentum"], run["schedule"]["lr"]
+    assert momentum[-1] == 1.0 and all(m < 1.0 for m in momentum[:-1]), momentum
+    assert lr[-1] < lr[-2], lr  # still falling: a new value at the last step
+    last = run["update_steps"][-1]
+    assert last["compiles"] == 0 and last["compiled"] == [], last
 
 
 @pytest.mark.xfail(strict=True, reason="torch_xla 2.9's XLA:CPU compiler has no all-reduce combiner pass "

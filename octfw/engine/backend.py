@@ -134,6 +134,20 @@ class Backend:
 
             torch_xla.sync()
 
+    def scalar(self, value: float) -> torch.Tensor:
+        """A 0-d float32 device tensor holding the host value ``value`` (a
+        scheduled momentum, say) as data that the graph reads, whatever the value."""
+        if self.kind == "xla":
+            # torch_xla compiles a 0-d tensor made from a host value of 0 or +-1
+            # into the graph as a constant (its "special scalars"), any other
+            # value as input data: the graph would compile anew the first time
+            # the value hits 0 or 1, e.g. an EMA momentum reaching 1.0 at the
+            # last update step. A one-element vector is always input data.
+            # (XLA_NO_SPECIAL_SCALARS=1 would do it process-wide, also for
+            # literals such as add's alpha=1 that XLA folds away today.)
+            return torch.tensor([value], dtype=torch.float32, device=self.device).reshape(())
+        return torch.tensor(value, dtype=torch.float32, device=self.device)
+
     def read(self, values: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Device tensors to host values in one transfer: a float per scalar,
         a list per vector. This is a sync point: the engine calls it on log

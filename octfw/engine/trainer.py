@@ -262,7 +262,7 @@ class Trainer:
         momentum = schedule.ema_momentum(update_step)
         if momentum is not None and hasattr(self.model, "ema_update"):
             # Momentum 1.0 leaves the EMA untouched when the update was skipped.
-            self.model.ema_update(torch.where(ok, torch.tensor(momentum, device=backend.device), 1.0))
+            self.model.ema_update(torch.where(ok, backend.scalar(momentum), 1.0))
         self.optimizer.zero_grad(set_to_none=True)
         totals = self.totals
         totals.skipped += (~ok).float()

@@ -25,6 +25,9 @@ __all__ = [
     "PatchEmbed3D",
     "Attention",
     "MLP",
+    "LayerNorm",
+    "layer_norm",
+    "written_out_layer_norm",
     "Block",
     "checkpointed",
     "set_activation_checkpointing",
@@ -147,6 +150,61 @@ def checkpointed(function, x: torch.Tensor) -> torch.Tensor:
     return torch.utils.checkpoint.checkpoint(function, x, use_reentrant=False)
 
 
+def layer_norm(x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """``F.layer_norm``, written out on XLA devices.
+
+    torch_xla lowers ``layer_norm`` to a batch norm over a ``[1, rows, E]``
+    view of the input, and XLA's SPMD partitioner answers that by
+    all-gathering the batch-sharded rows onto every device: each device then
+    holds the global batch's activations in every LayerNorm (7.47 GB of
+    all-gathers per update for ``small`` at the seeds' size,
+    docs/performance.md). Mean and variance over the normalised axes are
+    per-row reductions, which the partitioner keeps on each device's own
+    rows. Computed in float32 (as the fused kernel does) and returned in the
+    dtype ``F.layer_norm`` returns for the same input. Other devices keep the
+    fused kernel. The branch is on the device type only, never on values.
+    """
+    if x.device.type != "xla":
+        return F.layer_norm(x, normalized_shape, weight, bias, eps)
+    return written_out_layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def written_out_layer_norm(x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None = None,
+                           bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """What :func:`layer_norm` computes on XLA, on any device:
+    ``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last
+    ``len(normalized_shape)`` axes, in float32."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    x32 = x.float()
+    mean = x32.mean(dim=dims, keepdim=True)
+    centered = x32 - mean
+    var = centered.square().mean(dim=dims, keepdim=True)  # biased, as layer_norm's
+    y = centered * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(_layer_norm_dtype(x, weight))
+
+
+def _layer_norm_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    """The dtype ``F.layer_norm`` returns: float32 inside an autocast region
+    of ``x``'s device (layer_norm runs in float32 there), else ``x``'s own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.float32
+    return x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters, same state dict) through
+    :func:`layer_norm`: written out on XLA, where the fused op makes SPMD
+    all-gather the activations; the fused kernel elsewhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
@@ -161,9 +219,9 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = LayerNorm(dim)
         self.attn = Attention(dim, num_heads)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = LayerNorm(dim)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,7 +302,7 @@ class ViT3DEncoder(nn.Module):
             "pos_embed", sincos_pos_embed_3d(self.grid_size, embed_dim)[None], persistent=False
         )
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio) for _ in range(depth))
-        self.norm = nn.LayerNorm(embed_dim)
+        self.norm = LayerNorm(embed_dim)
         self.apply(init_weights)
         rescale_residual_branches(self.blocks)
         set_activation_checkpointing(self.blocks, activation_checkpointing)

@@ -23,9 +23,11 @@ from torch import nn
 
 from octfw.models.vit3d import (
     Block,
+    LayerNorm,
     ViT3DEncoder,
     gather_tokens,
     init_weights,
+    layer_norm,
     rescale_residual_branches,
     set_activation_checkpointing,
     sincos_pos_embed_3d,
@@ -86,7 +88,7 @@ class Predictor(nn.Module):
         self.blocks = nn.ModuleList(
             Block(predictor_embed_dim, num_heads, mlp_ratio) for _ in range(depth)
         )
-        self.norm = nn.LayerNorm(predictor_embed_dim)
+        self.norm = LayerNorm(predictor_embed_dim)
         self.embed_out = nn.Linear(predictor_embed_dim, embed_dim)
         self.apply(init_weights)
         rescale_residual_branches(self.blocks)
@@ -124,7 +126,7 @@ def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str
     predicted = predicted.float()
     target = target.float()
     if kind == "l1":
-        target = F.layer_norm(target, target.shape[-1:])
+        target = layer_norm(target, target.shape[-1:])  # written out on XLA (see there)
         error = (predicted - target).abs()
     elif kind == "mse":
         error = (predicted - target).square()

@@ -8,7 +8,9 @@ The real engine, as the hygiene run of octfw.tools.xla_counters builds it
 every LOG_EVERY. Recorded for each update step: the modules XLA compiled
 during it and the graphs it executed. Then each compiled module's
 collectives, paired with the trainable gradients, and the attention buffers
-of TOKENS x TOKENS it materialises. Prints one JSON object.
+of TOKENS x TOKENS it materialises; the schedule's values at each update
+step; and octfw's LayerNorm on an xla tensor against F.layer_norm on the
+CPU (output and gradients). Prints one JSON object.
 
     python update_step_hlo.py RECIPE STEPS LOG_EVERY DUMP TOKENS [OVERRIDE ...]
 """
@@ -17,6 +19,10 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from octfw.models.vit3d import LayerNorm
 from octfw.tools.xla_counters import counted_run
 from octfw.tools.xla_hlo import compiled_modules, module_report, record_update_steps
 
@@ -31,7 +37,36 @@ compiled_in = {name: r["step"] for r in records for name in r["compiled"]}
 modules = [{**module_report(path, sizes, [tokens]), "compiled_in_update_step": compiled_in.get(path.name)}
            for path in compiled_modules(dump)]
 
+
+def layer_norm_on_xla(device) -> dict:
+    """Largest differences between octfw's LayerNorm on ``device`` (written
+    out there) and F.layer_norm's fused CPU kernel: output, input and
+    parameter gradients, in float32; and the output dtype under bf16 autocast."""
+    torch.manual_seed(0)
+    norm = LayerNorm(48)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-1.0, 1.0)
+    x = torch.randn(2, 12, 48) * 3.0 + 1.5
+    upstream = torch.randn(2, 12, 48)
+    cpu_x = x.clone().requires_grad_()
+    weight, bias = norm.weight.detach().clone().requires_grad_(), norm.bias.detach().clone().requires_grad_()
+    expected = F.layer_norm(cpu_x, (48,), weight, bias, norm.eps)
+    expected.backward(upstream)
+    norm.to(device)
+    xla_x = x.to(device).requires_grad_()
+    out = norm(xla_x)
+    out.backward(upstream.to(device))
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        autocast_dtype = norm(xla_x.detach().bfloat16()).dtype
+    pairs = {"output": (out, expected), "input_grad": (xla_x.grad, cpu_x.grad),
+             "weight_grad": (norm.weight.grad, weight.grad), "bias_grad": (norm.bias.grad, bias.grad)}
+    return {"max_abs_diff": {k: (a.cpu() - b).abs().max().item() for k, (a, b) in pairs.items()},
+            "dtype": str(out.dtype), "autocast_dtype": str(autocast_dtype)}
+
+
 backend = trainer.backend
+schedule = trainer.parts.scheduler
 print(json.dumps({
     "hygiene": hygiene, "update_steps": records, "modules": modules,
     "gradients": {"count": len(sizes), "sizes": sizes,
@@ -39,8 +74,12 @@ print(json.dumps({
                   "dtypes": sorted({str(p.dtype) for p in trainer.parameters})},
     "spmd": {"device_count": backend.device_count, "local_devices": backend.local_devices,
              "mesh_shape": list(backend.mesh.mesh_shape), "precision": backend.precision},
+    "schedule": {"ema_momentum": [schedule.ema_momentum(s) for s in range(steps)],
+                 "lr": [schedule.lr(s) for s in range(steps)]},
+    "layer_norm": layer_norm_on_xla(backend.device),
     "grad_accum_steps": trainer.recipe.engine.grad_accum_steps,
     "per_device_batch": trainer.recipe.engine.per_device_batch,
+    "embed_dim": trainer.model.context_encoder.norm.weight.numel(),
     "heads": {"encoder": trainer.model.context_encoder.blocks[0].attn.num_heads,
               "predictor": trainer.model.predictor.blocks[0].attn.num_heads},
 }))
