@@ -14,10 +14,14 @@ XLA's default compiler options and every compiled module dumped as HLO text:
   Compilations and graphs per update step, compile seconds, and the
   collectives of the graphs that ran.
 - ``compile``: tiny and small at the seeds' size [64, 384, 384] (9,216
-  tokens), gradient accumulation 2 (``--accum``): the first update step's
-  graph (the engine cuts the graph at each update step's end, so it holds
-  both micro-steps' forward and backward, the guards, AdamW and EMA)
-  compiled but not run. Running it
+  tokens), gradient accumulation 1 (``--accum``): the first update step's
+  graph (one micro-step's forward and backward, the guards, AdamW and EMA)
+  compiled but not run. The engine cuts the graph after every micro-step,
+  so this is the largest graph an accumulated update runs too (its last
+  micro-step's graph only adds the gradients carried over). A larger
+  ``--accum`` is refused: compiling without running leaves the first
+  micro-step's graph pending, and the next cut would compile every
+  micro-step in one graph again. Running it
   is out of reach here: one attention layer's scores are 6 x 9,216^2 floats
   per device (2 GB in fp32, XLA:CPU's precision) and the machine has 23 GB
   for 4 devices and the other agents. Compile seconds, collectives against
@@ -28,6 +32,9 @@ the load average is recorded. Prints a table and writes
 ``benchmarks/results/xla_update_cost.json``.
 
     python benchmarks/xla_update_cost.py [--only steps|compile] [--presets tiny,small]
+
+``--presets tiny`` keeps the other presets' compile entries of the previous
+JSON, marked ``kept_from_earlier_run``; ``--only`` keeps the other part.
 """
 
 from __future__ import annotations
@@ -256,7 +263,7 @@ def report(results: dict[str, Any]) -> None:
                   f"({g['rounds']} x the gradients = {mib(g['gradient_bytes'])}, + {g['extra_bytes']} B), "
                   f"all-gather {g['all_gather'] and g['all_gather']['count']} ops "
                   f"{mib(g['all_gather'] and g['all_gather']['bytes'])}, XLA memory/device {mib(g['memory_bytes'])}")
-    for r in (r for r in results.get("compile", []) if "summary" in r):
+    for r in (r for r in results.get("compile", []) if "summary" in r and not r.get("kept_from_earlier_run")):
         s, a = r["summary"], r["summary"]["attention"]
         grads = r["gradients"]
         print(f"compile: {r['preset']} at {r['image_size']} ({r['tokens']} tokens, {r['context_tokens']} visible), "
@@ -283,8 +290,11 @@ def main() -> None:
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--image", help=argparse.SUPPRESS)
     parser.add_argument("--dump", help=argparse.SUPPRESS)
-    parser.add_argument("--accum", type=int, default=2, help="gradient accumulation of the compiled update step")
+    parser.add_argument("--accum", type=int, default=1, help="gradient accumulation of the compiled update step")
     args = parser.parse_args()
+    if args.accum != 1:
+        parser.error("--accum: only 1; the engine cuts the graph after each micro-step, which compile-only "
+                     "cannot do (nothing runs, so the next graph would hold every micro-step again)")
     if args.worker:
         image = tuple(int(x) for x in args.image.split(","))
         if args.worker == "steps":
@@ -296,9 +306,9 @@ def main() -> None:
 
     results: dict[str, Any] = {"load_average_before": os.getloadavg()}
     previous = RESULTS / "xla_update_cost.json"
-    if args.only and previous.exists():  # one part re-run: keep the other part's figures
-        kept = json.loads(previous.read_text())
-        results.update({k: kept[k] for k in ("steps", "compile") if k in kept and k != args.only})
+    kept: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    # The part not re-run keeps its figures (the part re-run replaces them below).
+    results.update({k: kept[k] for k in ("steps", "compile") if k in kept and k != args.only})
     if args.only in (None, "steps"):
         r = run_worker(["steps", "--preset", "tiny", "--image", ",".join(map(str, SMOKE_SIZE)),
                         "--steps", str(args.steps), "--log-every", str(args.log_every)], args.timeout)
@@ -311,6 +321,9 @@ def main() -> None:
                             "--accum", str(args.accum)], args.timeout)
             summary = {} if "error" in r else {"summary": summarize_compile(r)}
             results["compile"].append({**r, "preset": preset, "load_average_before": started_load, **summary})
+        rerun = set(args.presets.split(","))
+        results["compile"] += [{**r, "kept_from_earlier_run": True} for r in kept.get("compile", [])
+                               if r["preset"] not in rerun]
     results["load_average_after"] = os.getloadavg()
     report(results)
     for r in [results.get("steps", {}), *results.get("compile", [])]:

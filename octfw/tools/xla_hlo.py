@@ -36,8 +36,8 @@ __all__ = [
     "collectives",
     "compiled_modules",
     "dump_flags",
-    "instructions",
     "gradient_rounds",
+    "instructions",
     "match_gradients",
     "module_memory_bytes",
     "module_report",
@@ -105,7 +105,7 @@ def compiled_modules(folder: Path | str) -> list[Path]:
     XLA names them ``module_NNNN.<name>.<backend>_after_optimizations.txt``
     (``cpu_`` here); the same folder also holds the unoptimised text and, on
     the CPU, LLVM files, which are left out."""
-    paths = [p for p in Path(folder).glob("module_*after_optimizations.txt")]
+    paths = Path(folder).glob("module_*after_optimizations.txt")
     return sorted(paths, key=lambda p: int(p.name.split(".", 1)[0].removeprefix("module_")))
 
 
@@ -192,7 +192,9 @@ def match_gradients(all_reduces: Iterable[Instruction], gradient_sizes: Iterable
 
     Element counts, not shapes: XLA may lay a gradient out transposed (a
     Conv3d weight's all-reduce is channels-last). What is not paired is
-    ``extra``: the loss, metric and counter sums of the step."""
+    ``extra``: the loss, metric and counter sums of the step. Among
+    all-reduces of one size, which ones count as extra is arbitrary; the
+    byte totals are exact."""
     pool, wanted = _by_size(all_reduces), collections.Counter(gradient_sizes)
     missing, extra, paired_bytes = [], [], 0
     for size in sorted(set(pool) | set(wanted)):
