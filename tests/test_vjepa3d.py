@@ -416,3 +416,16 @@ def test_model_layer_norms_keep_nn_layer_norm_state_dicts():
     assert torch.equal(norm(x), plain(x))  # the fused kernel off XLA
     keys = model.state_dict().keys()
     assert "predictor.norm.weight" in keys and "context_encoder.norm.bias" in keys
+
+
+def test_effective_rank_compiles_without_a_graph_break():
+    """A graph break inside the forward made torch.compile recompile on every
+    update step (engine.compile = true); fullgraph refuses any break."""
+    from octfw.models.vjepa3d import effective_rank
+
+    torch._dynamo.reset()
+    features = torch.randn(2, 40, 16)
+    compiled = torch.compile(effective_rank, fullgraph=True, backend="eager")
+    assert torch.allclose(compiled(features), effective_rank(features))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(features).dtype == torch.float32

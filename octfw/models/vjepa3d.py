@@ -148,9 +148,19 @@ def embedding_std(features: torch.Tensor) -> torch.Tensor:
     return unit.std(dim=0, correction=0).mean()
 
 
+#: Device types with an autocast to leave; others (``meta``, in shape-only
+#: memory and FLOP estimates) have none.
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xla", "xpu", "mps", "hpu")
+
+
 def _without_autocast(device_type: str):
-    """A context that runs matmuls in the dtype of their inputs (float32 here)."""
-    if torch.amp.is_autocast_available(device_type):
+    """A context that runs matmuls in the dtype of their inputs (float32 here).
+
+    A membership test rather than ``torch.amp.is_autocast_available``: that
+    call breaks a ``torch.compile`` graph, and the code after the break then
+    recompiled on every update step (engine.compile = true).
+    """
+    if device_type in AUTOCAST_DEVICE_TYPES:
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
 
