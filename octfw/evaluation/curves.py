@@ -31,7 +31,17 @@ def _panels(count: int, width: float = 5.0, height: float = 3.6):
     return fig, axes[:count]
 
 
-def _save(fig, png: str | Path) -> Path:
+def _label(ax, xlabel: str, metric: str, evaluator: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(metric)
+    ax.set_title(evaluator, fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+
+
+def _save(fig, png: str | Path, title: str) -> Path:
+    if title:
+        fig.suptitle(title)
     path = Path(png)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -58,14 +68,8 @@ def plot_label_efficiency(curves: Mapping[str, tuple[str, Mapping[str, Sequence[
         ax.set_xscale("log")
         ax.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)])
         ax.minorticks_off()
-        ax.set_xlabel("labelled volumes per class")
-        ax.set_ylabel(metric)
-        ax.set_title(evaluator, fontsize="medium")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small", loc="best")
-    if title:
-        fig.suptitle(title)
-    return _save(fig, png)
+        _label(ax, "labelled volumes per class", metric, evaluator)
+    return _save(fig, png, title)
 
 
 def plot_checkpoint_curves(curves: Mapping[str, tuple[str, Sequence[StepPoint]]],
@@ -87,11 +91,5 @@ def plot_checkpoint_curves(curves: Mapping[str, tuple[str, Sequence[StepPoint]]]
         if baseline is not None:
             ax.axhline(baseline, linestyle="--", color="grey", label="random init")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("update step")
-        ax.set_ylabel(metric)
-        ax.set_title(evaluator, fontsize="medium")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small", loc="best")
-    if title:
-        fig.suptitle(title)
-    return _save(fig, png)
+        _label(ax, "update step", metric, evaluator)
+    return _save(fig, png, title)
