@@ -261,3 +261,21 @@ def test_loss_spike_guard_warns_with_the_step(capsys):
     stopper.at_log_step(3, {"loss": float("nan")})  # ignored, not a spike
     with pytest.raises(StopTraining, match="update step 4"):
         stopper.at_log_step(4, {"loss": 2.5})
+
+
+def test_a_weight_decay_schedule_rising_from_zero_reaches_the_decaying_groups_only(tiny_recipe):
+    """engine.weight_decay = 0 with weight_decay_end > 0: the groups that decay are
+    known from the model, not from their current value (which is 0 for all of them)."""
+    from octfw.engine.trainer import Trainer
+
+    registry = load_registry()
+    recipe = load_recipe(tiny_recipe, ["engine.weight_decay=0.0", "scheduler.weight_decay_end=0.2",
+                                       "run.max_steps=4"], registry)
+    trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
+    groups = {group["name"]: group for group in trainer.optimizer.param_groups}
+    assert groups["decay"]["weight_decay"] == groups["no_decay"]["weight_decay"] == 0.0
+    for step in range(3):
+        trainer.update(step)
+    assert groups["decay"]["weight_decay"] == pytest.approx(trainer.parts.scheduler.weight_decay(2))
+    assert groups["decay"]["weight_decay"] > 0.0
+    assert groups["no_decay"]["weight_decay"] == 0.0

@@ -77,9 +77,15 @@ def seed_everything(seed: int) -> None:
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> torch.optim.Optimizer:
     engine = recipe.engine
     if hasattr(model, "param_groups"):
-        groups = model.param_groups(engine.weight_decay)
+        # Which groups decay is asked at weight decay 1: at engine.weight_decay
+        # = 0 every group would read 0, and a schedule rising from 0
+        # (weight_decay_end > 0) could not tell the decaying ones apart.
+        groups = model.param_groups(1.0)
+        for group in groups:
+            group["decays"] = group["weight_decay"] > 0.0
+            group["weight_decay"] = engine.weight_decay if group["decays"] else 0.0
     else:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "decays": True}]
     hyper = {"lr": engine.base_lr, "betas": engine.betas, "eps": engine.eps, "weight_decay": engine.weight_decay}
     if backend.kind == "cpu":  # the verdict is on the host: a vetoed update is simply not taken
         return torch.optim.AdamW(groups, **hyper, foreach=True)
@@ -210,7 +216,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             if lr is not None:  # None: the schedule never rewrites the LR (constant)
                 group["lr"] = lr
-            if wd is not None and group["weight_decay"] > 0.0:  # biases and norms stay at 0
+            # Biases and norms stay at 0. A checkpoint from before "decays"
+            # existed tells them by their weight decay.
+            if wd is not None and group.get("decays", group["weight_decay"] > 0.0):
                 group["weight_decay"] = wd
 
         step_loss = torch.zeros((), device=backend.device)
