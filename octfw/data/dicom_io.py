@@ -152,8 +152,9 @@ def encode_oct_dicom(
 ) -> bytes:
     """The bytes of an Ophthalmic Tomography Image Storage file for ``volume``.
 
-    ``volume`` is uint16 ``[D, H, W]`` (B-scans, axial, lateral); ``spacing``
-    is ``(dz, dy, dx)`` in mm. ``patient`` may hold PatientName, PatientID,
+    ``volume`` is uint16 or uint8 ``[D, H, W]`` (B-scans, axial, lateral),
+    stored with as many bits (devices export 8-bit B-scans); ``spacing`` is
+    ``(dz, dy, dx)`` in mm. ``patient`` may hold PatientName, PatientID,
     PatientBirthDate and PatientSex. ``uid_entropy`` makes the UIDs, and so
     the whole file, a function of the given strings (same input, same bytes);
     without it the UIDs are random. ``transfer_syntax`` defaults to explicit
@@ -164,8 +165,8 @@ def encode_oct_dicom(
     from pydicom.uid import UID, PYDICOM_IMPLEMENTATION_UID, ExplicitVRLittleEndian, generate_uid
 
     volume = np.asarray(volume)
-    if volume.ndim != 3 or volume.dtype != np.uint16:
-        raise ValueError(f"volume must be uint16 [D, H, W], got {volume.dtype} {volume.shape}")
+    if volume.ndim != 3 or volume.dtype not in (np.uint8, np.uint16):
+        raise ValueError(f"volume must be uint16 or uint8 [D, H, W], got {volume.dtype} {volume.shape}")
     if len(spacing) != 3 or not all(np.isfinite(s) and s > 0 for s in spacing):
         raise ValueError(f"spacing must be three positive (dz, dy, dx) values in mm, got {spacing!r}")
     patient = dict(patient or {})
@@ -214,9 +215,10 @@ def encode_oct_dicom(
     ds.NumberOfFrames = depth
     ds.Rows = rows
     ds.Columns = columns
-    ds.BitsAllocated = 16
-    ds.BitsStored = 16
-    ds.HighBit = 15
+    bits = volume.dtype.itemsize * 8
+    ds.BitsAllocated = bits
+    ds.BitsStored = bits
+    ds.HighBit = bits - 1
     ds.PixelRepresentation = 0
     # Spacing lives in the functional groups for enhanced multi-frame
     # objects; SpacingBetweenSlices is repeated at the top level for readers
@@ -238,7 +240,8 @@ def encode_oct_dicom(
         per_frame.append(item)
     ds.PerFrameFunctionalGroupsSequence = per_frame
     ds.SpacingBetweenSlices = dz
-    ds.PixelData = np.ascontiguousarray(volume, dtype="<u2").tobytes()
+    # Little endian; pydicom writes 8-bit pixels as OB, padded to even length.
+    ds.PixelData = np.ascontiguousarray(volume, dtype=volume.dtype.newbyteorder("<")).tobytes()
 
     if UID(transfer_syntax) != ExplicitVRLittleEndian:
         ds.compress(transfer_syntax, generate_instance_uid=False)
