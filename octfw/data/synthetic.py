@@ -7,6 +7,11 @@ volume size, voxel spacing, gain and speckle strength. A cohort is a
 function of its options and seed, so the quickstart, the tests and every
 rank of a run see the same bytes.
 
+Two sets of sizes (:data:`SIZES`): "small" volumes, 16-bit, that the CPU
+quickstart decodes quickly, and "device" volumes at the sizes and 8-bit
+depth real devices export (up to 67 M voxels), for preparation and
+streaming benchmarks that need realistic bytes.
+
 Layout of a cohort folder::
 
     <folder>/<domain>/<index>.dcm   one Ophthalmic Tomography file per volume
@@ -46,6 +51,8 @@ __all__ = [
     "MANIFEST_FILE",
     "VendorProfile",
     "PROFILES",
+    "DEVICE_PROFILES",
+    "SIZES",
     "DEFAULT_DOMAINS",
     "CORRUPTION_KINDS",
     "TASKS",
@@ -82,6 +89,9 @@ class VendorProfile:
     offset: float  #: background level in stored units
     looks: float  #: speckle averaging; fewer looks, stronger speckle
     noise: float  #: additive Gaussian noise, as a fraction of full signal
+    #: Stored bits per voxel: 16 (linear, as generator version 2 wrote) or 8
+    #: (log-scaled, as devices export B-scans); see :func:`synthetic_volume`.
+    bits: int = attrs.field(default=16, validator=attrs.validators.in_((8, 16)))
 
 
 #: Small volumes (the CPU quickstart decodes them quickly) with realistic
@@ -96,6 +106,27 @@ PROFILES: dict[str, VendorProfile] = {
                            (0.3, 0.031, 0.0625), gain=1.3, offset=300.0, looks=3.0, noise=0.04),
 }
 DEFAULT_DOMAINS: tuple[str, ...] = ("heidelberg", "topcon", "zeiss")
+
+#: The same devices at the sizes of their macular volume scans, 8-bit: the
+#: bytes a preparation or streaming benchmark must move. Gain, offset,
+#: speckle and noise are those above (in 16-bit units, before the 8-bit mapping).
+#: Sources: Cirrus macular cubes are 512 A-scans x 128 B-scans, and Topcon
+#: 3D OCT-1000 cubes 512 x 128 (iovs.arvojournals.org, articleid=2188540);
+#: Cirrus samples each A-scan 1024 times over 6 x 6 x 2 mm (articleid=2187193).
+#: Assumed, from issue #15 and not checked against a public source here:
+#: Spectralis' 49 B-scans of 496 x 512 over 5.8 x 1.9 x 5.8 mm, and Topcon's
+#: (Maestro/Triton) 885 samples over 2.3 mm. The spacings follow from the
+#: extents; the small profiles' model names are kept (they do not set the domain).
+DEVICE_PROFILES: dict[str, VendorProfile] = {
+    "heidelberg": attrs.evolve(PROFILES["heidelberg"], shape=(49, 496, 512),
+                               spacing=(0.12, 0.0039, 0.0113), bits=8),
+    "topcon": attrs.evolve(PROFILES["topcon"], shape=(128, 885, 512),
+                           spacing=(0.047, 0.0026, 0.0117), bits=8),
+    "zeiss": attrs.evolve(PROFILES["zeiss"], shape=(128, 1024, 512),
+                          spacing=(0.047, 0.00195, 0.0117), bits=8),
+}
+#: Cohort ``sizes`` -> the profiles of its domains.
+SIZES: dict[str, dict[str, VendorProfile]] = {"small": PROFILES, "device": DEVICE_PROFILES}
 
 #: Labelled tasks: task -> the finding of each label (None: a healthy retina).
 #: "lesion", "fluid" and "thinning" are binary (label 1: the finding is there,
@@ -128,6 +159,11 @@ _LAYERS: tuple[tuple[str, float, float], ...] = (
 _INNER_LAYERS = 5  # the first five thin at the fovea; photoreceptors do not
 _FOVEAL_THINNING = 0.5  # inner layers lose half their thickness at the foveal centre
 _FULL_SCALE = 20000.0  # stored units of reflectivity 1.0 at gain 1
+# 8-bit volumes store log(level / _LOG_FLOOR) / log(65535 / _LOG_FLOOR) x 255
+# of the 16-bit level, clipped: 8-bit OCT exports are log-compressed, and
+# this floor (below every profile's background offset) keeps the vitreous
+# dark grey and the 16-bit range's top at 255.
+_LOG_FLOOR = 100.0
 
 # Finding geometry at finding_scale 1, in the generator's units: z and x run
 # over [-1, 1] across the scan (6 mm), y over [0, 1] down the B-scan (about
@@ -144,14 +180,22 @@ def corrupt_count(n_volumes: int, corrupt_fraction: float) -> int:
     return min(n_volumes, math.floor(corrupt_fraction * n_volumes + 0.5))
 
 
-def _resolve_shapes(domains: Sequence[str], shapes: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
-    unknown = [d for d in domains if d not in PROFILES]
+def _profiles(sizes: str) -> dict[str, VendorProfile]:
+    try:
+        return SIZES[sizes]
+    except KeyError:
+        raise ValueError(f"unknown synthetic sizes {sizes!r}; known: {sorted(SIZES)}") from None
+
+
+def _resolve_shapes(domains: Sequence[str], shapes: Mapping[str, Sequence[int]] | None,
+                    profiles: Mapping[str, VendorProfile]) -> dict[str, list[int]]:
+    unknown = [d for d in domains if d not in profiles]
     if unknown:
-        raise ValueError(f"unknown synthetic domains {unknown}; known: {sorted(PROFILES)}")
+        raise ValueError(f"unknown synthetic domains {unknown}; known: {sorted(profiles)}")
     shapes = dict(shapes or {})
     resolved = {}
     for domain in domains:
-        shape = [int(n) for n in shapes.pop(domain, PROFILES[domain].shape)]
+        shape = [int(n) for n in shapes.pop(domain, profiles[domain].shape)]
         if len(shape) != 3 or min(shape) < 2:
             raise ValueError(f"shape for {domain!r} must be three sizes >= 2 [D, H, W], got {shape}")
         resolved[domain] = shape
@@ -178,14 +222,16 @@ def cohort_options(
     with_labels: bool = False,
     task: str = "lesion",
     finding_scale: float = 1.0,
+    sizes: str = "small",
 ) -> dict[str, Any]:
     """The options that determine a cohort's bytes, as plain JSON data.
 
     ``task``, ``finding_scale`` and :data:`FINDINGS_VERSION` appear only
-    when a task or scale differs from the defaults ("lesion", 1.0): the
-    cohorts written before they existed keep their options, so their cache
-    folders (named by :func:`cohort_key`) and bytes stay as they were, while
-    every other task or scale gets its own.
+    when a task or scale differs from the defaults ("lesion", 1.0), and
+    ``sizes`` only when it is not "small": the cohorts written before they
+    existed keep their options, so their cache folders (named by
+    :func:`cohort_key`) and bytes stay as they were, while every other task,
+    scale or size gets its own.
     """
     if n_volumes < 1:
         raise ValueError(f"n_volumes must be >= 1, got {n_volumes}")
@@ -195,6 +241,7 @@ def cohort_options(
         raise ValueError(f"corrupt_fraction must be in [0, 1], got {corrupt_fraction}")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    profiles = _profiles(sizes)
     task_labels(task)
     if not finding_scale > 0:
         raise ValueError(f"finding_scale must be > 0, got {finding_scale}")
@@ -205,7 +252,7 @@ def cohort_options(
         "version": GENERATOR_VERSION,
         "n_volumes": int(n_volumes),
         "domains": list(domains),
-        "shapes": _resolve_shapes(domains, shapes),
+        "shapes": _resolve_shapes(domains, shapes, profiles),
         "seed": int(seed),
         "corrupt_fraction": float(corrupt_fraction),
         "with_labels": bool(with_labels),
@@ -214,6 +261,8 @@ def cohort_options(
         options["task"] = task
         options["finding_scale"] = float(finding_scale)
         options["findings_version"] = FINDINGS_VERSION
+    if sizes != "small":
+        options["sizes"] = sizes
     return options
 
 
@@ -252,7 +301,10 @@ def synthetic_volume(
     finding: str | None = None,
     finding_scale: float = 1.0,
 ) -> np.ndarray:
-    """One layered-retina volume, uint16 ``[D, H, W]``, with at most one finding.
+    """One layered-retina volume ``[D, H, W]``, with at most one finding.
+
+    uint16 for a 16-bit profile, uint8 (log-scaled) for an 8-bit one; see
+    :func:`_render_16bit` and :func:`_render_8bit`.
 
     ``finding`` (``lesion=True`` is ``finding="lesion"``), as on clinical OCT:
 
@@ -269,6 +321,7 @@ def synthetic_volume(
     Their sizes were chosen so that a linear probe on the voxels at the
     quickstart's 16 x 64 x 64 input sees them while a randomly initialised
     encoder's mean-pooled features mostly do not (docs/evaluation.md).
+    Geometry is in units of the scan, so they are the same at any volume size.
     ``finding_scale`` multiplies the finding's size: the lesion's radii,
     the fluid's height (its footprint stays) and the thinned region's
     footprint (the share of the layer lost stays). A volume without a finding draws the same numbers whatever the
@@ -280,7 +333,6 @@ def synthetic_volume(
         raise ValueError(f"unknown finding {finding!r}; known: {list(FINDINGS)}")
     depth, height, width = (int(n) for n in shape)
     z = np.linspace(-1.0, 1.0, depth)[:, None, None]
-    y = np.linspace(0.0, 1.0, height)[None, :, None]
     x = np.linspace(-1.0, 1.0, width)[None, None, :]
 
     # Retina surface: a gentle tilt and undulation, pushed down by the foveal
@@ -319,8 +371,7 @@ def synthetic_volume(
         layer_thickness = _LAYERS[_THINNED_LAYER][1] * _layer_ripple(_THINNED_LAYER, z, x, phases, pit)
         surface = surface + lost * layer_thickness
 
-    edge = 0.6 / height  # boundaries blur over about one voxel
-    signal = np.zeros((depth, height, width), dtype=np.float64)
+    layers = []  # (top, bottom, reflectivity), [D, 1, W] positions down the B-scan
     top = surface
     for index, (_name, thickness, reflectivity) in enumerate(_LAYERS):
         ripple = _layer_ripple(index, z, x, phases, pit)
@@ -329,29 +380,126 @@ def synthetic_volume(
         if index == len(_LAYERS) - 1 and finding == "fluid":
             top = top + dome  # the fluid pocket: nothing reflects between the photoreceptors and the RPE
         bottom = top + thickness * ripple
-        inside = 1.0 / (1.0 + np.exp(-(y - top) / edge)) - 1.0 / (1.0 + np.exp(-(y - bottom) / edge))
-        signal += reflectivity * inside
+        layers.append((top, bottom, reflectivity))
         top = bottom
-    # Choroid under the pigment epithelium: bright, fading with depth.
-    below = np.clip(y - top, 0.0, None)
-    signal += 0.45 * np.exp(-below / 0.09) * (y > top)
 
+    blob = None  # the lesion's (centre, 1/e radii) along (z, y, x)
     if finding == "lesion":
         centre_z = rng.uniform(-0.5, 0.5)
         centre_x = rng.uniform(-0.6, 0.6)
-        centre_y = surface.mean() + rng.uniform(0.06, 0.18)
-        blob = np.exp(
-            -((z - centre_z) / (0.4 * finding_scale)) ** 2
-            - ((y - centre_y) / (0.06 * finding_scale)) ** 2
-            - ((x - centre_x) / (0.25 * finding_scale)) ** 2
-        )
-        signal += 1.2 * blob
+        centre_y = float(surface.mean()) + rng.uniform(0.06, 0.18)
+        blob = ((centre_z, centre_y, centre_x), (0.4 * finding_scale, 0.06 * finding_scale, 0.25 * finding_scale))
+
+    render = _render_16bit if profile.bits == 16 else _render_8bit
+    return render(rng, (depth, height, width), z, x, layers, blob, profile)
+
+
+def _choroid(y: np.ndarray, epithelium: np.ndarray) -> np.ndarray:
+    """The choroid under the pigment epithelium's base: bright, fading with depth."""
+    below = np.clip(y - epithelium, 0.0, None)
+    return 0.45 * np.exp(-below / 0.09) * (y > epithelium)
+
+
+def _lesion(z: np.ndarray, y: np.ndarray, x: np.ndarray, blob: Any) -> np.ndarray:
+    (centre_z, centre_y, centre_x), (radius_z, radius_y, radius_x) = blob
+    return 1.2 * np.exp(
+        -((z - centre_z) / radius_z) ** 2
+        - ((y - centre_y) / radius_y) ** 2
+        - ((x - centre_x) / radius_x) ** 2
+    )
+
+
+def _render_16bit(rng: np.random.Generator, shape: tuple[int, int, int], z: np.ndarray, x: np.ndarray,
+                  layers: list, blob: Any, profile: VendorProfile) -> np.ndarray:
+    """The volume as generator version 2 drew it, in float64: same numbers, same bytes."""
+    depth, height, width = shape
+    y = np.linspace(0.0, 1.0, height)[None, :, None]
+    edge = 0.6 / height  # boundaries blur over about one voxel
+    signal = np.zeros(shape, dtype=np.float64)
+    for top, bottom, reflectivity in layers:
+        inside = 1.0 / (1.0 + np.exp(-(y - top) / edge)) - 1.0 / (1.0 + np.exp(-(y - bottom) / edge))
+        signal += reflectivity * inside
+    signal += _choroid(y, layers[-1][1])
+    if blob is not None:
+        signal += _lesion(z, y, x, blob)
 
     # Speckle is multiplicative (gamma with `looks` degrees); then detector noise.
     speckle = rng.gamma(profile.looks, 1.0 / profile.looks, size=signal.shape)
     noisy = signal * speckle + rng.normal(0.0, profile.noise, size=signal.shape)
     stored = profile.offset + profile.gain * _FULL_SCALE * noisy
     return np.clip(np.rint(stored), 0, 65535).astype(np.uint16)
+
+
+_SLAB_VOXELS = 1 << 20  # 8-bit volumes are rendered a few B-scans at a time: fits in cache
+_NOISE_DRAWS = 1 << 16  # speckle and noise values each voxel picks one of
+
+
+def _render_8bit(rng: np.random.Generator, shape: tuple[int, int, int], z: np.ndarray, x: np.ndarray,
+                 layers: list, blob: Any, profile: VendorProfile) -> np.ndarray:
+    """The same retina as :func:`_render_16bit`, mapped to log-scaled uint8, fast.
+
+    Device-sized volumes have up to 67 M voxels; :func:`_render_16bit` took
+    31 s and 3.7 GB for a Cirrus-sized one. Three things differ, none of
+    which 8 bits show: float32 throughout, a few B-scans at a time (in
+    cache, little memory); the layers as one tanh step per boundary, shared
+    by the layers either side of it (9 or 10 instead of 16 sigmoids); and
+    each voxel's speckle and noise picked from 65,536 gamma and normal draws
+    of the volume (drawing 67 M gamma and normal variates alone took 2-3 s).
+    The result is the 16-bit volume's log mapping to within a grey level,
+    speckle and noise aside (tests/test_synthetic_device_sizes.py).
+    """
+    depth, height, width = shape
+    # A layer of reflectivity r between positions a < b is r (s(y - a) - s(y - b))
+    # with s the logistic step of width `edge`; s(t) = (1 + tanh(t / 2 edge)) / 2
+    # and the constants cancel over a layer, so the signal is a sum of
+    # weight / 2 x tanh((y - boundary) / 2 edge) over the boundaries.
+    scale = height / 1.2  # 1 / (2 edge), edge = 0.6 / height as in _render_16bit
+    steps: list[tuple[np.ndarray, float]] = []
+    for top, bottom, reflectivity in layers:
+        if steps and steps[-1][0] is top:
+            steps[-1] = (top, steps[-1][1] + reflectivity)
+        else:
+            steps.append((top, reflectivity))
+        steps.append((bottom, -reflectivity))
+    boundaries = [(np.float32(scale) * position).astype(np.float32) for position, _w in steps]
+    halves = [np.float32(weight / 2.0) for _p, weight in steps]
+    epithelium = layers[-1][1].astype(np.float32)
+    y = np.linspace(0.0, 1.0, height, dtype=np.float32)[None, :, None]
+    y_scaled = np.float32(scale) * y
+    z32, x32 = z.astype(np.float32), x.astype(np.float32)
+
+    speckle_draws = rng.gamma(profile.looks, 1.0 / profile.looks, size=_NOISE_DRAWS).astype(np.float32)
+    noise_draws = rng.normal(0.0, profile.noise, size=_NOISE_DRAWS).astype(np.float32)
+    to_level = np.float32(profile.gain * _FULL_SCALE)
+    to_byte = np.float32(255.0 / math.log(65535.0 / _LOG_FLOOR))
+
+    volume = np.empty(shape, dtype=np.uint8)
+    slab = max(1, _SLAB_VOXELS // (height * width))
+    for start in range(0, depth, slab):
+        rows = slice(start, min(start + slab, depth))
+        signal = np.zeros((rows.stop - start, height, width), dtype=np.float32)
+        step = np.empty_like(signal)
+        for boundary, half in zip(boundaries, halves):
+            np.subtract(y_scaled, boundary[rows], out=step)
+            np.tanh(step, out=step)
+            step *= half
+            signal += step
+        signal += _choroid(y, epithelium[rows])
+        if blob is not None:
+            signal += _lesion(z32[rows], y, x32, blob)
+        picks = rng.integers(0, _NOISE_DRAWS, size=(2, *signal.shape), dtype=np.uint16).astype(np.intp)
+        signal *= np.take(speckle_draws, picks[0])
+        signal += np.take(noise_draws, picks[1])
+        # Log-compress the 16-bit level (see _LOG_FLOOR) into 0..255.
+        level = signal * to_level
+        level += np.float32(profile.offset)
+        np.maximum(level, np.float32(_LOG_FLOOR), out=level)
+        np.log(level, out=level)
+        level -= np.float32(math.log(_LOG_FLOOR))
+        level *= to_byte
+        np.minimum(level, np.float32(255.0), out=level)
+        volume[rows] = np.rint(level)
+    return volume
 
 
 def _corrupt_bytes(kind: str, good: bytes, volume: np.ndarray, encode: Any, rng: np.random.Generator) -> bytes:
@@ -362,8 +510,9 @@ def _corrupt_bytes(kind: str, good: bytes, volume: np.ndarray, encode: Any, rng:
     if kind == "not-dicom":
         return b"not a DICOM file\n" + rng.bytes(512)
     if kind == "no-pixel-data":
-        # Pixel Data is the last element: end the file just before its tag.
-        return good[: good.rindex(b"\xe0\x7f\x10\x00OW")]
+        # Pixel Data is the last element: end the file just before its tag
+        # (searched for before the pixels, which may hold its bytes).
+        return good[: good.rindex(b"\xe0\x7f\x10\x00", 0, len(good) - volume.nbytes)]
     if kind == "constant":
         return encode(np.full_like(volume, int(volume.mean())))
     raise ValueError(f"unknown corruption {kind!r}; known: {list(CORRUPTION_KINDS)}")
@@ -419,6 +568,7 @@ def write_synthetic_cohort(
     with_labels: bool = False,
     task: str = "lesion",
     finding_scale: float = 1.0,
+    sizes: str = "small",
 ) -> list[str]:
     """Write (or reuse) a synthetic cohort in ``folder``; return its file paths.
 
@@ -430,17 +580,21 @@ def write_synthetic_cohort(
     ``with_labels``, each volume gets a label of ``task`` (:data:`TASKS`)
     and the finding that label names, recorded in the manifest; the default
     task, "lesion", is a bright lesion (label 1) or none (0).
-    ``finding_scale`` multiplies the findings' size. ``folder`` may be a
-    local path or fsspec URL.
+    ``finding_scale`` multiplies the findings' size. ``sizes`` picks the
+    profiles (:data:`SIZES`): "small" 16-bit volumes or "device" ones, at
+    the sizes and 8-bit depth devices export. ``folder`` may be a local path
+    or fsspec URL.
     """
     folder = os.fspath(folder).rstrip("/")
     options = cohort_options(n_volumes, domains, shapes=shapes, seed=seed,
                              corrupt_fraction=corrupt_fraction, with_labels=with_labels,
-                             task=task, finding_scale=finding_scale)
+                             task=task, finding_scale=finding_scale, sizes=sizes)
     findings = task_labels(task)
-    # Other tasks' files must not share the lesion cohorts' UIDs; the lesion
-    # task's entropy is left as it was, so its files keep their bytes.
-    task_entropy = [task, repr(finding_scale), str(FINDINGS_VERSION)] if "task" in options else []
+    profiles = SIZES[sizes]
+    # Other tasks' and sizes' files must not share the small lesion cohorts'
+    # UIDs; those cohorts' entropy is left as it was, so their files keep their bytes.
+    entropy = [task, repr(finding_scale), str(FINDINGS_VERSION)] if "task" in options else []
+    entropy += [sizes] if "sizes" in options else []
     previous = read_cohort(folder)
     if _is_complete(folder, previous, options):
         return [_join(folder, item["path"]) for item in previous["files"]]
@@ -457,7 +611,7 @@ def write_synthetic_cohort(
     files, rows = [], []
     for index in range(n_volumes):
         domain = domains[index % len(domains)]
-        profile = PROFILES[domain]
+        profile = profiles[domain]
         rng = np.random.default_rng([seed, index])
         label = None
         if with_labels:
@@ -472,7 +626,7 @@ def write_synthetic_cohort(
         def encode(array: np.ndarray, _name: str = name) -> bytes:
             # UIDs derive from the seed and file name: rewriting gives the same bytes.
             return encode_oct_dicom(array, profile.spacing, profile.manufacturer, profile.model_name,
-                                    uid_entropy=[str(seed), _name, str(GENERATOR_VERSION), *task_entropy])
+                                    uid_entropy=[str(seed), _name, str(GENERATOR_VERSION), *entropy])
 
         data = encode(volume)
         kind = corruption.get(index)

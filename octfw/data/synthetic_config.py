@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import Location, doc, in_range, non_negative, positive
+from octfw.fields import Location, choices, doc, in_range, non_negative, positive
 
 
 def _domains(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -32,6 +32,12 @@ def _task(instance: Any, attribute: attrs.Attribute, value: str) -> None:
         raise ValueError(f"must be one of {', '.join(TASKS)}, got {value!r}")
     if value != "lesion" and not instance.labels:
         raise ValueError(f"task {value!r} draws findings only with labels = true")
+
+
+def _sizes(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    from octfw.data.synthetic import SIZES
+
+    choices(*SIZES)(instance, attribute, value)
 
 
 def _finding_scale(instance: Any, attribute: attrs.Attribute, value: float) -> None:
@@ -76,6 +82,14 @@ class SyntheticOctConfig:
         "With labels: multiplies the finding's size (1.0: as sized in docs/evaluation.md).",
         default=1.0,
         validator=_finding_scale,
+    )
+    sizes: str = doc(
+        "small (16-bit volumes of about 0.1 M voxels that the CPU quickstart decodes quickly) "
+        "or device (8-bit, log-scaled, at the sizes devices export: heidelberg 49 x 496 x 512, "
+        "topcon 128 x 885 x 512, zeiss 128 x 1024 x 512; 12 to 67 MB a file, for preparation "
+        "and streaming benchmarks).",
+        default="small",
+        validator=_sizes,
     )
     folder: Location | None = doc(
         "Where the cohort is written; unset: <cache_dir>/synthetic-oct/<options key>.",

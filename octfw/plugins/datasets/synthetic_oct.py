@@ -28,6 +28,7 @@ def build(config: SyntheticOctConfig, ctx: Any):
         with_labels=config.labels,
         task=config.task,
         finding_scale=config.finding_scale,
+        sizes=config.sizes,
     )
     if config.folder is not None:
         folder = str(config.folder)
