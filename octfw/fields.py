@@ -7,12 +7,13 @@ common checks (positive numbers, lengths, locations) one line each.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
 
 __all__ = ["Location", "NULL_WORDS", "STAGE_METADATA", "positive", "non_negative", "in_range", "length",
-           "choices", "doc", "component_table"]
+           "choices", "doc", "component_table", "parse_bytes", "byte_size"]
 
 #: Strings (stripped, lower-cased) that mean "no value": a Location refuses them.
 NULL_WORDS = frozenset({"none", "null", "nil", ""})
@@ -84,6 +85,36 @@ def choices(*allowed: str):
             raise ValueError(f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
     return check
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """A size in bytes, from an int or a string; ValueError naming the value otherwise.
+
+    ``"20GiB"``, ``"500 MB"``, ``"80g"``, ``"1.5TiB"``, ``"0"``: k, M, G and T
+    (with or without B) are powers of 1000, KiB, MiB, GiB and TiB powers of
+    1024, a number alone is bytes; case does not matter. 0 is a size (a cache
+    that is off); a negative size is not.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = isinstance(value, str) and re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        size = int(float(match.group(1)) * _BYTE_UNITS[unit]) if unit in _BYTE_UNITS else -1
+    if size < 0:
+        raise ValueError(f"{value!r} is not a size in bytes; write it like 20GiB, 500MB or 0")
+    return size
+
+
+def byte_size(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """Validator for a size :func:`parse_bytes` reads (the field keeps the value as written)."""
+    parse_bytes(value)
 
 
 def doc(text: str, **kwargs: Any) -> Any:

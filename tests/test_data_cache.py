@@ -71,7 +71,9 @@ def test_the_pipeline_uses_the_cache_of_a_preparing_transform_and_a_sourced_data
     transform = make_transform(tmp_path / "cache")
     assert isinstance(transform, PreparingTransform) and isinstance(cohort, SourcedDataset)
     assert SampleSource(cohort, transform, seed=0).cache is transform.cache
-    assert transform.cache.folder == tmp_path / "cache" / "prepared" / transform.cache_key()
+    assert transform.cache.folder == tmp_path / "cache" / "prepared"
+    assert transform.cache.options == transform.cache_key()
+    assert transform.cache.files.max_bytes == 20 * 1024**3  # the default bound, "20GiB"
 
 
 def test_a_cached_epoch_reads_no_file_and_gives_the_same_arrays_and_provenance(cohort, tmp_path):
@@ -145,7 +147,7 @@ def test_a_damaged_entry_is_recomputed_and_rewritten(cohort, tmp_path, damage):
     elif damage == "empty":
         path.write_bytes(b"")
     else:
-        PreparedCache(transform.cache.folder, (2, 2, 2)).put(
+        PreparedCache(transform.cache.folder, (2, 2, 2), None, transform.cache_key()).put(
             cohort.source(0), np.zeros((2, 2, 2), np.float32), reference[0]["provenance"])
     dataset = CountingDataset(cohort)
     again = epoch(SampleSource(dataset, make_transform(tmp_path / "cache"), seed=0), 0)
@@ -218,7 +220,7 @@ def test_loader_workers_fill_the_cache_atomically(cohort, tmp_path):
 def test_concurrent_writers_never_expose_a_partial_entry(tmp_path):
     import multiprocessing
 
-    cache = PreparedCache(tmp_path, (8, 64, 64))
+    cache = PreparedCache(tmp_path, (8, 64, 64), None)
     source = "file:///volumes/a.dcm"
     context = multiprocessing.get_context("fork")
     writers = [context.Process(target=_write_many, args=(tmp_path, source, seed)) for seed in (1, 2)]
@@ -240,7 +242,7 @@ def test_concurrent_writers_never_expose_a_partial_entry(tmp_path):
 def _write_many(folder, source, seed):
     from octfw.types import Provenance
 
-    cache = PreparedCache(folder, (8, 64, 64))
+    cache = PreparedCache(folder, (8, 64, 64), None)
     provenance = Provenance(source, "d", (1.0, 1.0, 1.0), (8, 64, 64))
     for _ in range(40):
         cache.put(source, np.full((8, 64, 64), float(seed), np.float32), provenance)
@@ -250,10 +252,70 @@ def test_an_unwritable_cache_warns_once_and_training_data_still_flows(cohort, tm
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder should be")
     transform = make_transform(blocker)
-    with pytest.warns(RuntimeWarning, match="cannot write the prepared-volume cache") as caught:
+    with pytest.warns(RuntimeWarning, match="cannot write to the cache") as caught:
         items = epoch(SampleSource(cohort, transform, seed=0), 0)
     assert len(items) == len(cohort)
     assert len([w for w in caught if w.category is RuntimeWarning]) == 1
+
+
+def entry_sizes(cache_dir: Path) -> list[int]:
+    return sorted(p.stat().st_size for p in (cache_dir / "prepared").rglob("*.npz"))
+
+
+def test_a_cohort_larger_than_the_bound_keeps_the_cache_within_it_and_the_data_flows(cohort, tmp_path):
+    reference = epoch(SampleSource(cohort, make_transform(tmp_path / "big"), seed=0), 0)
+    bound = sum(entry_sizes(tmp_path / "big")[-3:])  # room for three of the six volumes
+    transform = make_transform(tmp_path / "cache", cache_max_bytes=bound)
+    dataset = CountingDataset(cohort)
+    source = SampleSource(dataset, transform, seed=0)
+    for _pass in range(2):
+        for item, ref in zip(epoch(source, 0), reference):
+            assert item["provenance"] == ref["provenance"]
+            for key, value in ref["arrays"].items():
+                np.testing.assert_array_equal(item["arrays"][key], value)
+            assert transform.cache.files.total_bytes() <= bound
+    assert 2 <= len(entry_sizes(tmp_path / "cache")) <= 3
+    assert sum(dataset.loads.values()) == 2 * len(cohort)  # in order, LRU keeps none for the next pass
+
+
+def test_every_option_set_shares_one_bound_and_unused_options_go_first(cohort, tmp_path):
+    epoch(SampleSource(cohort, make_transform(tmp_path / "probe"), seed=0), 0)
+    bound = sum(entry_sizes(tmp_path / "probe"))  # room for one option set's six volumes
+    old = make_transform(tmp_path / "cache", cache_max_bytes=bound)
+    new = make_transform(tmp_path / "cache", cache_max_bytes=bound, percentiles=(0.5, 99.5))
+    epoch(SampleSource(cohort, old, seed=0), 0)
+    epoch(SampleSource(cohort, new, seed=0), 0)
+    assert new.cache.files.total_bytes() <= bound
+    assert all(old.cache.get(cohort.source(i)) is None for i in range(len(cohort)))
+    dataset = CountingDataset(cohort)
+    epoch(SampleSource(dataset, new, seed=0), 0)
+    assert sum(dataset.loads.values()) == 0, "the newer option set's volumes were kept"
+
+
+def test_cache_max_bytes_0_writes_nothing(cohort, tmp_path):
+    transform = make_transform(tmp_path / "cache", cache_max_bytes=0)
+    dataset = CountingDataset(cohort)
+    for _pass in range(2):
+        epoch(SampleSource(dataset, transform, seed=0), 0)
+    assert sum(dataset.loads.values()) == 2 * len(cohort)
+    assert not (tmp_path / "cache" / "prepared").exists()
+
+
+@pytest.mark.parametrize("size", ["500MB", "1.5 GiB", 1024, 0])
+def test_cache_max_bytes_takes_bytes_or_a_size(size):
+    assert OCTStandardConfig(image_size=IMAGE, cache_max_bytes=size).cache_max_bytes == size
+
+
+def test_a_bad_cache_max_bytes_is_one_recipe_problem_naming_it(write_recipe, capsys):
+    from conftest import TINY_RECIPE
+
+    from octfw.cli import main
+
+    recipe = write_recipe(TINY_RECIPE.replace('image_size = [8, 32, 32]',
+                                              'image_size = [8, 32, 32]\ncache_max_bytes = "lots"'))
+    assert main(["check", str(recipe)]) == 2
+    assert ("transform.cache_max_bytes: 'lots' is not a size in bytes; write it like 20GiB, 500MB or 0"
+            in capsys.readouterr().err)
 
 
 # --- balanced domain sampling ---------------------------------------------

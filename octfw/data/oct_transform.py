@@ -30,6 +30,7 @@ from monai.transforms import Affine, Resize, ResizeWithPadOrCrop
 from octfw.data.masks import Grid, mask_generator_from_config
 from octfw.data.prepared_cache import PreparedCache
 from octfw.errors import ContractError, CorruptFile
+from octfw.fields import parse_bytes
 from octfw.types import Sample
 
 from octfw.data.oct_transform_config import OCTStandardConfig
@@ -149,8 +150,9 @@ class OCTStandardTransform:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def enable_cache(self, cache_dir: str | Path) -> PreparedCache:
-        """Keep prepared volumes under ``<cache_dir>/prepared/<cache_key()>``."""
-        self.cache = PreparedCache(Path(cache_dir) / "prepared" / self.cache_key(), self.image_size)
+        """Keep prepared volumes under ``<cache_dir>/prepared``, at most ``cache_max_bytes``."""
+        self.cache = PreparedCache(Path(cache_dir) / "prepared", self.image_size,
+                                   parse_bytes(self.config.cache_max_bytes), self.cache_key())
         return self.cache
 
     # --- random half -----------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import choices, doc, in_range, length, non_negative, positive
+from octfw.fields import byte_size, choices, doc, in_range, length, non_negative, positive
 
 __all__ = ["MaskConfig", "OCTStandardConfig"]
 
@@ -146,7 +146,15 @@ class OCTStandardConfig:
     )
     cache: bool = doc(
         "keep prepared volumes (decoded, resampled, normalised, fitted) on disk under "
-        "<run.cache_dir>/prepared/<options hash>, so each volume is decoded once across "
-        "epochs and runs",
+        "<run.cache_dir>/prepared, so each volume is decoded once across epochs and runs, "
+        "at most cache_max_bytes of them",
         default=True,
+    )
+    cache_max_bytes: int | str = doc(
+        "the most disk the prepared-volume cache takes on this host, shared by every "
+        "transform option set: bytes, or a size such as \"20GiB\" or \"500MB\"; the least "
+        "recently used volumes are evicted beyond it (a float32 volume of image_size "
+        "[64, 384, 384] takes 37.7 MB); 0 turns the cache off",
+        default="20GiB",
+        validator=byte_size,
     )

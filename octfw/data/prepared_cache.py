@@ -1,24 +1,29 @@
-"""A persistent, on-disk cache of prepared volumes.
+"""A persistent, on-disk cache of prepared volumes, bounded in bytes.
 
 A transform's deterministic half (decode, resample, normalise, fit to
 ``image_size``) is computed once per volume and kept here; later epochs and
 later runs read a small float32 array instead of decoding DICOM again.
 
-Layout: ``<folder>/<hh>/<key>.npz``, one file per volume, where ``folder``
-is ``<cache_dir>/prepared/<transform.cache_key()>``, so a changed transform
-option lands in another folder and never reuses stale entries. ``key``
-hashes the volume's source URL and, for a local file or folder, its size and
-modification time, so a file rewritten in place is prepared again (for a
-series, its folder's, which changes when a file is added, removed or
+Entries live in a :class:`~octfw.storage.disk_cache.DiskCache` under
+``<cache_dir>/prepared``, one ``<hh>/<key>.npz`` file per volume, at most
+``[transform] cache_max_bytes`` of them in all (least recently used
+entries are evicted first). Every transform option set shares that one
+folder and its one bound, so trying many options can never fill the disk;
+entries of options no longer used are simply the first to go. ``key``
+hashes the transform's ``cache_key()`` (a changed option never reuses an
+entry), the volume's source URL and, for a local file or folder, its size
+and modification time, so a file rewritten in place is prepared again (for
+a series, its folder's, which changes when a file is added, removed or
 replaced by rename). Remote objects (``gs://``) are keyed by URL alone:
 archive objects are written once; clear the folder if one was rewritten.
 
 An entry holds the prepared array plus the geometry of the volume it came
 from (spacing, original shape, label), never anything else from the header.
-Writes go to a temporary file that is renamed into place, so several
-data-loader workers (or runs) may fill the cache at once and a reader never
-sees half an entry; an entry that fails to load or does not match (wrong
-shape, dtype, source, non-finite values) is treated as a miss and rewritten.
+Several data-loader workers (or runs) may fill the cache at once and a
+reader never sees half an entry (DiskCache's guarantees, bound included);
+an entry that fails to load or does not match (wrong shape, dtype, source,
+non-finite values) is treated as a miss and rewritten. A cache that cannot
+be written (full disk, read-only folder) warns once and training goes on.
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ import hashlib
 import io
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from octfw.storage.files import is_local, local_path, write_atomically
+from octfw.storage.disk_cache import DiskCache
+from octfw.storage.files import is_local, local_path
 from octfw.types import Provenance
 
 __all__ = ["CachedVolume", "PreparedCache", "FORMAT_VERSION"]
@@ -67,36 +72,44 @@ def _local_stamp(url: str) -> str:
 
 
 class PreparedCache:
-    """Prepared volumes of one transform configuration, under ``folder``.
+    """Prepared volumes under ``folder``, at most ``max_bytes`` of them (None: unbounded, 0: off).
 
     ``shape`` is the shape every entry must have (the transform's
-    ``image_size``); an entry of another shape is a miss.
+    ``image_size``); an entry of another shape is a miss. ``options`` (the
+    transform's ``cache_key()``) is part of every key, so transforms with
+    other options share the folder but never each other's entries.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], shape: tuple[int, ...]):
-        self.folder = Path(folder)
+    def __init__(self, folder: str | os.PathLike[str], shape: tuple[int, ...],
+                 max_bytes: int | None, options: str = ""):
+        self.files = DiskCache(folder, max_bytes)
         self.shape = tuple(int(s) for s in shape)
-        self._warned = False
+        self.options = options
+
+    @property
+    def folder(self) -> Path:
+        return self.files.folder
 
     def __repr__(self) -> str:
-        return f"PreparedCache({str(self.folder)!r})"
+        return f"PreparedCache({str(self.folder)!r}, max_bytes={self.files.max_bytes!r})"
+
+    def _key(self, source: str) -> str:
+        text = f"{FORMAT_VERSION}\0{self.options}\0{source}\0{_local_stamp(source)}"
+        return hashlib.sha256(text.encode("utf-8")).hexdigest() + ".npz"
 
     def path(self, source: str) -> Path:
         """Where the entry of ``source`` lives (it may not exist)."""
-        text = f"{FORMAT_VERSION}\0{source}\0{_local_stamp(source)}"
-        key = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        # Two-character subfolders keep directories small for large cohorts.
-        return self.folder / key[:2] / f"{key}.npz"
+        return self.files.path(self._key(source))
 
     def get(self, source: str) -> CachedVolume | None:
         """The entry of ``source``, or None when absent, damaged or mismatched."""
-        path = self.path(source)
+        data = self.files.get(self._key(source))
+        if data is None:
+            return None
         try:
-            with np.load(path, allow_pickle=False) as entry:
+            with np.load(io.BytesIO(data), allow_pickle=False) as entry:
                 prepared = entry["prepared"]
                 meta = json.loads(bytes(entry["meta"]).decode("utf-8"))
-        except FileNotFoundError:
-            return None
         except Exception:  # noqa: BLE001 - a damaged entry of any kind is recomputed
             return None
         if (meta.get("source") != source or prepared.dtype != np.float32
@@ -113,11 +126,8 @@ class PreparedCache:
         return CachedVolume(prepared, spacing, original_shape, label)  # type: ignore[arg-type]
 
     def put(self, source: str, prepared: np.ndarray, provenance: Provenance) -> None:
-        """Store ``prepared`` for ``source``, atomically.
-
-        A cache that cannot be written (full disk, read-only folder) costs
-        speed, not the run: it warns once per process and training goes on.
-        """
+        """Store ``prepared`` for ``source``, atomically, evicting the least recently used
+        entries beyond the bound (an unwritable cache warns once, see the module)."""
         meta: dict[str, Any] = {
             "source": source,
             "spacing": [float(s) for s in provenance.spacing],
@@ -127,13 +137,4 @@ class PreparedCache:
         buffer = io.BytesIO()
         np.savez(buffer, prepared=np.asarray(prepared, dtype=np.float32),
                  meta=np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8))
-        try:
-            # Not fsynced: an entry lost in a crash is only a miss (prepared
-            # again), and an fsync per volume would slow every first epoch.
-            write_atomically(self.path(source), buffer.getvalue(), durable=False)
-        except OSError as exc:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"cannot write the prepared-volume cache in {self.folder} "
-                              f"({exc.strerror or type(exc).__name__}); volumes are prepared "
-                              "again every epoch", RuntimeWarning, stacklevel=2)
+        self.files.put(self._key(source), buffer.getvalue())

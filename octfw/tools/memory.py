@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from typing import Any, Callable, Mapping
 
 import attrs
 import torch
+
+from octfw import fields
 
 __all__ = [
     "ATTENTION_BY_DEVICE", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
@@ -275,17 +276,16 @@ def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes
     return largest_fitting(fits, limit)
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": GIB, "tib": 1024**4}
-
-
 def parse_bytes(text: str) -> int:
-    """``"32GiB"``, ``"16 GB"``, ``"80g"``, ``"1.5TiB"`` -> bytes; ValueError otherwise."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+    """A device's memory: ``"32GiB"``, ``"16 GB"``, ``"80g"``, ``"1.5TiB"`` -> bytes, more than 0
+    (:func:`octfw.fields.parse_bytes`, which also reads 0); ValueError otherwise."""
+    try:
+        size = fields.parse_bytes(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
         raise ValueError(f"{text!r} is not a memory size; write it like 32GiB, 16GB or 80G")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return size
 
 
 def _proc_status(key: str) -> int:
