@@ -70,6 +70,10 @@ class Sample:
 
     volume: "np.ndarray"
     provenance: Provenance
+    #: Set by a dataset of already prepared volumes (``prepared``): the
+    #: ``cache_key()`` of the transform that prepared ``volume``. A transform
+    #: with that key returns the volume from ``prepare`` unchanged.
+    prepared_key: str | None = None
 
 
 @attrs.frozen

@@ -443,8 +443,8 @@ def test_missing_manifest_is_a_user_error(tmp_path):
 
 def test_all_components_register_with_documented_configs():
     registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
-    assert registry.names("dataset") == ["dicom", "oct-vendor", "synthetic-oct"]
-    for name in ("dicom", "oct-vendor", "synthetic-oct"):
+    assert registry.names("dataset") == ["dicom", "oct-vendor", "prepared", "synthetic-oct"]
+    for name in registry.names("dataset"):
         component = registry.get("dataset", name)
         for field in attrs.fields(component.config):
             assert field.metadata.get("doc"), f"{name}.{field.name} has no doc"

@@ -57,6 +57,7 @@ class DicomEntry:
     label: int | None = None
     files: tuple[str, ...] = ()  #: a series' files (unordered); () for a single file
     patient: str | None = None  #: the manifest's patient key; never read from a DICOM header
+    split: str | None = None  #: the manifest's split
 
     @property
     def first_file(self) -> str:
@@ -221,9 +222,10 @@ class DicomDataset:
                     files = tuple(list_dicom_files(row.path, extensions))
                     if not files:
                         raise UserError(f"{path}: series folder {row.path} holds no DICOM files")
-                    volumes.append((row.path.rstrip("/"), files, row.domain, row.label, None, row.patient))
+                    volumes.append((row.path.rstrip("/"), files, row.domain, row.label, None, row.patient,
+                                    row.split))
                 else:
-                    volumes.append((row.path, (), row.domain, row.label, None, row.patient))
+                    volumes.append((row.path, (), row.domain, row.label, None, row.patient, row.split))
         else:
             urls = list_dicom_files(path, extensions)
             if not urls:
@@ -231,13 +233,13 @@ class DicomDataset:
                     f"no DICOM files in {path} (extensions {list(extensions)}; '' = none)"
                 )
             if series:
-                volumes = [(source, files, None, None, header_domain, None)
+                volumes = [(source, files, None, None, header_domain, None, None)
                            for source, files, header_domain in group_series(urls)]
             else:
-                volumes = [(url, (), None, None, None, None) for url in urls]
+                volumes = [(url, (), None, None, None, None, None) for url in urls]
 
         entries, header_domains = [], {}
-        for source, files, manifest_domain, label, header_domain, patient in volumes:
+        for source, files, manifest_domain, label, header_domain, patient, split_name in volumes:
             if domain_from == "manifest":
                 domain = manifest_domain
             elif domain_from == "folder":
@@ -246,7 +248,8 @@ class DicomDataset:
                 domain = None
                 if header_domain is not None:
                     header_domains[len(entries)] = header_domain
-            entries.append(DicomEntry(url=source, domain=domain, label=label, files=files, patient=patient))
+            entries.append(DicomEntry(url=source, domain=domain, label=label, files=files, patient=patient,
+                                      split=split_name))
         dataset = cls(entries, location=path)
         dataset._header_domains.update(header_domains)
         return dataset
@@ -264,6 +267,15 @@ class DicomDataset:
         """The URL ``load(index)`` reports (file or series folder), without I/O:
         the key of the volume's cached prepared form."""
         return self.entries[index].url
+
+    def files(self, index: int) -> tuple[str, ...]:
+        """The files volume ``index`` is read from (a series' files, or the one file)."""
+        entry = self.entries[index]
+        return entry.files or (entry.url,)
+
+    def split(self, index: int) -> str | None:
+        """The manifest's split of ``index`` (None: no manifest or no split column)."""
+        return self.entries[index].split
 
     def is_series(self, index: int) -> bool:
         return bool(self.entries[index].files)

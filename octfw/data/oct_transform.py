@@ -82,6 +82,8 @@ class OCTStandardTransform:
         used (wrong rank, non-finite voxels, non-positive spacing).
         """
         source = sample.provenance.source
+        if sample.prepared_key is not None:
+            return self._already_prepared(sample)
         volume = np.asarray(sample.volume, dtype=np.float32)
         if volume.ndim != 3 or min(volume.shape) < 1:
             raise CorruptFile(source, f"volume must be a non-empty [D, H, W] array, "
@@ -100,6 +102,19 @@ class OCTStandardTransform:
         # Interpolation can overshoot by rounding; keep the documented range.
         np.clip(prepared, 0.0, 1.0, out=prepared)
         return prepared
+
+    def _already_prepared(self, sample: Sample) -> np.ndarray:
+        """A volume prepared earlier (``octfw prepare``), by this transform's options only."""
+        if sample.prepared_key != self.cache_key():
+            raise ContractError(
+                f"{sample.provenance.source} was prepared by a transform with other options "
+                f"(key {sample.prepared_key}, this transform's is {self.cache_key()})"
+            )
+        volume = np.asarray(sample.volume, dtype=np.float32)
+        if volume.shape != self.image_size:
+            raise CorruptFile(sample.provenance.source, f"prepared volume has shape {list(volume.shape)}, "
+                                                        f"transform.image_size is {list(self.image_size)}")
+        return volume
 
     def _normalise(self, image: torch.Tensor) -> torch.Tensor:
         """Map the per-volume percentiles ``[low, high]`` to [0, 1] and clip.
@@ -135,10 +150,10 @@ class OCTStandardTransform:
             return tuple(int(s) for s in shape)
         return tuple(max(1, int(round(n * s / t))) for n, s, t in zip(shape, spacing, target))
 
-    def cache_key(self) -> str:
-        """Hash of everything that changes :meth:`prepare`'s output (not augmentations)."""
+    def prepare_options(self) -> dict:
+        """Everything that changes :meth:`prepare`'s output (not augmentations), as plain data."""
         c = self.config
-        options = {
+        return {
             "version": PREPARE_VERSION,
             "image_size": list(self.image_size),
             "target_spacing": None if c.target_spacing is None else [float(s) for s in c.target_spacing],
@@ -146,7 +161,10 @@ class OCTStandardTransform:
             "percentiles": [float(p) for p in c.percentiles],
             "fit": c.fit,
         }
-        text = json.dumps(options, sort_keys=True)
+
+    def cache_key(self) -> str:
+        """Hash of :meth:`prepare_options`: part of every cache entry's key, and what a prepared dataset records."""
+        text = json.dumps(self.prepare_options(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def enable_cache(self, cache_dir: str | Path) -> PreparedCache:

@@ -49,6 +49,7 @@ def build_components(
     with_loggers: bool = True,
 ) -> Components:
     """Build dataset first (its size fixes the schedule), then every other stage in STAGES order."""
+    from octfw.data.prepared_dataset import check_transform_matches
     from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
     ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=world_size)
@@ -66,6 +67,7 @@ def build_components(
             built[stage] = []
         else:
             built[stage] = [s.build(ctx) for s in spec] if many else spec.build(ctx)
+    check_transform_matches(dataset, built["transform"])
     return Components(ctx, built, steps_per_epoch, dataset_domains(dataset))
 
 

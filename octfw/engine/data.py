@@ -171,7 +171,8 @@ class SampleSource(torch.utils.data.Dataset):
     def cache(self) -> Any:
         """The transform's prepared-volume cache when both sides support it, else None."""
         cache = getattr(self.transform, "cache", None)
-        usable = (cache is not None and callable(getattr(self.transform, "prepare", None))
+        # A dataset of prepared volumes (``prepared``) is the cache already.
+        usable = (cache is not None and getattr(self.dataset, "prepared_key", None) is None and callable(getattr(self.transform, "prepare", None))
                   and callable(getattr(self.transform, "augment_and_mask", None))
                   and callable(getattr(self.dataset, "source", None)))
         return cache if usable else None

@@ -1,11 +1,11 @@
 """Dataset components: OCT DICOM volumes from a folder, glob or manifest,
 a synthetic multi-vendor cohort written as real DICOM files, and raw vendor
-files read through oct-converter."""
+files read through oct-converter, and volumes stored by ``octfw prepare``."""
 
 from __future__ import annotations
 
 from octfw.hookspecs import hookimpl
-from octfw.plugins.datasets import dicom, oct_vendor, synthetic_oct
+from octfw.plugins.datasets import dicom, oct_vendor, prepared, synthetic_oct
 
 
 @hookimpl
@@ -27,4 +27,10 @@ def octfw_register_datasets(register):
         oct_vendor.OctVendorConfig,
         "octfw.plugins.datasets.oct_vendor:build",
         "Raw vendor OCT files (.e2e, .fds, .fda, .img, .OCT) through oct-converter (extra 'vendor').",
+    )
+    register(
+        "prepared",
+        prepared.PreparedConfig,
+        "octfw.plugins.datasets.prepared:build",
+        "Volumes stored by `octfw prepare` (zarr, local or gs://), streamed with a bounded cache.",
     )

@@ -1,0 +1,76 @@
+"""``octfw prepare RECIPE --out LOCATION``: prepare a recipe's dataset once, for streaming."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any, Iterator
+
+from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+
+__all__ = ["add_parser"]
+
+HELP = ("Decode, resample, normalise and fit every volume of the recipe's dataset once, on a Dask "
+        "cluster, into compressed zarr arrays at a local folder or gs:// URL; train from it with "
+        "[dataset] name = \"prepared\". Resumable: run it again to finish or to add new files.")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("prepare", help=HELP, description=HELP)
+    add_recipe_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="LOCATION",
+                        help="where the prepared dataset goes: a local folder or URL (gs://bucket/prefix)")
+    parser.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                        help="a running Dask scheduler (tcp://host:8786) whose workers do the work; "
+                             "default: a local cluster on this machine")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="worker processes of the local cluster (default: one per CPU core)")
+    parser.add_argument("--dtype", choices=("auto", "uint8", "float16"), default="auto",
+                        help="stored voxels: uint8 (error <= 1/510) or float16 (error <= 2^-12); auto: "
+                             "uint8 for 8-bit sources, float16 otherwise (default)")
+    parser.set_defaults(func=run)
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Any]:
+    """Rich progress with rate and ETA on stderr when it is a terminal; None otherwise."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    with Progress(TextColumn("prepare"), BarColumn(bar_width=30), MofNCompleteColumn(), TaskProgressColumn(),
+                  TextColumn("{task.fields[rate]}"),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=Console(file=sys.stderr), transient=True) as bar:
+        task = bar.add_task("volumes", total=None, rate="")
+
+        def update(done: int, total: int) -> None:
+            speed = bar.tasks[0].speed
+            bar.update(task, completed=done, total=total, rate=f"{speed:.2f} volumes/s" if speed else "")
+
+        yield update
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe, registry = load_recipe_from_args(args)
+    from octfw.errors import UserError
+    from octfw.tools.prepare import prepare_dataset
+
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers {args.workers}: must be at least 1")
+    with _progress_bar() as progress:
+        summary = prepare_dataset(recipe, registry, args.out, scheduler=args.scheduler, workers=args.workers,
+                                  dtype=args.dtype, progress=progress)
+    per_volume = summary.stored_bytes / max(summary.volumes, 1) / 2**20
+    print(f"prepared  {summary.location}: {summary.volumes} volumes ({summary.prepared} sources read now, "
+          f"{summary.reused} done before), {summary.quarantined} quarantined, {summary.removed} removed; "
+          f"{summary.stored_bytes / 2**30:.2f} GiB stored ({per_volume:.2f} MiB per volume) "
+          f"in {summary.seconds:.0f} s")
+    if summary.quarantined:
+        print(f"          the files that could not be used and why: {summary.location}/quarantine.jsonl")
+    print(f"train from it: [dataset] name = \"prepared\", path = \"{summary.location}\"")
+    return 0

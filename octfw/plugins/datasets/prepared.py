@@ -1,0 +1,24 @@
+"""The ``prepared`` dataset: volumes stored by ``octfw prepare``, streamed from a folder or bucket.
+
+Registration and factory; the config lives in :mod:`octfw.data.prepared_config`
+and the reader in :mod:`octfw.data.prepared_dataset`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from octfw.data.prepared_config import PreparedConfig
+
+__all__ = ["PreparedConfig", "build"]
+
+
+def build(config: PreparedConfig, ctx: Any):
+    from octfw.data.prepared_dataset import PreparedDataset, cache_folder
+    from octfw.fields import parse_bytes
+    from octfw.storage.disk_cache import DiskCache
+
+    location = str(config.path)
+    limit = parse_bytes(config.cache_max_bytes)
+    cache = DiskCache(cache_folder(ctx.cache_dir, location), limit) if limit else None
+    return PreparedDataset.open(location, split=config.split, cache=cache)

@@ -1,0 +1,322 @@
+"""``octfw prepare`` on real Dask clusters and the ``prepared`` dataset that trains from it.
+
+Everything runs for real: DICOM cohorts written by ``synthetic-oct``'s
+writer, Dask local clusters of 2 worker processes (and one reached through
+``--scheduler``), a killed ``octfw prepare`` process, the GCS emulator on
+127.0.0.1, and training runs through ``octfw run``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from octfw.cli import main
+from octfw.data.dicom_dataset import DicomDataset
+from octfw.data.prepared_dataset import PreparedDataset
+from octfw.data.prepared_store import (
+    CHUNK, HEADER_FILE, INDEX_FILE, dequantize, quantize, read_header,
+)
+from octfw.data.synthetic import write_synthetic_cohort
+from octfw.errors import CorruptFile
+from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
+from octfw.recipe import load_recipe
+from octfw.registry import load_registry
+from octfw.tools.prepare import prepare_dataset
+from octfw.types import BuildContext
+
+SHAPES = {"heidelberg": (6, 40, 32), "topcon": (5, 36, 36), "zeiss": (7, 32, 40)}
+IMAGE = [8, 32, 32]
+
+RECIPE = """
+[run]
+seed = 0
+output_dir = "runs"
+max_steps = 4
+device = "cpu"
+
+[engine]
+per_device_batch = 2
+grad_accum_steps = 1
+base_lr = 1e-3
+log_every_steps = 1
+
+[dataset]
+{dataset}
+
+[transform]
+name = "oct-standard"
+image_size = {image}
+
+[model]
+name = "vjepa3d"
+preset = "tiny"
+patch_size = [4, 16, 16]
+
+[scheduler]
+name = "cosine-no-restart"
+warmup = 1
+
+[[logger]]
+name = "jsonl"
+"""
+
+
+def recipe_text(dataset: str, image=IMAGE) -> str:
+    return RECIPE.format(dataset=dataset, image=json.dumps(image))
+
+
+def dicom_recipe(write_recipe, path: Path, name: str = "source.toml", **kwargs) -> Path:
+    return write_recipe(recipe_text(f'name = "dicom"\npath = "{path}"', **kwargs), name)
+
+
+def prepared_recipe(write_recipe, location: str, name: str = "prepared.toml", extra: str = "", **kwargs) -> Path:
+    return write_recipe(recipe_text(f'name = "prepared"\npath = "{location}"\n{extra}', **kwargs), name)
+
+
+def transform_for(image=IMAGE):
+    ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
+                       image_size=tuple(image), patch_size=(4, 16, 16))
+    return build_transform(OCTStandardConfig(image_size=tuple(image), cache=False), ctx)
+
+
+def prepare(recipe: Path, location, **kwargs):
+    registry = load_registry()
+    return prepare_dataset(load_recipe(recipe, (), registry), registry, str(location), report=lambda _: None, **kwargs)
+
+
+@pytest.fixture
+def cohort(tmp_path) -> Path:
+    """12 labelled volumes, 2 of them corrupt, with their manifest."""
+    folder = tmp_path / "cohort"
+    write_synthetic_cohort(folder, 12, shapes=SHAPES, seed=3, corrupt_fraction=0.15, with_labels=True)
+    return folder
+
+
+def test_quantization_error_is_bounded():
+    prepared = np.random.default_rng(0).random((4, 64, 64), dtype=np.float32)
+    prepared[0, 0, :3] = [0.0, 1.0, 0.5]
+    as_uint8 = np.abs(dequantize(quantize(prepared, "uint8")) - prepared).max()
+    as_float16 = np.abs(dequantize(quantize(prepared, "float16")) - prepared).max()
+    assert 0 < as_uint8 <= 1 / 510 + 1e-7
+    assert 0 < as_float16 <= 2.0**-12
+    assert quantize(prepared, "uint8").dtype == np.uint8 and quantize(prepared, "float16").dtype == np.float16
+
+
+def test_a_running_2_worker_cluster_prepares_the_cohort_with_its_quarantine(cohort, write_recipe, tmp_path, capsys):
+    from distributed import LocalCluster
+
+    recipe = dicom_recipe(write_recipe, cohort / "manifest.jsonl")
+    location = tmp_path / "prepared"
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        assert main(["prepare", str(recipe), "--out", str(location), "--scheduler", cluster.scheduler_address]) == 0
+    out = capsys.readouterr().out
+    assert "10 volumes (12 sources read now, 0 done before), 2 quarantined" in out
+
+    header = read_header(str(location))
+    assert header.complete and header.volumes == 10 and header.quarantined == 2
+    quarantined = [json.loads(line) for line in (location / "quarantine.jsonl").read_text().splitlines()]
+    assert len(quarantined) == 2 and all(q["reason"] and q["source"].endswith(".dcm") for q in quarantined)
+
+    # Every usable volume is the transform's own prepare() output, within float16's bound.
+    source = DicomDataset.from_location(cohort / "manifest.jsonl")
+    transform = transform_for()
+    dataset = PreparedDataset.open(str(location))
+    by_source = {source.source(i): i for i in range(len(source))}
+    assert len(dataset) == 10
+    for index in range(len(dataset)):
+        sample = dataset.load(index)
+        original = source.load(by_source[dataset.source(index)])
+        expected = transform.prepare(original)
+        assert sample.volume.dtype == np.float32 and sample.volume.shape == tuple(IMAGE)
+        assert np.abs(sample.volume - expected).max() <= 2.0**-12
+        assert sample.provenance == original.provenance
+        assert sample.prepared_key == transform.cache_key()
+        assert transform.prepare(sample) is not None  # accepted as prepared, not prepared again
+        row = dataset.rows[index]
+        assert row.content_hash == "sha256:" + hashlib.sha256(Path(row.source).read_bytes()).hexdigest()
+        assert row.dtype == "float16" and row.label == original.provenance.label
+
+
+def test_a_rerun_prepares_only_added_and_rewritten_files_and_drops_removed_ones(cohort, write_recipe, tmp_path):
+    folder = cohort / "heidelberg"
+    recipe = dicom_recipe(write_recipe, cohort)  # the folder: new files are listed
+    location = tmp_path / "prepared"
+    first = prepare(recipe, location, workers=2)
+    assert (first.volumes, first.prepared, first.quarantined) == (10, 12, 2)
+    assert prepare(recipe, location, workers=2).prepared == 0
+
+    files = sorted(folder.glob("*.dcm"))
+    good = [f for f in files if any(r.source == str(f) for r in PreparedDataset.open(str(location)).rows)]
+    shutil.copy(good[0], folder / "added.dcm")
+    good[1].write_bytes(good[0].read_bytes())  # rewritten in place, new content
+    os.utime(good[1], ns=(time.time_ns(), time.time_ns() + 10**9))
+    third = prepare(recipe, location, workers=2)
+    assert (third.prepared, third.reused, third.removed, third.volumes) == (2, 11, 1, 11)
+    rows = PreparedDataset.open(str(location)).rows
+    assert len({r.source for r in rows}) == len(rows) == 11
+    assert len(list((location / "volumes").iterdir())) == 11
+    assert next(r for r in rows if r.source == str(good[1])).content_hash == \
+        next(r for r in rows if r.source == str(good[0])).content_hash
+
+
+def test_a_killed_prepare_resumes_without_redoing_or_duplicating_work(write_recipe, tmp_path):
+    folder = tmp_path / "cohort"
+    shapes = {name: (16, 160, 160) for name in SHAPES}  # slow enough to be caught halfway
+    write_synthetic_cohort(folder, 30, shapes=shapes, seed=1)
+    recipe = dicom_recipe(write_recipe, folder / "manifest.jsonl")
+    location = tmp_path / "prepared"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", str(location), "--workers", "1"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    entries = location / "entries"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(entries.glob("*.json")) if entries.exists() else []) < 3:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask workers, mid-work
+    process.wait()
+    done = len(list(entries.glob("*.json")))
+    assert 3 <= done < 30, "the run was not caught halfway"
+    assert not read_header(str(location), must_be_complete=False).complete
+    assert main(["run", str(prepared_recipe(write_recipe, str(location)))]) == 2  # partly written
+
+    summary = prepare(recipe, location, workers=2)
+    assert (summary.reused, summary.prepared, summary.volumes) == (done, 30 - done, 30)
+    sources = [r.source for r in PreparedDataset.open(str(location)).rows]
+    assert sorted(sources) == sorted(set(sources)) and len(sources) == 30
+
+
+@pytest.fixture
+def prepared(cohort, write_recipe, tmp_path) -> Path:
+    location = tmp_path / "prepared"
+    prepare(dicom_recipe(write_recipe, cohort / "manifest.jsonl"), location, workers=2)
+    return location
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_from_a_prepared_dataset_resumes_exactly_and_replays(prepared, write_recipe, tmp_path, capsys):
+    from octfw.tools.replay import replay
+
+    recipe = prepared_recipe(write_recipe, str(prepared))
+    overrides = ["--set", "run.max_steps=6", "--set", "engine.checkpoint_every_steps=3",
+                 "--set", "engine.domain_sampling=balanced"]
+    assert main(["run", str(recipe), *overrides]) == 0
+    run_dir = next((tmp_path / "runs" / "prepared").iterdir())
+    reference = metrics(run_dir)
+    assert len(reference) == 6
+
+    twin = tmp_path / "twin"
+    shutil.copytree(run_dir, twin)
+    (twin / "checkpoints" / "step_00000006.pt").unlink()
+    (twin / "checkpoints" / "latest").write_text("step_00000003.pt")
+    (twin / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in reference[:3]))
+    from octfw.engine.trainer import train
+
+    registry = load_registry()
+    resumed = train(load_recipe(recipe, overrides[1::2], registry), registry, twin, resume="auto")
+    assert resumed.update_steps == 6
+    assert [m["loss"] for m in metrics(twin)[3:]] == [m["loss"] for m in reference[3:]]
+
+    result = replay(run_dir, 5, load_registry(), report=lambda _: None)
+    assert result["loss"] == pytest.approx(reference[4]["loss"], rel=1e-6)
+    assert all(s.endswith(".dcm") for s in result["samples"])  # provenance: the DICOM sources
+    assert not (tmp_path / "octfw-cache" / "prepared").exists() or not any(
+        (tmp_path / "octfw-cache" / "prepared").rglob("*.npz"))
+
+
+def test_a_damaged_volume_is_quarantined_never_trained_on(prepared, write_recipe, tmp_path):
+    dataset = PreparedDataset.open(str(prepared))
+    victim = dataset.rows[0]
+    chunk = prepared / "volumes" / victim.key / CHUNK
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptFile, match="does not match its index entry"):
+        dataset.load(0)
+    shutil.rmtree(prepared / "volumes" / dataset.rows[1].key)
+    with pytest.raises(CorruptFile, match="missing"):
+        dataset.load(1)
+
+    assert main(["run", str(prepared_recipe(write_recipe, str(prepared))), "--set", "run.max_steps=5"]) == 0
+    run_dir = next((tmp_path / "runs" / "prepared").iterdir())
+    listed = {json.loads(line)["url"] for line in (run_dir / "quarantine.jsonl").read_text().splitlines()}
+    assert listed == {victim.source, dataset.rows[1].source}
+
+
+def test_building_reads_the_index_only(prepared):
+    shutil.rmtree(prepared / "volumes")  # no volume can be read: building must not try
+    dataset = PreparedDataset.open(str(prepared))
+    assert len(dataset) == 10 and sum(dataset.domain_counts().values()) == 10
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "no prepared dataset there"),
+    ("partial", "partly written prepared dataset"),
+    ("index", "does not match its header"),
+    ("transform", "image_size: prepared [8, 32, 32] != recipe [8, 48, 48]"),
+])
+def test_bad_prepared_locations_get_one_line_errors(prepared, write_recipe, tmp_path, capsys, damage, message):
+    location, image = prepared, IMAGE
+    if damage == "missing":
+        location = tmp_path / "nowhere"
+    elif damage == "partial":
+        header = json.loads((prepared / HEADER_FILE).read_text())
+        (prepared / HEADER_FILE).write_text(json.dumps({**header, "complete": False}))
+    elif damage == "index":
+        lines = (prepared / INDEX_FILE).read_text().splitlines()
+        (prepared / INDEX_FILE).write_text("\n".join(lines[:-1]) + "\n")
+    else:
+        image = [8, 48, 48]
+    capsys.readouterr()
+    assert main(["run", str(prepared_recipe(write_recipe, str(location), image=image))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+
+
+def test_prepare_into_a_location_of_other_transform_options_is_refused(prepared, cohort, write_recipe, capsys):
+    recipe = dicom_recipe(write_recipe, cohort / "manifest.jsonl", name="other.toml", image=[8, 48, 48])
+    assert main(["prepare", str(recipe), "--out", str(prepared)]) == 2
+    assert "other transform options: image_size" in capsys.readouterr().err
+    assert read_header(str(prepared)).complete  # untouched
+
+
+BUCKET = "octfw-prepared"
+
+
+def test_prepare_to_and_stream_from_the_gcs_emulator_with_a_bounded_cache(gcs, cohort, write_recipe, tmp_path):
+    import gcsfs
+
+    from octfw.storage.disk_cache import DiskCache
+
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    gcs.make_bucket(BUCKET)
+    location = f"gs://{BUCKET}/cohort-a"
+    summary = prepare(dicom_recipe(write_recipe, cohort / "manifest.jsonl"), location, workers=2)
+    assert (summary.volumes, summary.quarantined) == (10, 2)
+
+    remote = PreparedDataset.open(location, cache=DiskCache(tmp_path / "cache", 10**9))
+    volumes = [remote.load(i).volume for i in range(len(remote))]
+    sizes = sorted(r.nbytes for r in remote.rows)
+    bound = sum(sizes[-3:])  # room for three volumes, not ten
+    bounded = PreparedDataset.open(location, cache=DiskCache(tmp_path / "small", bound))
+    for _epoch in range(2):
+        for index in range(len(bounded)):
+            np.testing.assert_array_equal(bounded.load(index).volume, volumes[index])
+            assert bounded.cache.total_bytes() <= bound
+    # The big cache holds every volume: reads need no store any more.
+    gcs.stop()
+    assert all(np.array_equal(remote.load(i).volume, volumes[i]) for i in range(len(remote)))
+    gcsfs.GCSFileSystem.clear_instance_cache()
