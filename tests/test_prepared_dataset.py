@@ -320,3 +320,22 @@ def test_prepare_to_and_stream_from_the_gcs_emulator_with_a_bounded_cache(gcs, c
     gcs.stop()
     assert all(np.array_equal(remote.load(i).volume, volumes[i]) for i in range(len(remote)))
     gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+def test_locations_that_cannot_be_written_or_read_get_one_line_errors(cohort, write_recipe, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    recipe = dicom_recipe(write_recipe, cohort / "manifest.jsonl")
+    assert main(["prepare", str(recipe), "--out", str(blocker / "prepared")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(blocker / "prepared") in err[0] and "Not a directory" in err[0]
+    assert main(["run", str(prepared_recipe(write_recipe, str(blocker / "prepared")))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(blocker) in err[0] and "cannot read" in err[0]
+
+
+def test_an_unreachable_scheduler_is_one_line(cohort, write_recipe, tmp_path, capsys):
+    recipe = dicom_recipe(write_recipe, cohort / "manifest.jsonl")
+    assert main(["prepare", str(recipe), "--out", str(tmp_path / "p"), "--scheduler", "tcp://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach a Dask scheduler" in err[0]
