@@ -107,10 +107,10 @@ def prepare(recipe: Path, location: str, workers: int) -> dict[str, Any]:
             "stored_bytes_per_volume": round(summary.stored_bytes / max(summary.volumes, 1))}
 
 
-def formats(location: str, transform: Any, count: int) -> dict[str, Any]:
+def formats(location: str, count: int) -> dict[str, Any]:
     """Bytes and codec time per volume: zarr (blosc zstd) against np.savez_compressed and float32 .npz."""
     from octfw.data.prepared_dataset import PreparedDataset
-    from octfw.data.prepared_store import encode_volume, decode_volume, quantize, ARRAY_METADATA, CHUNK
+    from octfw.data.prepared_store import ARRAY_METADATA, CHUNK, decode_volume, encode_volume, quantize
 
     dataset = PreparedDataset.open(location)
     rows: dict[str, list[float]] = {}
@@ -169,9 +169,11 @@ def stream(location: str, transform: Any, samples: int, batch: int = 4) -> dict[
 
 def build_times(location: str, scratch: Path) -> dict[str, Any]:
     """PreparedDataset.open on indexes of 1k/10k/100k entries (rows copied from the real index)."""
+    import attrs
+
     from octfw.data.prepared_dataset import PreparedDataset
     from octfw.data.prepared_store import HEADER_FILE, INDEX_FILE, read_header
-    import attrs
+    from octfw.engine.data import domain_counts
 
     header = read_header(location)
     template = [json.loads(line) for line in Path(location, INDEX_FILE).read_text().splitlines()]
@@ -190,8 +192,7 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
         fake = attrs.evolve(header, volumes=size, index_sha256=hashlib.sha256(data).hexdigest())
         (folder / HEADER_FILE).write_bytes(fake.to_bytes())
         started = time.perf_counter()
-        dataset = PreparedDataset.open(str(folder))
-        dataset.domain_counts()
+        domain_counts(PreparedDataset.open(str(folder)))
         results[str(size)] = round(time.perf_counter() - started, 3)
     return results
 
@@ -271,7 +272,7 @@ def main() -> None:
     ctx = BuildContext(recipe_dir=work, cache_dir=work, run_dir=None, seed=0, image_size=tuple(image),
                        patch_size=(4, 16, 16))
     transform = build_transform(OCTStandardConfig(image_size=tuple(image), cache=False), ctx)
-    result["formats"] = formats(local, transform, 3 if args.smoke else 12)
+    result["formats"] = formats(local, 3 if args.smoke else 12)
     log("formats: " + json.dumps(result["formats"]))
     result["stream_local"] = stream(local, transform, 24 if args.smoke else 200)
     log(f"stream from local disk: {result['stream_local']['samples_per_s_per_core']} samples/s per core")

@@ -28,6 +28,7 @@ from octfw.data.prepared_store import (
     CHUNK, HEADER_FILE, INDEX_FILE, dequantize, quantize, read_header,
 )
 from octfw.data.synthetic import write_synthetic_cohort
+from octfw.engine.data import domain_counts
 from octfw.errors import CorruptFile
 from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
 from octfw.recipe import load_recipe
@@ -35,45 +36,16 @@ from octfw.registry import load_registry
 from octfw.tools.prepare import prepare_dataset
 from octfw.types import BuildContext
 
+from conftest import TINY_RECIPE
+
 SHAPES = {"heidelberg": (6, 40, 32), "topcon": (5, 36, 36), "zeiss": (7, 32, 40)}
 IMAGE = [8, 32, 32]
 
-RECIPE = """
-[run]
-seed = 0
-output_dir = "runs"
-max_steps = 4
-device = "cpu"
-
-[engine]
-per_device_batch = 2
-grad_accum_steps = 1
-base_lr = 1e-3
-log_every_steps = 1
-
-[dataset]
-{dataset}
-
-[transform]
-name = "oct-standard"
-image_size = {image}
-
-[model]
-name = "vjepa3d"
-preset = "tiny"
-patch_size = [4, 16, 16]
-
-[scheduler]
-name = "cosine-no-restart"
-warmup = 1
-
-[[logger]]
-name = "jsonl"
-"""
-
 
 def recipe_text(dataset: str, image=IMAGE) -> str:
-    return RECIPE.format(dataset=dataset, image=json.dumps(image))
+    """The shared tiny recipe with another [dataset] table and image size."""
+    return (TINY_RECIPE.replace('name = "synthetic-oct"\nn_volumes = 8', dataset)
+            .replace("image_size = [8, 32, 32]", f"image_size = {json.dumps(image)}"))
 
 
 def dicom_recipe(write_recipe, path: Path, name: str = "source.toml", **kwargs) -> Path:
@@ -259,7 +231,7 @@ def test_a_damaged_volume_is_quarantined_never_trained_on(prepared, write_recipe
 def test_building_reads_the_index_only(prepared):
     shutil.rmtree(prepared / "volumes")  # no volume can be read: building must not try
     dataset = PreparedDataset.open(str(prepared))
-    assert len(dataset) == 10 and sum(dataset.domain_counts().values()) == 10
+    assert len(dataset) == 10 and sum(domain_counts(dataset).values()) == 10
 
 
 @pytest.mark.parametrize("damage, message", [

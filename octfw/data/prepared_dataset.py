@@ -94,12 +94,6 @@ class PreparedDataset:
     def patient(self, index: int) -> str | None:
         return self.rows[index].patient
 
-    def domain_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for row in self.rows:
-            counts[row.domain] = counts.get(row.domain, 0) + 1
-        return dict(sorted(counts.items()))
-
     # --- reading one volume ----------------------------------------------
 
     def _read(self, fs: Any, root: str, row: IndexRow, name: str) -> bytes:
