@@ -124,8 +124,10 @@ def test_a_rerun_prepares_only_added_and_rewritten_files_and_drops_removed_ones(
     folder = cohort / "heidelberg"
     recipe = dicom_recipe(write_recipe, cohort)  # the folder: new files are listed
     location = tmp_path / "prepared"
-    first = prepare(recipe, location, workers=2)
+    ticks = []
+    first = prepare(recipe, location, workers=2, progress=lambda done, total: ticks.append((done, total)))
     assert (first.volumes, first.prepared, first.quarantined) == (10, 12, 2)
+    assert ticks == [(done, 12) for done in range(1, 13)]  # the progress bar's feed: one tick per volume
     assert prepare(recipe, location, workers=2).prepared == 0
 
     files = sorted(folder.glob("*.dcm"))
