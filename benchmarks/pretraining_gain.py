@@ -55,7 +55,7 @@ METRICS = ("balanced_accuracy", "auroc")
 GLOBAL_BATCH = 4  # recipes/pretrain_cpu.toml: per_device_batch 4 x 1 device x 1 micro-step
 
 
-def pretrain(out: Path, seed: int, updates: int, n_volumes: int | None) -> dict[str, Any]:
+def pretrain(out: Path, seed: int, updates: int, n_volumes: int | None, overrides: list[str] = ()) -> dict[str, Any]:
     """Train ``recipes/pretrain_cpu.toml`` for ``updates`` update steps; its summary and run folder."""
     from octfw.cli import main
 
@@ -66,6 +66,7 @@ def pretrain(out: Path, seed: int, updates: int, n_volumes: int | None) -> dict[
             'logger=[{name="jsonl"}]', "evaluator=[]"]  # probed below, on every task
     if n_volumes is not None:
         sets.append(f"dataset.n_volumes={n_volumes}")
+    sets += overrides  # a variant of the recipe (--set), measured the same way
     code = main(["run", str(RECIPE), *[arg for value in sets for arg in ("--set", value)]])
     if code != 0:
         raise SystemExit(f"pretraining seed {seed} failed with exit code {code}")
@@ -176,6 +177,10 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=5, help="split seeds 0..N-1 per task (default 5)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--work-dir", type=Path, help="where the runs go (default: a new temporary folder)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="pretrain a variant of the recipe (repeatable); the result is written to "
+                             "pretraining_gain_<name>.json, see --name")
+    parser.add_argument("--name", help="result file suffix for a variant (default: from --set)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny version (small cohorts, a few updates, 2 splits, a short attentive "
                              "probe) to check the path in a few minutes")
@@ -205,7 +210,7 @@ def main() -> None:
 
     runs, records = [], []
     for seed in args.seeds:
-        run = pretrain(work / f"seed{seed}", seed, updates, pretrain_volumes)
+        run = pretrain(work / f"seed{seed}", seed, updates, pretrain_volumes, args.overrides)
         target = load_target(run["run_dir"], seed, registry)
         run["target_encoder_moved"] = moved(target)
         runs.append(run)
@@ -225,11 +230,14 @@ def main() -> None:
     print()
     print(format_table(rows))
     name = "pretraining_gain_smoke" if args.smoke else "pretraining_gain"
+    if args.overrides:
+        name += "_" + (args.name or "_".join(o.replace("=", "").replace(".", "-") for o in args.overrides))
     path = write_result(name, {
         "machine": machine(),
         "recipe": str(RECIPE.relative_to(ROOT)),
         "smoke": args.smoke,
         "updates": updates,
+        "overrides": args.overrides,
         "calibration": calibration,
         "seeds": args.seeds,
         "splits": splits,
