@@ -235,6 +235,7 @@ def prepare_volume(dataset: Any, transform: Any, index: int, location: str, key:
     ``extra`` holds label, split and patient, known to the dataset without I/O.
     """
     source = dataset.source(index)
+    fs, root = open_filesystem(location)
     try:
         sample = dataset.load(index)
         prepared = np.asarray(transform.prepare(sample), dtype=np.float32)
@@ -244,7 +245,6 @@ def prepare_volume(dataset: Any, transform: Any, index: int, location: str, key:
     except CorruptFile as bad:
         entry: dict[str, Any] = {"quarantined": {"source": bad.url, "reason": bad.reason}}
     else:
-        fs, root = open_filesystem(location)
         for name in (ARRAY_METADATA, CHUNK):  # the chunk last: its checksum is in the entry
             write_atomically(join(root, VOLUMES, key, name), objects[name], fs=fs, durable=False)
         provenance = sample.provenance
@@ -256,7 +256,6 @@ def prepare_volume(dataset: Any, transform: Any, index: int, location: str, key:
             split=extra.get("split"), patient=extra.get("patient"),
         )
         entry = {"row": row.to_json()}
-    fs, root = open_filesystem(location)
     write_atomically(join(root, ENTRIES, f"{key}.json"), json.dumps(entry).encode("utf-8"), fs=fs, durable=False)
     return entry
 
