@@ -169,7 +169,7 @@ def test_bad_shot_counts_are_one_line_user_errors(short_run, eval_recipe, capsys
 
 
 def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):
-    from octfw.commands.eval import _progress_bar
+    from octfw.commands._common import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -177,12 +177,19 @@ def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    with _progress_bar() as update:
+    with progress_bar("eval") as update:
         update(1, 4, "pretrained: linear-probe")
-    assert update is not None and "eval" in terminal.getvalue()
+    assert update is not None and "eval" in terminal.getvalue() and "ETA" not in terminal.getvalue()
+
+    terminal = Terminal()  # octfw prepare's: items of about equal cost get a rate and an ETA
+    monkeypatch.setattr("sys.stderr", terminal)
+    with progress_bar("prepare", unit="volumes") as update:
+        update(1, 4)
+        update(2, 4)
+    assert "prepare" in terminal.getvalue() and "ETA" in terminal.getvalue()
 
     monkeypatch.setattr("sys.stderr", io.StringIO())
-    with _progress_bar() as update:
+    with progress_bar("eval") as update:
         assert update is None
 
 

@@ -8,11 +8,10 @@ folder) probes every saved checkpoint and plots the metric over update steps.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["add_parser"]
 
@@ -51,27 +50,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-@contextlib.contextmanager
-def _progress_bar() -> Iterator[Any]:
-    """A rich progress bar on stderr when it is a terminal (stdout keeps the table or JSON);
-    None otherwise, so logs and pipes get no control characters."""
-    if not sys.stderr.isatty():
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("eval"), MofNCompleteColumn(), BarColumn(bar_width=20), TimeElapsedColumn(),
-                  TextColumn("{task.description}", markup=False), console=Console(file=sys.stderr),
-                  transient=True) as bar:
-        task = bar.add_task("loading volumes", total=None)
-
-        def update(done: int, total: int, text: str) -> None:
-            bar.update(task, completed=done, total=total, description=text)
-
-        yield update
-
-
 def _check_options(args: argparse.Namespace) -> None:
     from octfw.errors import UserError
 
@@ -94,7 +72,7 @@ def _default_png(source: str, name: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.commands._common import load_registry_once
+    from octfw.commands._common import load_registry_once, progress_bar
     from octfw.evaluation.shots import parse_shots
     from octfw.tools.evaluate import evaluate_target, format_report, load_eval_recipe, load_target
 
@@ -106,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoints is not None:
         from octfw.tools.evaluate_checkpoints import compare_checkpoints, format_checkpoints, plot_checkpoints
 
-        with _progress_bar() as progress:
+        with progress_bar("eval") as progress:
             report = compare_checkpoints(args.source, recipe, registry, args.checkpoints, progress)
         png = plot_checkpoints(report, args.png or _default_png(args.source, "eval_checkpoints.png"),
                                args.metric)
@@ -118,13 +96,13 @@ def run(args: argparse.Namespace) -> int:
         from octfw.tools.evaluate_shots import evaluate_shots, format_shots, write_shots
 
         draws = 3 if args.draws is None else args.draws
-        with _progress_bar() as progress:
+        with progress_bar("eval") as progress:
             report = evaluate_shots(target, recipe, registry, shots, draws, progress)
         png, table = write_shots(report, args.png or _default_png(args.source, "eval_shots.png"), args.metric)
         _print(args, report, format_shots, {"png": str(png), "csv": str(table)})
         return 0
 
-    with _progress_bar() as progress:
+    with progress_bar("eval") as progress:
         report = evaluate_target(target, recipe, registry, progress)
     _print(args, report, format_report, {})
     return 0

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import sys
-from typing import Any, Iterator
 
-from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.commands._common import add_recipe_arguments, load_recipe_from_args, progress_bar
 
 __all__ = ["add_parser"]
 
@@ -32,29 +29,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-@contextlib.contextmanager
-def _progress_bar() -> Iterator[Any]:
-    """Rich progress with rate and ETA on stderr when it is a terminal; None otherwise."""
-    if not sys.stderr.isatty():
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
-    with Progress(TextColumn("prepare"), BarColumn(bar_width=30), MofNCompleteColumn(), TaskProgressColumn(),
-                  TextColumn("{task.fields[rate]}"),
-                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                  console=Console(file=sys.stderr), transient=True) as bar:
-        task = bar.add_task("volumes", total=None, rate="")
-
-        def update(done: int, total: int) -> None:
-            speed = bar.tasks[0].speed
-            bar.update(task, completed=done, total=total, rate=f"{speed:.2f} volumes/s" if speed else "")
-
-        yield update
-
-
 def run(args: argparse.Namespace) -> int:
     recipe, registry = load_recipe_from_args(args)
     from octfw.errors import UserError
@@ -62,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers}: must be at least 1")
-    with _progress_bar() as progress:
+    with progress_bar("prepare", unit="volumes") as progress:
         summary = prepare_dataset(recipe, registry, args.out, scheduler=args.scheduler, workers=args.workers,
                                   dtype=args.dtype, progress=progress)
     per_volume = summary.stored_bytes / max(summary.volumes, 1) / 2**20
