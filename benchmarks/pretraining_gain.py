@@ -20,7 +20,8 @@ with pretraining); gaps are paired (same run seed, same split).
   the learning-rate and EMA schedules span it).
 
 Prints a table (mean ± std over seeds x splits of balanced accuracy and
-AUROC: pretrained, random, gap) and writes
+AUROC: pretrained, random, gap, and the room above random: 1 minus its
+mean, the largest gap any encoder could show) and writes
 ``benchmarks/results/pretraining_gain.json`` (``--smoke``:
 ``pretraining_gain_smoke.json``). The full run wants the machine to itself
 (two runs of ``--budget-minutes`` each, then roughly 10-20 minutes of probes
@@ -132,6 +133,30 @@ def probe_options(registry: Any, probes: list[str], smoke: bool) -> dict[str, di
     return options
 
 
+def measure(work: Path, seed: int, updates: int, pretrain_volumes: int | None, overrides: list[str],
+            tasks: list[str], splits: int, eval_volumes: dict[str, int], probes: list[str],
+            options: dict[str, dict[str, Any]], registry: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Pretrain one seed (with ``overrides``) and probe it next to its random init on every task and split:
+    (the run's summary, one record per task and split)."""
+    from octfw.tools.evaluate import evaluate_target, load_eval_recipe, load_target
+
+    run = pretrain(work / f"seed{seed}", seed, updates, pretrain_volumes, overrides)
+    target = load_target(run["run_dir"], seed, registry)
+    run["target_encoder_moved"] = moved(target)
+    print(f"pretrain  seed {seed}: {run['update_steps']} updates in {run['elapsed_s']} s, loss "
+          f"{run['first_loss']:.3f} -> {run['last_loss']:.3f}, effective rank {run['last_effective_rank']:.2f}, "
+          f"target encoder moved {run['target_encoder_moved']}", flush=True)
+    records = []
+    for task in tasks:
+        for split_seed in range(splits):
+            path = eval_recipe(work, task, split_seed, seed, probes, eval_volumes[task], options)
+            report = evaluate_target(target, load_eval_recipe(path, [], registry), registry)
+            records.append({"seed": seed, "task": task, "split_seed": split_seed,
+                            "pretrained": report.pretrained, "random_init": report.random_init})
+        print(f"probed    seed {seed}: {task}", flush=True)
+    return run, records
+
+
 def mean_std(values: list[float]) -> dict[str, float]:
     return {"mean": round(statistics.fmean(values), 4),
             "std": round(statistics.pstdev(values), 4) if len(values) > 1 else 0.0, "n": len(values)}
@@ -148,10 +173,13 @@ def summarise(records: list[dict[str, Any]], probes: list[str], tasks: list[str]
                          if r["task"] == task and key in r["pretrained"] and key in r["random_init"]]
                 if not pairs:
                     continue
+                random_init = mean_std([q for _, q in pairs])
                 rows.append({"task": task, "probe": probe, "metric": metric,
                              "pretrained": mean_std([p for p, _ in pairs]),
-                             "random_init": mean_std([q for _, q in pairs]),
-                             "gap": mean_std([p - q for p, q in pairs])})
+                             "random_init": random_init,
+                             "gap": mean_std([p - q for p, q in pairs]),
+                             # Both metrics top out at 1: the largest mean gap a perfect encoder could show.
+                             "room": round(1.0 - random_init["mean"], 4)})
     return rows
 
 
@@ -159,11 +187,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     def cell(stat: dict[str, float], signed: bool = False) -> str:
         return f"{stat['mean']:+.3f} ± {stat['std']:.3f}" if signed else f"{stat['mean']:.3f} ± {stat['std']:.3f}"
 
-    header = f"{'task':<9} {'probe':<16} {'metric':<18} {'pretrained':>15} {'random init':>15} {'gap':>16}"
+    header = (f"{'task':<9} {'probe':<16} {'metric':<18} {'pretrained':>15} {'random init':>15} {'gap':>16} "
+              f"{'room':>6}")
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(f"{row['task']:<9} {row['probe']:<16} {row['metric']:<18} {cell(row['pretrained']):>15} "
-                     f"{cell(row['random_init']):>15} {cell(row['gap'], signed=True):>16}")
+                     f"{cell(row['random_init']):>15} {cell(row['gap'], signed=True):>16} {row['room']:>6.3f}")
     return "\n".join(lines)
 
 
@@ -187,7 +216,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from octfw.registry import load_registry
-    from octfw.tools.evaluate import evaluate_target, load_eval_recipe, load_target
 
     started = time.perf_counter()
     registry = load_registry()
@@ -210,21 +238,10 @@ def main() -> None:
 
     runs, records = [], []
     for seed in args.seeds:
-        run = pretrain(work / f"seed{seed}", seed, updates, pretrain_volumes, args.overrides)
-        target = load_target(run["run_dir"], seed, registry)
-        run["target_encoder_moved"] = moved(target)
+        run, seed_records = measure(work, seed, updates, pretrain_volumes, args.overrides, args.tasks, splits,
+                                    eval_volumes, probes, options, registry)
         runs.append(run)
-        print(f"pretrain  seed {seed}: {run['update_steps']} updates in {run['elapsed_s']} s, loss "
-              f"{run['first_loss']:.3f} -> {run['last_loss']:.3f}, effective rank {run['last_effective_rank']:.2f}, "
-              f"target encoder moved {run['target_encoder_moved']}", flush=True)
-        for task in args.tasks:
-            for split_seed in range(splits):
-                path = eval_recipe(work, task, split_seed, seed, probes, eval_volumes[task], options)
-                report = evaluate_target(target, load_eval_recipe(path, [], registry), registry)
-                records.append({"seed": seed, "task": task, "split_seed": split_seed,
-                                "pretrained": report.pretrained, "random_init": report.random_init})
-            print(f"probed    seed {seed}: {task}", flush=True)
-        del target  # two models' weights; the next seed loads its own
+        records += seed_records
 
     rows = summarise(records, probes, args.tasks)
     print()
