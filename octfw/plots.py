@@ -28,7 +28,7 @@ import attrs
 
 from octfw.errors import UserError
 
-__all__ = ["Panel", "read_metrics", "plan_panels", "collapse_thresholds", "plot_run"]
+__all__ = ["Panel", "read_metrics", "plan_panels", "collapse_thresholds", "plot_run", "step_axis", "step_label"]
 
 #: Panels of every plot: (title, metric keys; a trailing "/" means every key
 #: with that prefix). A panel whose keys were not logged says so.
@@ -161,13 +161,30 @@ def _label(key: str) -> str:
     return key.split("/", 1)[-1]
 
 
+def step_label(step: float) -> str:
+    """An update step as a tick label short enough for a narrow panel: 2,500, 24k, 1.2M."""
+    if abs(step) >= 1e6:
+        return f"{step / 1e6:.4g}M"
+    if abs(step) >= 1e4:
+        return f"{step / 1e3:.4g}k"
+    return f"{step:,.0f}"
+
+
+def step_axis(axis: Any) -> None:
+    """Integer update steps on a matplotlib axis, a few ticks of :func:`step_label`
+    (default tick labels of five-digit steps run into each other)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: step_label(value)))
+
+
 def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
     """Draw the panels of :func:`plan_panels` for the log at ``metrics_path`` into ``png_path``.
 
     The collapse guard's thresholds come from ``recipe.toml`` beside the log.
     """
     from matplotlib.figure import Figure  # heavy imports: only when a plot is drawn
-    from matplotlib.ticker import MaxNLocator
 
     metrics_path = Path(metrics_path)
     series = read_metrics(metrics_path)
@@ -199,7 +216,7 @@ def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
     if "loss" in series and all(v > 0 for v in series["loss"][1] if not math.isnan(v)):
         axes[0].set_yscale("log")  # losses span decades early in training
     axes[-1].set_xlabel("update step")
-    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    step_axis(axes[-1].xaxis)
     fig.suptitle(f"{metrics_path.parent.name}: {series['loss'][0][-1]} update steps logged")
 
     path = Path(png_path)

@@ -10,7 +10,7 @@ import pytest
 
 from octfw.cli import main
 from octfw.errors import UserError
-from octfw.plots import collapse_thresholds, plan_panels, read_metrics
+from octfw.plots import collapse_thresholds, plan_panels, read_metrics, step_axis, step_label
 from octfw.plugins.loggers.jsonl import JsonlLogger
 
 from conftest import make_dist
@@ -53,6 +53,28 @@ def test_plot_draws_a_png_of_the_run(tmp_path, capsys):
     # Without --png the plot goes into the run folder.
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "run.png").stat().st_size > MIN_PNG_BYTES
+
+
+def test_update_steps_get_short_tick_labels_that_do_not_run_into_each_other():
+    assert [step_label(v) for v in (0, 2500, 9999, 10_000, 12_500, 24_000, 1_200_000)] == \
+        ["0", "2,500", "9,999", "10k", "12.5k", "24k", "1.2M"]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # A 4-inch panel of steps 3,000-24,000: matplotlib's default labels ("25000" every 2,500) overlapped.
+    fig = Figure(figsize=(4.0, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.set_ylabel("balanced_accuracy")
+    ax.plot([3000, 24_000], [0.8, 0.9])
+    step_axis(ax.xaxis)
+    fig.canvas.draw()
+    low, high = ax.get_xlim()
+    boxes = [label.get_window_extent(fig.canvas.get_renderer()) for label in ax.get_xticklabels()
+             if label.get_text() and low <= label.get_position()[0] <= high]
+    boxes.sort(key=lambda box: box.x0)
+    assert len(boxes) >= 3
+    assert all(left.x1 < right.x0 for left, right in zip(boxes, boxes[1:]))
 
 
 def test_plot_of_a_missing_or_empty_log_is_a_clear_error(tmp_path, capsys):

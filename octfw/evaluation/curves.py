@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from octfw.plots import step_axis
+
 __all__ = ["plot_label_efficiency", "plot_checkpoint_curves"]
 
 #: One point of a label-efficiency curve: (shot label, volumes per class, mean, std over draws).
@@ -77,8 +79,6 @@ def plot_checkpoint_curves(curves: Mapping[str, tuple[str, Sequence[StepPoint]]]
     """``curves[evaluator] = (metric, points)`` -> one panel per evaluator: the metric over
     update steps, its 95 % interval shaded where known, the randomly initialised encoder
     (``baselines[evaluator]``) dashed."""
-    from matplotlib.ticker import MaxNLocator
-
     fig, axes = _panels(len(curves))
     for ax, (evaluator, (metric, points)) in zip(axes, curves.items()):
         steps = [p[0] for p in points]
@@ -90,6 +90,6 @@ def plot_checkpoint_curves(curves: Mapping[str, tuple[str, Sequence[StepPoint]]]
         baseline = baselines.get(evaluator)
         if baseline is not None:
             ax.axhline(baseline, linestyle="--", color="grey", label="random init")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        step_axis(ax.xaxis)
         _label(ax, "update step", metric, evaluator)
     return _save(fig, png, title)
