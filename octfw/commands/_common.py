@@ -38,12 +38,13 @@ def load_recipe_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, unit: str | None = None) -> Iterator[Callable[..., None] | None]:
+def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterator[Callable[..., None] | None]:
     """A rich progress bar on stderr when it is a terminal (stdout keeps tables and JSON);
     None otherwise, so logs and pipes get no control characters.
 
-    Yields ``update(done, total, text="")``. With ``unit`` the bar also shows the rate
-    (``unit``/s) and an ETA: for work whose items take about the same time.
+    Yields ``update(done, total, text="")``; ``text`` is shown until the first update.
+    With ``unit`` the bar also shows the rate (``unit``/s) and an ETA: for work whose
+    items take about the same time.
     """
     if not sys.stderr.isatty():
         yield None
@@ -57,7 +58,7 @@ def progress_bar(label: str, unit: str | None = None) -> Iterator[Callable[..., 
         columns += [TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn()]
     columns.append(TextColumn("{task.description}", markup=False))
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
-        task = bar.add_task("", total=None, rate="")
+        task = bar.add_task(text, total=None, rate="")
 
         def update(done: int, total: int, text: str = "") -> None:
             speed = bar.tasks[0].speed

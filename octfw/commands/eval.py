@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoints is not None:
         from octfw.tools.evaluate_checkpoints import compare_checkpoints, format_checkpoints, plot_checkpoints
 
-        with progress_bar("eval") as progress:
+        with progress_bar("eval", text="loading volumes") as progress:
             report = compare_checkpoints(args.source, recipe, registry, args.checkpoints, progress)
         png = plot_checkpoints(report, args.png or _default_png(args.source, "eval_checkpoints.png"),
                                args.metric)
@@ -96,13 +96,13 @@ def run(args: argparse.Namespace) -> int:
         from octfw.tools.evaluate_shots import evaluate_shots, format_shots, write_shots
 
         draws = 3 if args.draws is None else args.draws
-        with progress_bar("eval") as progress:
+        with progress_bar("eval", text="loading volumes") as progress:
             report = evaluate_shots(target, recipe, registry, shots, draws, progress)
         png, table = write_shots(report, args.png or _default_png(args.source, "eval_shots.png"), args.metric)
         _print(args, report, format_shots, {"png": str(png), "csv": str(table)})
         return 0
 
-    with progress_bar("eval") as progress:
+    with progress_bar("eval", text="loading volumes") as progress:
         report = evaluate_target(target, recipe, registry, progress)
     _print(args, report, format_report, {})
     return 0
