@@ -61,13 +61,17 @@ TASKS = ("fluid", "thinning")
 SCREEN_PROBES = ("linear-probe", "attentive-probe")
 
 
+def overrides_of(lever: str) -> list[str]:
+    return [*BASE, *LEVERS[lever][1]]
+
+
 def screen(work: Path, lever: str, seed: int, args: argparse.Namespace, probes: list[str],
            options: dict[str, dict[str, Any]], registry: Any) -> dict[str, Any]:
     """One lever on one seed, read back from ``work`` when an earlier screen finished it."""
     done = work / lever / f"seed{seed}.json"
     if done.exists():
         return json.loads(done.read_text())
-    overrides = [*BASE, *LEVERS[lever][1]]
+    overrides = overrides_of(lever)
     run, records = measure(work / lever, seed, args.updates, None, overrides, list(TASKS), args.splits,
                            EVAL_VOLUMES, probes, options, registry)
     result = {"lever": lever, "overrides": overrides, "updates": args.updates, "run": run, "records": records}
@@ -108,11 +112,12 @@ def main() -> None:
     probes = [name for name in SCREEN_PROBES if name in registry.names("evaluator")]
     options = probe_options(registry, probes, smoke=False)
     levers = args.only or list(LEVERS)
-    results, rows = {}, {}
+    results, records, rows = {}, {}, {}
     for lever in levers:
         results[lever] = [screen(args.work_dir, lever, seed, args, probes, options, registry) for seed in args.seeds]
-        records = [record for result in results[lever] for record in result["records"]]
-        rows[lever] = [row for row in summarise(records, probes, list(TASKS)) if row["metric"] == "balanced_accuracy"]
+        records[lever] = [record for result in results[lever] for record in result["records"]]
+        rows[lever] = [row for row in summarise(records[lever], probes, list(TASKS))
+                       if row["metric"] == "balanced_accuracy"]
         print(f"screened  {lever}: {LEVERS[lever][0]}", flush=True)
 
     print("\nbalanced-accuracy gap, pretrained - random (change against the baseline's gap)")
@@ -122,9 +127,9 @@ def main() -> None:
         "recipe": str(RECIPE.relative_to(ROOT)),
         "updates": args.updates, "seeds": args.seeds, "splits": args.splits, "tasks": list(TASKS),
         "probes": probes, "probe_options": options,
-        "levers": {lever: {"what": LEVERS[lever][0], "overrides": [*BASE, *LEVERS[lever][1]],
+        "levers": {lever: {"what": LEVERS[lever][0], "overrides": overrides_of(lever),
                            "runs": [result["run"] for result in results[lever]], "table": rows[lever],
-                           "records": [r for result in results[lever] for r in result["records"]]}
+                           "records": records[lever]}
                    for lever in levers},
         "seconds": round(time.perf_counter() - started, 1),
     })
