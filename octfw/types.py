@@ -263,7 +263,12 @@ class Checkpointer(Protocol):
     ``latest`` never points at one. It raises on failure; the engine warns,
     keeps training and lists the failed save in the summary. An optional
     ``checkpoints() -> list[(update_step, location)]`` lists the complete
-    ones, so ``octfw replay`` can start from the nearest.
+    ones, so ``octfw replay`` can start from the nearest. Two more are
+    optional, and the built-ins have them: ``check_writable(needed_bytes)``
+    raises UserError before training when a checkpoint could not be written
+    (no space, no permission, store unreachable), and ``cancel()`` aborts the
+    save in flight when the user asks to stop at once (a second Ctrl-C).
+    ``load`` must refuse a damaged checkpoint, never load it.
     """
 
     def save(self, update_step: int, state: Mapping[str, Any]) -> str: ...

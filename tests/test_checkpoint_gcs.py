@@ -52,7 +52,7 @@ def test_save_latest_load_and_keep_last_round_trip(bucket):
     assert ckpt.latest() is None
     for step in (10, 20, 30):
         assert ckpt.save(step, small_state(step)) == f"{url}/step_{step:08d}.pt"
-    assert objects(bucket, "run") == ["latest", "step_00000020.pt", "step_00000030.pt"]
+    assert objects(bucket, "run") == ["latest", "step_00000020.pt", "step_00000020.pt.sha256", "step_00000030.pt", "step_00000030.pt.sha256"]
     pointer = json.loads(bucket.filesystem().cat_file(f"{BUCKET}/run/latest"))
     assert [e["name"] for e in pointer["checkpoints"]] == ["step_00000030.pt", "step_00000020.pt"]
     assert ckpt.latest() == f"{url}/step_00000030.pt"
@@ -219,7 +219,7 @@ def test_training_checkpoints_to_gcs_and_resume_auto_continues(bucket, tiny_reci
     run_dir = Path(summary["run_dir"])
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # the resumed run went on from step 2, in the same folder
-    assert objects(bucket, "train") == ["latest", "step_00000002.pt", "step_00000003.pt"]
+    assert objects(bucket, "train") == ["latest", "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
 
 
 def test_store_lost_mid_run_the_run_finishes_and_lists_failed_saves(bucket, tiny_recipe, stopper):

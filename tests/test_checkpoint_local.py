@@ -55,7 +55,7 @@ def test_round_trip_in_run_dir_by_default(tmp_path):
     assert torch.equal(loaded["rng"]["torch"], state["rng"]["torch"])
     assert loaded["optimizer"]["state"][0]["exp_avg"].tolist() == [1.0, 1.0]
     assert loaded["config"] == state["config"]
-    assert names(tmp_path / "checkpoints") == ["latest", "step_00000012.pt"]
+    assert names(tmp_path / "checkpoints") == ["latest", "step_00000012.pt", "step_00000012.pt.sha256"]
 
 
 def test_dir_option_and_file_url(tmp_path):
@@ -74,7 +74,7 @@ def test_keep_last_prunes_older_checkpoints(tmp_path):
     ckpt = build(LocalCheckpointConfig(keep_last=2), make_ctx(tmp_path))
     for step in (10, 20, 30, 40):
         ckpt.save(step, small_state(step))
-    assert names(tmp_path / "checkpoints") == ["latest", "step_00000030.pt", "step_00000040.pt"]
+    assert names(tmp_path / "checkpoints") == ["latest", "step_00000030.pt", "step_00000030.pt.sha256", "step_00000040.pt", "step_00000040.pt.sha256"]
     assert ckpt.latest().endswith("step_00000040.pt")
 
 
@@ -123,7 +123,7 @@ def test_failed_save_raises_and_keeps_latest(tmp_path, monkeypatch):
         ckpt.save(20, small_state(20))
     monkeypatch.undo()
     assert ckpt.latest() == first
-    assert names(tmp_path / "checkpoints") == ["latest", "step_00000010.pt"]
+    assert names(tmp_path / "checkpoints") == ["latest", "step_00000010.pt", "step_00000010.pt.sha256"]
 
 
 def test_only_rank_zero_saves(tmp_path):

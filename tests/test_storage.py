@@ -181,7 +181,8 @@ def test_retention_keeps_the_newest_n_through_the_shared_code(folder_url):
     storage = CheckpointStorage(folder_url, keep_last=2)
     for step in (1, 2, 3, 4):
         assert storage.save(step, state(step)) == f"{folder_url}/step_{step:08d}.pt"
-    assert listing(storage) == [LATEST, "step_00000003.pt", "step_00000004.pt"]
+    assert listing(storage) == [LATEST, "step_00000003.pt", "step_00000003.pt.sha256",
+                                "step_00000004.pt", "step_00000004.pt.sha256"]
     assert [step for step, _ in storage.checkpoints()] == [3, 4]
     pointer = json.loads(storage.fs.cat_file(f"{storage.root}/{LATEST}"))
     assert [(e["name"], e["bytes"]) for e in pointer["checkpoints"]] == [

@@ -4,14 +4,23 @@ Every checkpointer keeps its files through :class:`CheckpointStorage`, on a
 local disk or any fsspec store, so what is complete, what ``latest`` means and
 what ``keep_last`` deletes are decided here, once. Layout of the folder::
 
-    step_00000120.pt      one checkpoint per save; names sort by update step
-    step_00000120.pt.tmp  a local save in progress, or one that was interrupted
-    latest                the pointer, written after the checkpoint
+    step_00000120.pt         one checkpoint per save; names sort by update step
+    step_00000120.pt.sha256  its SHA-256, in ``sha256sum`` format (``sha256sum -c`` checks it)
+    step_00000120.pt.tmp     a local save in progress, or one that was interrupted
+    latest                   the pointer, written after the checkpoint and its checksum
 
 The pointer (format 1) lists the kept checkpoints, newest first, each with
 its size in bytes::
 
     {"format": 1, "checkpoints": [{"name": "step_00000120.pt", "bytes": 10212539}, ...]}
+
+**Integrity.** The checksum is computed while the checkpoint is written (no
+second read) and checked before ``torch.load`` sees a byte: by ``latest()``
+(a mismatch is skipped with a warning naming it, and the previous good
+checkpoint is used) and by every load, of ``latest`` or of an explicit path
+(:func:`load_checkpoint` reads the ``.sha256`` file beside it), which raise
+:class:`CorruptCheckpoint`. A checkpoint written before octfw recorded
+checksums has none; it is loaded with a warning saying it is unverified.
 
 ``latest()`` returns the first entry whose file exists with exactly that
 size, so it never names a checkpoint whose write was cut short, and falls back
@@ -39,6 +48,7 @@ Light at import time (stdlib only): torch and fsspec load inside the functions.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import logging
@@ -47,11 +57,12 @@ import re
 from typing import IO, Any, Iterable, Iterator, Mapping
 
 from octfw.errors import UserError
+from octfw.storage.failures import format_bytes, free_bytes, storage_cause
 from octfw.storage.files import Data, is_local_filesystem, open_filesystem, write_atomically
 from octfw.storage.retry import RetryPolicy
 
 __all__ = [
-    "LATEST", "POINTER_FORMAT", "PointerEntry", "CheckpointStorage",
+    "LATEST", "POINTER_FORMAT", "PointerEntry", "CheckpointStorage", "CorruptCheckpoint", "checksum_name",
     "checkpoint_name", "checkpoint_step", "prunable", "parse_pointer", "format_pointer",
     "check_plain", "safe_load", "load_checkpoint",
 ]
@@ -64,8 +75,13 @@ LATEST = "latest"
 POINTER_FORMAT = 1
 
 _COMPLETE = re.compile(r"^step_(\d{8,})\.pt$")
-# What an interrupted local write leaves: a checkpoint's or the pointer's temporary file.
-_LEFTOVER = re.compile(r"^(step_\d{8,}\.pt|latest)\.tmp$")
+# What an interrupted local write leaves: a checkpoint's, its checksum's or the pointer's temporary file.
+_LEFTOVER = re.compile(r"^(step_\d{8,}\.pt(\.sha256)?|latest)\.tmp$")
+_CHECKSUM = re.compile(r"^(step_\d{8,}\.pt)\.sha256$")
+
+
+class CorruptCheckpoint(UserError):
+    """A checkpoint whose bytes do not match the SHA-256 recorded when it was written."""
 
 
 # --- names and retention ------------------------------------------------------
@@ -74,6 +90,11 @@ _LEFTOVER = re.compile(r"^(step_\d{8,}\.pt|latest)\.tmp$")
 def checkpoint_name(update_step: int) -> str:
     """Name of the checkpoint taken at ``update_step``."""
     return f"step_{update_step:08d}.pt"
+
+
+def checksum_name(name: str) -> str:
+    """Name of the file holding the SHA-256 of checkpoint ``name``."""
+    return f"{name}.sha256"
 
 
 def checkpoint_step(name: str) -> int | None:
@@ -159,15 +180,63 @@ def check_plain(value: Any, where: str = "state") -> None:
     )
 
 
-# Lines of torch's weights_only message that say nothing about this file.
-_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
-
-
 def _reason(exc: Exception) -> str:
-    """The line of a ``torch.load`` error that names what was refused."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    specific = [line for line in lines if not line.startswith(_BOILERPLATE)]
-    return (specific or lines or [""])[0]
+    """What a ``torch.load`` error says about this file, without torch's advice to retry with
+    ``weights_only=False``: that would run whatever code the file holds."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:  # the refused object or opcode follows this marker
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    specific = [line.split(". Please use", 1)[0] for line in lines
+                if "weights_only" not in line and not line.startswith(("Please file an issue", "Check the doc"))]
+    return (specific or ["not a checkpoint octfw can read"])[0]
+
+
+def sha256_of(source: str | bytes) -> str:
+    """SHA-256 (hex) of a local file's bytes, or of ``source`` itself when it is bytes."""
+    if isinstance(source, bytes):
+        return hashlib.sha256(source).hexdigest()
+    digest = hashlib.sha256()
+    with open(source, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def parse_checksum(raw: bytes) -> str | None:
+    """The hex digest of a ``.sha256`` file (``sha256sum`` format); None when it holds none."""
+    first = raw.decode("utf-8", "replace").strip().split(maxsplit=1)
+    return first[0].lower() if first and re.fullmatch(r"[0-9a-fA-F]{64}", first[0]) else None
+
+
+def verify(location: str, actual: str, expected: str | None) -> None:
+    """Raise :class:`CorruptCheckpoint` unless ``actual`` is the recorded checksum; warn when none was."""
+    if expected is None:
+        logger.warning("checkpoint %s has no recorded SHA-256 (written before octfw recorded them): "
+                       "loaded unverified", location)
+    elif actual != expected:
+        raise CorruptCheckpoint(f"checkpoint {location} is damaged: its SHA-256 is {actual[:12]}..., "
+                                f"recorded {expected[:12]}... when it was written; it is not loaded")
+
+
+class _HashingWriter:
+    """A binary file that hashes what goes through it, so a checkpoint's SHA-256 costs no second read.
+
+    ``cancelled`` (an Event) aborts the write at the next block: a second Ctrl-C
+    stops a save without waiting for it, and the temporary file is removed.
+    """
+
+    def __init__(self, file: IO[bytes], cancelled: Any = None):
+        self.file, self.digest, self.cancelled = file, hashlib.sha256(), cancelled
+
+    def write(self, data: Any) -> int:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise InterruptedError("checkpoint save cancelled")
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def safe_load(source: str | IO[bytes], location: str) -> dict[str, Any]:
@@ -198,24 +267,41 @@ def safe_load(source: str | IO[bytes], location: str) -> dict[str, Any]:
     return state
 
 
-def _read_checkpoint(fs: Any, path: str, location: str, retry: RetryPolicy) -> dict[str, Any]:
+def _recorded_checksum(fs: Any, path: str, retry: RetryPolicy) -> str | None:
+    """The SHA-256 recorded beside the checkpoint at ``path``; None when there is none."""
+    try:
+        raw = retry.run(f"read {path}.sha256", fs.cat_file, checksum_name(path), **retry.options(fs))
+    except FileNotFoundError:
+        return None
+    return parse_checksum(raw)
+
+
+def _read_checkpoint(fs: Any, path: str, location: str, retry: RetryPolicy,
+                     data: bytes | None = None) -> dict[str, Any]:
+    """Verify the checkpoint at ``path`` against its recorded SHA-256, then load it.
+    ``data``: its bytes, when a remote object was downloaded (and verified) already."""
+    expected = _recorded_checksum(fs, path, retry)
     if is_local_filesystem(fs):
         if not os.path.isfile(path):
             raise UserError(f"checkpoint {location} does not exist")
+        verify(location, sha256_of(path), expected)
         return safe_load(path, location)  # torch reads the file itself: no second copy in memory
-    try:
-        data = retry.run(f"download {location}", fs.cat_file, path, **retry.options(fs))
-    except FileNotFoundError:
-        raise UserError(f"checkpoint {location} does not exist") from None
+    if data is None:
+        try:
+            data = retry.run(f"download {location}", fs.cat_file, path, **retry.options(fs))
+        except FileNotFoundError:
+            raise UserError(f"checkpoint {location} does not exist") from None
+    verify(location, sha256_of(data), expected)
     return safe_load(io.BytesIO(data), location)
 
 
 def load_checkpoint(url: str, retry: RetryPolicy = RetryPolicy()) -> dict[str, Any]:
     """Read the checkpoint file at ``url`` (local path, ``file://`` or fsspec URL) onto the CPU.
 
-    Uses ``torch.load(weights_only=True)``; raises UserError for a missing
-    file or one holding anything but tensors and plain Python data. Remote
-    reads are tried as ``retry`` says.
+    Checks it against the SHA-256 beside it first (:class:`CorruptCheckpoint`
+    on a mismatch), then uses ``torch.load(weights_only=True)``; raises
+    UserError for a missing file or one holding anything but tensors and
+    plain Python data. Remote reads are tried as ``retry`` says.
     """
     fs, path = open_filesystem(url, fresh=True)
     return _read_checkpoint(fs, path, url, retry)
@@ -243,6 +329,7 @@ class CheckpointStorage:
         self.setting = setting
         self._fs: Any = None
         self._root = ""
+        self._downloaded: tuple[str, bytes] | None = None  # the remote checkpoint latest() verified
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.url!r}, keep_last={self.keep_last})"
@@ -337,33 +424,79 @@ class CheckpointStorage:
 
     # --- checkpoints ------------------------------------------------------------
 
-    def save(self, update_step: int, state: Mapping[str, Any]) -> str:
-        """Write ``state`` for ``update_step``, then the pointer, then prune; returns its location."""
+    def save(self, update_step: int, state: Mapping[str, Any], cancelled: Any = None) -> str:
+        """Write ``state`` for ``update_step``, its checksum, then the pointer, then prune;
+        returns its location. ``cancelled``: an Event that aborts the write (a second Ctrl-C)."""
         import torch
 
         check_plain(state, "state")
         name = checkpoint_name(update_step)
         # Read the old pointer first: if the store cannot be reached, nothing has changed yet.
         previous = list(self._vouched())
-        size = self._write(name, lambda f: torch.save(dict(state), f))
+        writers: list[_HashingWriter] = []  # one per attempt: a retried upload serialises again
+
+        def serialise(file: IO[bytes]) -> None:
+            writers.append(_HashingWriter(file, cancelled))
+            torch.save(dict(state), writers[-1])
+
+        size = self._write(name, serialise)
+        self._write(checksum_name(name), f"{writers[-1].digest.hexdigest()}  {name}\n".encode("utf-8"))
         names = self._names()
         doomed = set(prunable(names, self.keep_last, protected={name}))
         kept = [PointerEntry(name, size)]
         kept += [e for e in previous if e.name != name and e.name not in doomed]
         # The pointer goes last: until it is written, `latest` names the previous checkpoint.
         self._write(LATEST, format_pointer(kept[: self.keep_last]))
-        # Only this process writes here and its own writes have finished: a
-        # .tmp left is an interrupted save that would otherwise fill the disk.
-        self._delete(sorted(doomed) + [n for n in names if _LEFTOVER.match(n)])
+        # Only this process writes here and its own writes have finished: a .tmp left is an
+        # interrupted save, a checksum without its checkpoint a pruned one; both would pile up.
+        doomed |= {checksum_name(n) for n in doomed}
+        orphans = [n for n in names if _LEFTOVER.match(n) or ((m := _CHECKSUM.match(n)) and m.group(1) not in names)]
+        self._delete(sorted(doomed & set(names)) + orphans)
         return self.location(name)
 
+    def check_writable(self, needed_bytes: int) -> None:
+        """Refuse, before training, a folder that cannot take a checkpoint: a probe file is
+        written and deleted, and a local disk must have ``needed_bytes`` free. UserError naming
+        the cause (no space, permission denied, cannot reach the store)."""
+        probe = f".octfw-write-probe-{os.getpid()}"
+        try:
+            self._write(probe, b"octfw checks that it can write here\n")
+            self._delete([probe])
+        except Exception as exc:  # noqa: BLE001 - named below, or shown as it is
+            cause = storage_cause(exc, self.url, needed_bytes) or f"{type(exc).__name__}: {exc}"
+            raise UserError(f"{self.setting or 'checkpoint folder'}: cannot write checkpoints: {cause}") from None
+        if self._renamed_into_place:
+            free = free_bytes(self._root)
+            if free is not None and free < needed_bytes:
+                raise UserError(f"{self.setting or 'checkpoint folder'}: no space left on device at {self.url} "
+                                f"({format_bytes(free)} free, a checkpoint needs {format_bytes(needed_bytes)})")
+
+    def _intact(self, name: str) -> bool:
+        """Whether checkpoint ``name`` matches its recorded SHA-256 (True when none was recorded);
+        a mismatch is warned about, naming the file."""
+        path = self._path(name)
+        if self._renamed_into_place:
+            actual = sha256_of(path)
+        else:
+            self._downloaded = (name, self._call(f"download {self.location(name)}", "cat_file", path))
+            actual = sha256_of(self._downloaded[1])
+        expected = _recorded_checksum(self.fs, path, self.retry)
+        if expected is None or actual == expected:
+            return True
+        logger.warning("checkpoint %s is damaged (its SHA-256 does not match the one recorded when it "
+                       "was written): skipped, the previous complete checkpoint is used", self.location(name))
+        return False
+
     def latest(self) -> str | None:
-        """The newest checkpoint the pointer vouches for; else, on a local disk, the newest file."""
-        vouched = next(self._vouched(), None)
-        if vouched is not None:
-            return self.location(vouched.name)
-        complete = self._complete_without_pointer()
-        return self.location(max(complete, key=checkpoint_step)) if complete else None
+        """The newest checkpoint the pointer vouches for (else, on a local disk, the newest
+        file) whose bytes match its recorded SHA-256; damaged ones are skipped with a warning."""
+        vouched = [entry.name for entry in self._vouched()]
+        unlisted = sorted(set(self._complete_without_pointer()) - set(vouched), key=checkpoint_step, reverse=True)
+        # Without a good pointer entry, every complete local file is a candidate, newest first.
+        for name in vouched + unlisted:
+            if self._intact(name):
+                return self.location(name)
+        return None
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """Every complete checkpoint as (update step, location), oldest first (for ``octfw replay``)."""
@@ -374,6 +507,9 @@ class CheckpointStorage:
         """Read a checkpoint onto the CPU; UserError for a missing or refused file."""
         inside = self.location("")
         if location.startswith(inside):
-            return _read_checkpoint(self.fs, self._path(location[len(inside):]), location, self.retry)
+            name = location[len(inside):]
+            downloaded, self._downloaded = self._downloaded, None  # latest() may have fetched it already
+            data = downloaded[1] if downloaded and downloaded[0] == name else None
+            return _read_checkpoint(self.fs, self._path(name), location, self.retry, data)
         # `--resume URL` of a checkpoint elsewhere: its own filesystem, the same retries.
         return load_checkpoint(location, self.retry)

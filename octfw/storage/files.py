@@ -8,7 +8,9 @@
   them, through ``fsspec.core.url_to_fs``, with a UserError naming the extra
   to install when a ``gs://`` URL has no gcsfs;
 - :func:`write_atomically`: replace a file so that a reader sees the old
-  bytes or the new ones, never part of them.
+  bytes or the new ones, never part of them;
+- :func:`require_writable_folder`: a local folder made and proven writable,
+  else one UserError naming the setting it came from.
 
 fsspec is imported inside the functions: importing octfw (``octfw list``)
 must load neither fsspec nor gcsfs.
@@ -28,7 +30,7 @@ from octfw.fields import Location
 
 __all__ = [
     "Data", "is_local", "local_path", "is_local_filesystem", "require_driver",
-    "open_filesystem", "write_atomically",
+    "open_filesystem", "write_atomically", "require_writable_folder",
 ]
 
 _GCS_PROTOCOLS = ("gs", "gcs")
@@ -94,6 +96,25 @@ def open_filesystem(url: str | os.PathLike[str], *, fresh: bool = False,
         return fsspec.core.url_to_fs(text, skip_instance_cache=fresh)
     except (ImportError, ValueError) as exc:  # a driver fsspec names, or an unknown protocol
         raise UserError(f"{_named(text, setting)}: {exc}") from None
+
+
+def require_writable_folder(folder: str | os.PathLike[str], setting: str, hint: str = "") -> None:
+    """Create the local ``folder`` if needed and write and remove a file in it.
+
+    A UserError naming ``setting`` (how the user chose the folder, e.g.
+    ``run.cache_dir = '/x'``), the system's reason and ``hint`` when either
+    fails: a path under a regular file, a read-only mount, a full disk. A permission check (``os.access``) would
+    not do: it says yes to root on a read-only mount.
+    """
+    path = os.fspath(folder)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, f".tmp-probe-{uuid.uuid4().hex[:12]}"), "xb") as probe:
+            probe.write(b"octfw")
+        os.unlink(probe.name)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UserError(f"{setting}: cannot write there ({reason}){hint}") from None
 
 
 def _as_bytes(data: Data) -> bytes:

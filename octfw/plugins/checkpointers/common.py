@@ -7,6 +7,7 @@ and where its folder is.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping
 
 from octfw.errors import UserError
@@ -25,6 +26,12 @@ class StoredCheckpointer:
     def __init__(self, storage: CheckpointStorage | None, rank: int = 0):
         self.storage = storage
         self.rank = rank
+        self._cancelled = threading.Event()
+
+    @property
+    def location(self) -> str | None:
+        """The checkpoint folder (a path or URL), for messages; None when there is none."""
+        return self.storage.url if self.storage is not None else None
 
     def save(self, update_step: int, state: Mapping[str, Any]) -> str:
         """Write ``state`` for ``update_step`` and return its location; "" on ranks other than 0."""
@@ -32,7 +39,17 @@ class StoredCheckpointer:
             return ""
         if self.storage is None:
             raise UserError("checkpointer: no folder to save into (no run folder and no checkpointer.dir)")
-        return self.storage.save(update_step, state)
+        return self.storage.save(update_step, state, cancelled=self._cancelled)
+
+    def cancel(self) -> None:
+        """Abort the save being written, and any later one (a second Ctrl-C: stop now). Its
+        temporary file is removed; the pointer still names the last complete checkpoint."""
+        self._cancelled.set()
+
+    def check_writable(self, needed_bytes: int) -> None:
+        """UserError, before training, when the folder cannot take a checkpoint of ``needed_bytes``."""
+        if self.rank == 0 and self.storage is not None:
+            self.storage.check_writable(needed_bytes)
 
     def latest(self) -> str | None:
         """The newest complete checkpoint (see ``CheckpointStorage.latest``); None if there is none."""
