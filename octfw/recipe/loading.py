@@ -36,11 +36,19 @@ class SourcedStr(str):
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: recipe not found") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read recipe: {exc.strerror}") from None
+    try:
+        # utf-8-sig: editors on Windows start a UTF-8 file with a byte order mark,
+        # which TOML does not allow; dropping it is what other TOML readers do.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        # Most often a checkpoint or an image given where the recipe goes.
+        raise UserError(f"{path}: not a recipe: byte {exc.object[exc.start]:#04x} at offset {exc.start} "
+                        "is not UTF-8 text (a recipe is a UTF-8 TOML file)") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
