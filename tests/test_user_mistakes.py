@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,3 +72,55 @@ def test_a_recipe_with_a_utf8_byte_order_mark_reads_like_one_without(tmp_path):
     without, with_mark = octfw("show", str(plain), cwd=tmp_path), octfw("show", str(marked), cwd=tmp_path)
     assert (without.returncode, with_mark.returncode) == (0, 0), with_mark.stderr
     assert with_mark.stdout == without.stdout
+
+
+# --- 3. a cache folder that cannot be written --------------------------------
+
+
+def test_a_cache_dir_under_a_regular_file_is_refused_at_start_naming_run_cache_dir(tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    cache = tmp_path / "afile" / "cache"
+    line = refused(octfw("check", str(recipe), "--set", f'run.cache_dir="{cache}"', cwd=tmp_path))
+    assert line == (f"octfw: error: run.cache_dir = '{cache}': cannot write there (Not a directory); "
+                    "set run.cache_dir or OCTFW_CACHE_DIR to a writable folder")
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A real read-only filesystem (a tmpfs mounted ro): root can write anywhere else."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root and mount rights): "
+                    f"{mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_an_octfw_cache_dir_on_a_read_only_mount_is_refused_at_start(tmp_path, read_only_folder):
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    out = octfw("check", str(recipe), cwd=tmp_path, env={"OCTFW_CACHE_DIR": str(read_only_folder)})
+    assert refused(out) == (f"octfw: error: OCTFW_CACHE_DIR={read_only_folder}: cannot write there "
+                            "(Read-only file system); set run.cache_dir or OCTFW_CACHE_DIR to a writable folder")
+
+
+def test_the_default_cache_folder_on_a_read_only_home_is_refused_with_how_to_move_it(tmp_path,
+                                                                                  read_only_folder):
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    out = octfw("check", str(recipe), cwd=tmp_path, env={"OCTFW_CACHE_DIR": "", "HOME": str(read_only_folder)})
+    line = refused(out)
+    assert line.startswith(f"octfw: error: the default cache folder {read_only_folder}/.cache/octfw: "
+                           "cannot write there (Read-only file system)")
+    assert line.endswith("set run.cache_dir or OCTFW_CACHE_DIR to a writable folder")
+
+
+def test_a_writable_cache_folder_is_created_and_left_without_probe_files(tmp_path):
+    from octfw.storage.files import require_writable_folder
+
+    require_writable_folder(tmp_path / "new" / "cache", "run.cache_dir")
+    assert list((tmp_path / "new" / "cache").iterdir()) == []

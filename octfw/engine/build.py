@@ -52,7 +52,8 @@ def build_components(
     from octfw.data.prepared_dataset import check_transform_matches
     from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
-    ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=world_size)
+    ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=world_size,
+                               writable_cache=True)
     dataset = recipe.dataset.build(ctx)
     if len(dataset) == 0:
         raise UserError(f"dataset {recipe.dataset.name!r} holds no samples")

@@ -26,6 +26,7 @@ from octfw.recipe.structuring import (
     Problem, StageSpec, describe, plain, structure_config, structure_stage, structure_stage_array,
 )
 from octfw.registry import Registry, did_you_mean
+from octfw.storage.files import require_writable_folder
 from octfw.types import BuildContext
 
 __all__ = ["Recipe", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS", "stage_attribute",
@@ -99,15 +100,19 @@ class Recipe(ByStage):
         return out
 
     def build_context(self, *, registry: Registry, run_dir: Path | None = None, rank: int = 0,
-                      world_size: int = 1, total_update_steps: int = 0) -> BuildContext:
-        """The one way a :class:`BuildContext` is made from a recipe."""
+                      world_size: int = 1, total_update_steps: int = 0,
+                      writable_cache: bool = False) -> BuildContext:
+        """The one way a :class:`BuildContext` is made from a recipe.
+
+        ``writable_cache``: refuse a cache folder that cannot be written (see
+        :func:`cache_dir_for`), for callers that build the dataset and transform."""
         # Conventions documented in octfw.hookspecs: the transform's image_size and
         # the model's patch_size define the patch grid both must agree on.
         image_size = getattr(self.transform.config, "image_size", None)
         patch_size = getattr(self.model.config, "patch_size", None)
         return BuildContext(
-            recipe_dir=self.folder, cache_dir=cache_dir_for(self.run), run_dir=run_dir,
-            seed=self.run.seed, rank=rank, world_size=world_size,
+            recipe_dir=self.folder, cache_dir=cache_dir_for(self.run, writable=writable_cache),
+            run_dir=run_dir, seed=self.run.seed, rank=rank, world_size=world_size,
             image_size=tuple(image_size) if image_size is not None else None,
             patch_size=tuple(patch_size) if patch_size is not None else None,
             base_lr=self.engine.base_lr, weight_decay=self.engine.weight_decay,
@@ -115,11 +120,26 @@ class Recipe(ByStage):
         )
 
 
-def cache_dir_for(run: Any) -> Path:
-    """``run.cache_dir``, else ``$OCTFW_CACHE_DIR``, else ``~/.cache/octfw``."""
+def cache_dir_for(run: Any, *, writable: bool = False) -> Path:
+    """``run.cache_dir``, else ``$OCTFW_CACHE_DIR``, else ``~/.cache/octfw``.
+
+    ``writable`` (when components that fill the cache are about to be built):
+    the folder is created and proven writable, else one UserError naming the
+    setting it came from, before any data is read. Refused rather than run
+    without a cache: the synthetic cohort lives there, and a run that decodes
+    every volume every epoch is a silent slowdown the user did not ask for.
+    """
     if getattr(run, "cache_dir", None) is not None:
-        return Path(run.cache_dir.local_path)
-    return Path(os.environ.get("OCTFW_CACHE_DIR") or Path.home() / ".cache" / "octfw")
+        folder, setting = Path(run.cache_dir.local_path), f"run.cache_dir = {str(run.cache_dir)!r}"
+    elif os.environ.get("OCTFW_CACHE_DIR"):
+        folder = Path(os.environ["OCTFW_CACHE_DIR"])
+        setting = f"OCTFW_CACHE_DIR={folder}"
+    else:
+        folder = Path.home() / ".cache" / "octfw"
+        setting = f"the default cache folder {folder}"
+    if writable:
+        require_writable_folder(folder, setting, "; set run.cache_dir or OCTFW_CACHE_DIR to a writable folder")
+    return folder
 
 
 def validate(data: Mapping[str, Any], registry: Registry, source: Path) -> Recipe:

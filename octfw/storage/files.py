@@ -103,8 +103,9 @@ def require_writable_folder(folder: str | os.PathLike[str], setting: str, hint: 
 
     A UserError naming ``setting`` (how the user chose the folder, e.g.
     ``run.cache_dir = '/x'``), the system's reason and ``hint`` when either
-    fails: a path under a regular file, a read-only mount, a full disk. A permission check (``os.access``) would
-    not do: it says yes to root on a read-only mount.
+    fails: a path under a regular file, a read-only mount, a full disk. A
+    permission check (``os.access``) would not do: it says yes to root on a
+    read-only mount.
     """
     path = os.fspath(folder)
     try:

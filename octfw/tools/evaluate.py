@@ -205,9 +205,9 @@ def build_evaluators(target: EvalTarget, recipe: EvalRecipe, registry: Registry)
     """``[(name, evaluator)]`` of every ``[[evaluator]]`` table, built for ``target``'s geometry."""
     # Not Recipe.build_context: an evaluation recipe has no model or transform;
     # the encoder's geometry and training recipe come from the target.
-    ctx = BuildContext(recipe_dir=recipe.source.parent, cache_dir=cache_dir_for(recipe.run), run_dir=None,
-                       seed=recipe.run.seed, image_size=target.image_size, patch_size=target.patch_size,
-                       recipe=target.recipe, registry=registry)
+    ctx = BuildContext(recipe_dir=recipe.source.parent, cache_dir=cache_dir_for(recipe.run, writable=True),
+                       run_dir=None, seed=recipe.run.seed, image_size=target.image_size,
+                       patch_size=target.patch_size, recipe=target.recipe, registry=registry)
     return [(spec.name, spec.build(ctx)) for spec in recipe.evaluators]
 
 
