@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as metadata
+import logging
 import os
 from typing import Any, Callable, Iterable
 
@@ -19,7 +20,7 @@ import attrs
 import pluggy
 
 from octfw import hookspecs
-from octfw.errors import PluginError
+from octfw.errors import PluginError, UserError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -63,12 +64,31 @@ class Component:
     plugin: str  #: the plugin module (or entry-point name) that registered it
 
     def build(self, config: Any, ctx: Any) -> Any:
-        """Make the component. A ``"module:function"`` factory is imported now."""
-        factory = self.factory
-        if isinstance(factory, str):
-            module_name, _, attr = factory.partition(":")
-            factory = getattr(importlib.import_module(module_name), attr)
-        return factory(config, ctx)
+        """Make the component. A ``"module:function"`` factory is imported now.
+
+        A third-party factory that raises anything but a UserError is reported
+        as one PluginError naming the component, its stage and distribution
+        (the user's fix is in that plugin, not in octfw); its traceback goes to
+        the debug log (the run's ``octfw.log``, or the console with
+        ``--debug``). A built-in one keeps its traceback: that is octfw's bug.
+        """
+        try:
+            factory = self.factory
+            if isinstance(factory, str):
+                module_name, _, attr = factory.partition(":")
+                factory = getattr(importlib.import_module(module_name), attr)
+            return factory(config, ctx)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken plugin is named, not a traceback
+            if self.distribution == BUILTIN_DISTRIBUTION:
+                raise
+            logging.getLogger(__name__).debug("%s %r failed to build", self.stage, self.name, exc_info=True)
+            first_line = (str(exc).strip().splitlines() or [""])[0]  # the console gets one line
+            raise PluginError(
+                f"{self.stage} {self.name!r} from {self.distribution} {self.version} failed to build: "
+                f"{type(exc).__name__}: {first_line} (octfw --debug shows the traceback)"
+            ) from None
 
 
 @attrs.frozen
@@ -99,9 +119,10 @@ class Registry:
             names = self.names(stage)
             hint = did_you_mean(name, names)
             choices = ", ".join(names) or "none installed"
-            raise PluginError(
-                f"unknown {stage} component {name!r}{hint}; available: {choices}"
-            ) from None
+            if not hint:  # not a typo: most likely a component of a plugin not installed here
+                choices += (f"; is the plugin that provides it installed? "
+                            f"(octfw list --stage {stage})")
+            raise PluginError(f"unknown {stage} component {name!r}{hint}; available: {choices}") from None
 
     def names(self, stage: str) -> list[str]:
         return sorted(n for (s, n) in self.components if s == stage)

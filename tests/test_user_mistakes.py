@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_RECIPE
+from conftest import TINY_RECIPE, make_dist
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,3 +124,61 @@ def test_a_writable_cache_folder_is_created_and_left_without_probe_files(tmp_pat
 
     require_writable_folder(tmp_path / "new" / "cache", "run.cache_dir")
     assert list((tmp_path / "new" / "cache").iterdir()) == []
+
+
+# --- 4. a plugin whose factory raises ----------------------------------------
+
+BROKEN_PLUGIN = '''
+import attrs
+from octfw.hookspecs import hookimpl
+
+@attrs.frozen
+class Config:
+    pass
+
+def build(config, ctx):
+    raise RuntimeError("cannot open the vendor SDK\\nsecond line of detail")
+
+@hookimpl
+def octfw_register_datasets(register):
+    register("broken-data", Config, build, "Always fails to build.")
+'''
+
+
+def test_a_plugin_factory_that_raises_is_one_line_naming_component_stage_and_distribution(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    make_dist(site, "octfw-broken-data", "broken_data", BROKEN_PLUGIN, version="0.4.2")
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    args = ("check", str(recipe), "--set", "dataset.name=broken-data")
+    line = refused(octfw(*args, cwd=tmp_path, env=env))
+    assert line == ("octfw: error: dataset 'broken-data' from octfw-broken-data 0.4.2 failed to build: "
+                    "RuntimeError: cannot open the vendor SDK (octfw --debug shows the traceback)")
+    debug = octfw("--debug", *args, cwd=tmp_path, env=env)
+    assert debug.returncode != 0
+    assert 'raise RuntimeError("cannot open the vendor SDK' in debug.stderr  # the plugin's own frame
+
+
+# --- 5. a component that is not installed -------------------------------------
+
+
+def test_an_unknown_component_hints_that_its_plugin_may_be_missing(tmp_path):
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    out = octfw("show", str(recipe), "--set", "model.name=retfound", cwd=tmp_path)
+    refused(out)
+    assert ("  model.name: unknown model component 'retfound'; available: vjepa3d; "
+            "is the plugin that provides it installed? (octfw list --stage model)") in out.stderr.splitlines()
+
+
+def test_a_misspelled_component_keeps_its_did_you_mean_without_the_plugin_hint(tmp_path):
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    out = octfw("show", str(recipe), "--set", "model.name=vjepa", cwd=tmp_path)
+    refused(out)
+    assert ("  model.name: unknown model component 'vjepa' (did you mean 'vjepa3d'?); available: vjepa3d"
+            in out.stderr.splitlines())
+
+
+def test_list_with_a_plural_stage_suggests_the_stage(tmp_path):
+    line = refused(octfw("list", "--stage", "models", cwd=tmp_path))
+    assert line.startswith("octfw: error: --stage 'models': unknown stage (did you mean 'model'?); stages: ")

@@ -25,11 +25,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.registry import load_registry
+    from octfw.registry import did_you_mean, load_registry
 
     registry = load_registry()  # failures are part of this command's output
     if args.stage and args.stage not in STAGES:
-        raise UserError(f"--stage {args.stage!r}: unknown stage; stages: {', '.join(STAGES)}")
+        raise UserError(f"--stage {args.stage!r}: unknown stage{did_you_mean(args.stage, STAGES)}; "
+                        f"stages: {', '.join(STAGES)}")
     if args.name:
         if not args.stage:
             raise UserError("--name needs --stage, e.g. octfw list --stage model --name vjepa3d")
