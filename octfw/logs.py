@@ -8,7 +8,10 @@ TOML, the console logger's metric lines and summary) stays on stdout.
   ``octfw`` logger that writes each record of level INFO and up to stderr as
   one line: ``octfw: warning: <message>``, ``octfw: error: <message>``, the
   bare message for INFO. No traceback, unless ``debug`` (``octfw --debug``),
-  which also shows DEBUG records. A record logged with
+  which also shows DEBUG records. The libraries of :data:`THIRD_PARTY_LEVELS`
+  get a null handler, so that Python's last-resort handler does not print
+  their warnings and tracebacks (gcsfs's retries against an endpoint that is
+  down) on the console; ``debug`` removes it. A record logged with
   ``extra={LABEL: "octfw heartbeat"}`` replaces the ``octfw: warning`` prefix.
 - :func:`attach_run_log` (around training) adds ``<run_dir>/octfw.log``:
   every record of octfw at DEBUG with time, level, logger name and traceback,
@@ -66,6 +69,7 @@ THIRD_PARTY_LEVELS = {
 
 _ROOT = "octfw"
 _CONSOLE = "octfw-console"
+_QUIET = "octfw-quiet"
 _RUN_LOG = "octfw-run-log"
 _FILE_FORMAT = "%(asctime)s %(levelname)-8s %(name)s [%(threadName)s]: %(message)s"
 
@@ -142,6 +146,15 @@ def setup_console_logging(debug: bool = False) -> logging.Handler:
     handler.setFormatter(_ConsoleFormatter(tracebacks=debug))
     if logger.level == logging.NOTSET or logger.level > level:
         logger.setLevel(level)
+    for name in THIRD_PARTY_LEVELS:
+        library = logging.getLogger(name)
+        quiet = _named(library, _QUIET)
+        if quiet is None and not debug:
+            quiet = logging.NullHandler()
+            quiet.set_name(_QUIET)
+            library.addHandler(quiet)
+        elif quiet is not None and debug:
+            library.removeHandler(quiet)
     return handler
 
 

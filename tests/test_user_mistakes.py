@@ -4,8 +4,10 @@ file, key or value, exit code 2, and no traceback (issue #26, item 6)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,54 @@ def test_a_misspelled_component_keeps_its_did_you_mean_without_the_plugin_hint(t
 def test_list_with_a_plural_stage_suggests_the_stage(tmp_path):
     line = refused(octfw("list", "--stage", "models", cwd=tmp_path))
     assert line.startswith("octfw: error: --stage 'models': unknown stage (did you mean 'model'?); stages: ")
+
+
+# --- 6. a gs:// dataset whose endpoint cannot be reached ----------------------
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("path", ["gs://cohorts/oct/", "gs://cohorts/oct/manifest.jsonl"])
+def test_an_unreachable_gcs_endpoint_is_named_within_seconds_not_a_missing_path(tmp_path, path):
+    port = closed_port()
+    recipe = write(tmp_path / "gs.toml", TINY_RECIPE.replace(
+        'name = "synthetic-oct"\nn_volumes = 8', f'name = "dicom"\npath = "{path}"'))
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    started = time.monotonic()
+    out = octfw("check", str(recipe), cwd=tmp_path, env=env)
+    took = time.monotonic() - started
+    assert refused(out) == (f"octfw: error: dataset.path = '{path}': cannot reach http://127.0.0.1:{port} "
+                            "(Connection refused); the endpoint is STORAGE_EMULATOR_HOST's")
+    assert out.stderr.count("\n") == 1  # no gcsfs or aiohttp line besides it
+    assert took < 30, f"took {took:.0f} s (gcsfs's retries alone take over a minute)"
+
+
+def test_a_running_gcs_endpoint_passes_the_reachability_check(gcs):
+    from octfw.storage.reach import require_reachable
+
+    require_reachable("gs://any-bucket/cohort/", "dataset.path")  # raises nothing
+
+
+def test_library_log_records_stay_off_the_console(tmp_path):
+    # A subprocess: pytest's own logging handlers would hide Python's last-resort
+    # handler, which is what prints a library's records when nothing else does.
+    program = """if True:
+        import logging
+        from octfw.logs import setup_console_logging
+        setup_console_logging()
+        try:
+            raise ConnectionRefusedError(111, "Connect call failed")
+        except ConnectionRefusedError:
+            logging.getLogger("gcsfs").error("_request out of retries on exception", exc_info=True)
+        logging.getLogger("aiohttp.client").warning("Unclosed client session")
+        logging.getLogger("octfw.data").warning("octfw's own warnings still show")
+    """
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "octfw: warning: octfw's own warnings still show\n"

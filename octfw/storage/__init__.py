@@ -10,6 +10,9 @@ pipeline or a plugin.
   replaces a file so that no reader sees half of it (``write_atomically``);
 - :mod:`octfw.storage.retry`: retries with exponential backoff for remote
   stores, and the ``StorageError`` raised when every attempt failed;
+- :mod:`octfw.storage.reach`: whether a ``gs://`` location's endpoint answers,
+  asked once with a short timeout (``require_reachable``), so an endpoint
+  that is down is named in seconds instead of after gcsfs's minute of retries;
 - :mod:`octfw.storage.checkpoints`: checkpoint files in one folder, with the
   ``latest`` pointer and ``keep_last`` retention written once for every
   checkpointer (``CheckpointStorage``), and ``load_checkpoint(url)``.

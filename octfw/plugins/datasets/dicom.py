@@ -17,7 +17,9 @@ __all__ = ['DicomConfig', 'build']
 
 def build(config: DicomConfig, ctx: Any):
     from octfw.data.dicom_dataset import DicomDataset
+    from octfw.storage.reach import require_reachable
 
+    require_reachable(str(config.path), "dataset.path")  # seconds, not gcsfs's minute of retries
     return DicomDataset.from_location(
         config.path,
         split=config.split,

@@ -18,8 +18,10 @@ __all__ = ['OctVendorConfig', 'build']
 
 def build(config: OctVendorConfig, ctx: Any):
     from octfw.data.vendor import VendorDataset, require_oct_converter
+    from octfw.storage.reach import require_reachable
 
     require_oct_converter()  # fail at build time, naming the extra, not in a loader worker
+    require_reachable(str(config.path), "dataset.path")  # seconds, not gcsfs's minute of retries
     return VendorDataset.from_location(
         config.path,
         split=config.split,

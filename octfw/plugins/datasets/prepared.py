@@ -17,8 +17,10 @@ def build(config: PreparedConfig, ctx: Any):
     from octfw.data.prepared_dataset import PreparedDataset, cache_folder
     from octfw.fields import parse_bytes
     from octfw.storage.disk_cache import DiskCache
+    from octfw.storage.reach import require_reachable
 
     location = str(config.path)
+    require_reachable(location, "dataset.path")  # seconds, not gcsfs's minute of retries
     limit = parse_bytes(config.cache_max_bytes)
     cache = DiskCache(cache_folder(ctx.cache_dir, location), limit) if limit else None
     return PreparedDataset.open(location, split=config.split, cache=cache)

@@ -31,7 +31,10 @@ def build(config: SyntheticOctConfig, ctx: Any):
         sizes=config.sizes,
     )
     if config.folder is not None:
+        from octfw.storage.reach import require_reachable
+
         folder = str(config.folder)
+        require_reachable(folder, "dataset.folder")  # seconds, not gcsfs's minute of retries
     else:
         key = cohort_key(cohort_options(config.n_volumes, config.domains, **options))
         folder = str(ctx.cache_dir / "synthetic-oct" / key)
