@@ -378,5 +378,5 @@ def test_make_loader_balances_the_dataset_domains(tmp_path):
 
 def test_domain_report_lists_counts_per_domain(cohort):
     assert domain_report(cohort) == (
-        "dataset: 6 samples in 3 domains: heidelberg 2, topcon 2, zeiss 2 (natural sampling)")
+        "dataset: 6 files in 3 domains: heidelberg 2, topcon 2, zeiss 2 (natural sampling)")
     assert domain_report(cohort, "balanced").endswith("(balanced sampling)")

@@ -590,10 +590,13 @@ def test_two_series_in_one_folder_are_two_volumes_and_a_lone_frame_stays_a_file(
     _write_series(tmp_path / "f", _volume(2, (2, 8, 8)), series_uid="1.2.3.2", names=["b1", "b2"])
     _write_series(tmp_path / "f", _volume(3, (1, 8, 8)), series_uid="1.2.3.3", names=["c1"])
     dataset = DicomDataset.from_location(tmp_path, extensions=("",))
-    shapes = sorted(dataset.load(i).provenance.original_shape for i in range(len(dataset)))
-    assert shapes == [(1, 8, 8), (2, 8, 8), (3, 8, 8)]
     sources = [dataset.source(i) for i in range(len(dataset))]
     assert str(tmp_path / "f" / "c1") in sources
+    lone = sources.index(str(tmp_path / "f" / "c1"))
+    shapes = sorted(dataset.load(i).provenance.original_shape for i in range(len(dataset)) if i != lone)
+    assert shapes == [(2, 8, 8), (3, 8, 8)]
+    with pytest.raises(CorruptFile, match="single-frame 2D image"):  # one B-scan is no volume
+        dataset.load(lone)
     assert sum(s.startswith(f"{tmp_path / 'f'}#series-") for s in sources) == 2
     assert "1.2.3" not in " ".join(sources)  # the UID itself is never part of a URL
 

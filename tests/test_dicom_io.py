@@ -93,9 +93,9 @@ def test_uid_entropy_makes_files_byte_identical(tmp_path):
     assert pydicom.dcmread(first).SOPInstanceUID != pydicom.dcmread(other).SOPInstanceUID
 
 
-def test_single_frame_oct_file_is_one_bscan(tmp_path):
+def test_a_single_frame_oct_file_on_its_own_is_corrupt(tmp_path):
     path = _write(tmp_path, volume=_volume((1, 16, 20)))
-    assert read_oct_volume(path).volume.shape == (1, 16, 20)
+    assert _corrupt_reason(path) == "single-frame 2D image; a 3D OCT volume needs several B-scans"
 
 
 def test_reads_remote_urls_through_fsspec(tmp_path):
@@ -244,7 +244,7 @@ def test_a_width_of_one_is_corrupt(tmp_path):
 
 @pytest.mark.parametrize("name", ["CT_small.dcm", "MR_small_jp2klossless.dcm"])
 def test_a_single_2d_image_that_is_not_oct_is_corrupt(name):
-    with pytest.raises(CorruptFile, match="not a volume"):
+    with pytest.raises(CorruptFile, match="single-frame 2D image"):
         read_oct_volume(get_testdata_file(name))
 
 

@@ -235,3 +235,108 @@ def test_library_log_records_stay_off_the_console(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stderr == "octfw: warning: octfw's own warnings still show\n"
+
+
+# --- 7. quarantine: once per file; single-frame 2D files; counts say files ---
+
+
+@pytest.fixture
+def mixed_cohort(tmp_path):
+    """Three real OCT volumes, a file that is no DICOM, a CT slice (pydicom's
+    CT_small.dcm) and a single-frame OCT B-scan, in one cohort folder."""
+    import shutil
+
+    import numpy as np
+    from pydicom.data import get_testdata_file
+
+    from octfw.data.dicom_io import write_oct_dicom
+
+    folder = tmp_path / "cohort"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        write_oct_dicom(folder / f"vol{i}.dcm", rng.integers(0, 4096, (4, 16, 16), dtype=np.uint16),
+                        (0.2, 0.01, 0.01), "Heidelberg Engineering", "Spectralis")
+    (folder / "notes.dcm").write_bytes(b"not a DICOM file at all")
+    shutil.copy(get_testdata_file("CT_small.dcm"), folder / "ct_slice.dcm")
+    write_oct_dicom(folder / "bscan.dcm", rng.integers(0, 4096, (1, 16, 16), dtype=np.uint16),
+                    (0.2, 0.01, 0.01), "TOPCON Corporation", "3D OCT-2000")
+    return folder
+
+
+def test_single_frame_2d_files_are_quarantined_as_not_a_3d_volume(mixed_cohort):
+    from octfw.data.dicom_dataset import DicomDataset
+    from octfw.errors import CorruptFile
+
+    dataset = DicomDataset.from_location(mixed_cohort)
+    reasons = {}
+    for index in range(len(dataset)):
+        try:
+            dataset.load(index)
+        except CorruptFile as bad:
+            reasons[Path(bad.url).name] = bad.reason
+    single = "single-frame 2D image; a 3D OCT volume needs several B-scans"
+    assert reasons["ct_slice.dcm"] == reasons["bscan.dcm"] == single
+    assert set(reasons) == {"ct_slice.dcm", "bscan.dcm", "notes.dcm"}
+
+
+def _transform(tmp_path):
+    from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build
+    from octfw.types import BuildContext
+
+    ctx = BuildContext(recipe_dir=tmp_path, cache_dir=tmp_path / "cache", run_dir=None, seed=0,
+                       image_size=(4, 16, 16), patch_size=(2, 8, 8))
+    return build(OCTStandardConfig(image_size=(4, 16, 16), cache=False), ctx)
+
+
+def test_each_broken_file_is_in_quarantine_jsonl_once_across_epochs_workers_and_a_resume(tmp_path,
+                                                                                          mixed_cohort):
+    import itertools
+    import json
+
+    from octfw.data.dicom_dataset import DicomDataset
+    from octfw.engine.data import Quarantine, SampleSource, make_loader
+
+    dataset = DicomDataset.from_location(mixed_cohort)
+    source = SampleSource(dataset, _transform(tmp_path), seed=0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for _process in range(2):  # a run, then the same run resumed: a new Quarantine on the same folder
+        quarantine = Quarantine(run_dir)
+        loader = make_loader(source, batch_size=2, seed=0, start=0, num_workers=2)
+        for batch in itertools.islice(loader, 9):  # three epochs of six files, two workers
+            quarantine.record(batch["quarantined"])
+    lines = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
+    assert sorted(Path(entry["url"]).name for entry in lines) == ["bscan.dcm", "ct_slice.dcm", "notes.dcm"]
+    assert len(quarantine) == 3
+
+
+def test_a_quarantine_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
+    from octfw.engine.data import Quarantine
+
+    (tmp_path / "quarantine.jsonl").write_text('{"url": "/a.dcm", "reason": "truncated"}\n{"url": "/b.d')
+    quarantine = Quarantine(tmp_path)
+    assert quarantine.seen == {"/a.dcm": "truncated"}
+
+
+def test_counts_before_reading_say_files_and_series(tmp_path, mixed_cohort):
+    import numpy as np
+
+    from octfw.data.dicom_dataset import DicomDataset
+    from octfw.data.dicom_io import write_oct_dicom
+    from octfw.engine.data import domain_report
+
+    # Three B-scans of one series, one file each: one series entry.
+    for i in range(3):
+        write_oct_dicom(mixed_cohort / "series" / f"b{i}.dcm", np.full((1, 8, 8), i, np.uint16),
+                        (0.2, 0.01, 0.01), "Carl Zeiss Meditec", "Cirrus", uid_entropy=["series", "1"])
+    dataset = DicomDataset.from_location(mixed_cohort)
+    assert domain_report(dataset).startswith("dataset: 6 files and 1 series in ")
+    assert repr(dataset) == f"DicomDataset(6 files, 1 series from {mixed_cohort})"
+
+
+def test_a_batch_that_skipped_one_file_twice_records_it_once(tmp_path):
+    from octfw.engine.data import Quarantine
+
+    Quarantine(tmp_path).record([("/a.dcm", "truncated"), ("/a.dcm", "truncated")])
+    assert (tmp_path / "quarantine.jsonl").read_text().count("/a.dcm") == 1

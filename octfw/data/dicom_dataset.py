@@ -15,9 +15,10 @@ folder* become one sample, read by
 :func:`octfw.data.dicom_io.read_oct_series`. Its source URL is the folder
 (``.../scan_0001``), or ``<folder>#series-<hash>`` when that folder holds
 more than one such series. A lone single-frame file stays a sample of its
-own. A manifest row names a series by a path ending in ``/`` (the folder);
-other rows are single files. The header reads also give every file's
-domain, which the engine needs at start anyway.
+own, which loading quarantines (:data:`octfw.data.dicom_io.SINGLE_FRAME`).
+A manifest row names a series by a path ending in ``/`` (the folder); other
+rows are single files. The header reads also give every file's domain,
+which the engine needs at start anyway.
 
 The object holds only strings and small records, so it pickles into
 data-loader workers; each worker opens files itself.
@@ -258,7 +259,8 @@ class DicomDataset:
         return len(self.entries)
 
     def __repr__(self) -> str:
-        return f"DicomDataset({len(self)} volumes from {self.location})"
+        series = sum(1 for e in self.entries if e.files)  # files until read: see engine.data.listed
+        return f"DicomDataset({len(self) - series} files, {series} series from {self.location})"
 
     def url(self, index: int) -> str:
         return self.entries[index].url

@@ -6,6 +6,12 @@ single-channel multi-frame DICOM that pydicom can decode with the installed
 decoders (uncompressed, RLE, JPEG 2000, JPEG-LS, ...), checks it, and returns
 a float32 ``[D, H, W]`` :class:`~octfw.types.Sample`.
 
+A single-frame file is a volume only as one B-scan of a series of several
+(:func:`read_oct_series`). Read on its own (a lone B-scan, a fundus photo, a
+CT slice that strayed into the cohort) it is unusable, with the reason
+:data:`SINGLE_FRAME`: resized to the transform's depth it would be one
+B-scan repeated, a "volume" with no 3-D structure to learn from.
+
 Every way a file can be unusable raises :class:`~octfw.errors.CorruptFile`
 with a short reason, so the data pipeline can quarantine it and carry on; no
 pydicom exception escapes. Patient identifiers are never read into a sample,
@@ -37,6 +43,7 @@ from octfw.types import Provenance, Sample
 __all__ = [
     "OCT_SOP_CLASS_UID",
     "UNKNOWN_DOMAIN",
+    "SINGLE_FRAME",
     "SpacingDefaulted",
     "normalise_manufacturer",
     "encode_oct_dicom",
@@ -52,6 +59,8 @@ __all__ = [
 OCT_SOP_CLASS_UID = "1.2.840.10008.5.1.4.1.1.77.1.5.4"
 #: Domain of a file whose manufacturer is absent or unreadable.
 UNKNOWN_DOMAIN = "unknown"
+#: Why a single-frame file (or a series of one) is quarantined.
+SINGLE_FRAME = "single-frame 2D image; a 3D OCT volume needs several B-scans"
 
 # Substring of the lower-cased Manufacturer -> domain. Vendors write their
 # names many ways ("Heidelberg Engineering", "HEIDELBERG", "Carl Zeiss
@@ -451,6 +460,8 @@ def read_oct_series(
     """
     if len(urls) == 0:
         raise CorruptFile(source, "empty series: no files")
+    if len(urls) == 1:
+        raise CorruptFile(source, SINGLE_FRAME)
     frames = []
     for url in urls:
         name = url.rsplit("/", 1)[-1]
@@ -491,8 +502,6 @@ def read_oct_series(
         if gap is not None:
             dz = gap
             missing = [m for m in missing if m != "slice spacing"]
-    if len(frames) == 1 and "slice spacing" in missing:
-        missing = [m for m in missing if m != "slice spacing"]  # one B-scan has no depth to space
     domain = domain if domain is not None else normalise_manufacturer(frames[0]["manufacturer"])
     if missing:
         warnings.warn(SpacingDefaulted(source, domain, missing), stacklevel=2)
@@ -572,6 +581,8 @@ def _decode_volume(url: str, ds: Any, raw: bytes, *, frame_of_series: bool = Fal
         raise CorruptFile(url, f"{samples} samples per pixel; expected a grayscale image")
     if rows < 2 or columns < 2 or frames < 1:
         raise CorruptFile(url, f"wrong dimensions: {frames} frames of {rows} x {columns}")
+    if frames == 1 and not frame_of_series:
+        raise CorruptFile(url, SINGLE_FRAME)  # before decoding: nothing to learn from it
 
     meta = getattr(ds, "file_meta", None)
     transfer_syntax = meta.get("TransferSyntaxUID") if meta is not None else None
@@ -587,10 +598,7 @@ def _decode_volume(url: str, ds: Any, raw: bytes, *, frame_of_series: bool = Fal
         name = transfer_syntax.name if transfer_syntax is not None else "unknown transfer syntax"
         raise CorruptFile(url, f"cannot decode pixel data ({name}, {type(exc).__name__})") from exc
 
-    single_bscan = frames == 1 and (frame_of_series or _is_oct(ds))
-    if frames == 1 and array.ndim == 2:
-        if not single_bscan:
-            raise CorruptFile(url, f"a single 2-D image of {rows} x {columns}, not a volume")
+    if frames == 1 and array.ndim == 2:  # one B-scan of a series
         array = array[np.newaxis]
     if array.ndim != 3:
         raise CorruptFile(url, f"decoded to shape {tuple(array.shape)}; expected 3-D [D, H, W]")
@@ -598,7 +606,7 @@ def _decode_volume(url: str, ds: Any, raw: bytes, *, frame_of_series: bool = Fal
         raise CorruptFile(
             url, f"frame count mismatch: NumberOfFrames is {frames}, decoded {array.shape[0]}"
         )
-    if min(array.shape[1:]) < 2 or (array.shape[0] < 2 and not single_bscan):
+    if min(array.shape[1:]) < 2 or (array.shape[0] < 2 and not frame_of_series):
         raise CorruptFile(url, f"wrong dimensions: shape {tuple(array.shape)} has an axis < 2")
 
     volume = array.astype(np.float32, copy=False)
@@ -614,10 +622,6 @@ def _check_not_constant(url: str, volume: np.ndarray) -> None:
     low, high = float(volume.min()), float(volume.max())
     if low == high:
         raise CorruptFile(url, f"constant volume (every voxel is {low:g})")
-
-
-def _is_oct(ds: Any) -> bool:
-    return str(ds.get("SOPClassUID", "")) == OCT_SOP_CLASS_UID or ds.get("Modality") == "OPT"
 
 
 def _check_native_length(url: str, ds: Any, keyword: str, frames: int, rows: int, columns: int) -> None:

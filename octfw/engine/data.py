@@ -50,6 +50,7 @@ __all__ = [
     "dataset_domains",
     "domain_counts",
     "domain_report",
+    "listed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -308,16 +309,30 @@ def share_report(order: EpochOrder, batch_size: int, shown: int = 4) -> str:
 
 class Quarantine:
     """Unusable files, each recorded once, in ``quarantine.jsonl`` of the run directory
-    and in one warning each (where there is a run directory: rank 0)."""
+    and in one warning each (where there is a run directory: rank 0).
+
+    Once per run, not per process: a resumed run starts from the files its
+    ``quarantine.jsonl`` lists already, so a file hit again after a resume is
+    neither written nor warned about a second time.
+    """
 
     def __init__(self, run_dir: Path | None):
         self.path = run_dir / "quarantine.jsonl" if run_dir is not None else None
         self.seen: dict[str, str] = {}
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                    self.seen[entry["url"]] = entry["reason"]
+                except (ValueError, TypeError, KeyError):
+                    continue  # a line cut short by a killed process: the file is met again
 
     def record(self, entries: list[tuple[str, str]]) -> None:
-        new = [(url, reason) for url, reason in entries if url not in self.seen]
-        for url, reason in new:
-            self.seen[url] = reason
+        new = []
+        for url, reason in entries:  # one batch may list a file twice: two samples skipped it
+            if url not in self.seen:
+                self.seen[url] = reason
+                new.append((url, reason))
         if new and self.path is not None:
             with self.path.open("a", encoding="utf-8") as f:
                 for url, reason in new:
@@ -338,7 +353,7 @@ def dataset_domains(dataset: Dataset) -> list[str]:
 
 
 def domain_counts(dataset: Dataset) -> dict[str, int]:
-    """Samples per domain, sorted by domain name (without decoding pixels)."""
+    """Files (dataset entries) per domain, sorted by domain name (without decoding pixels)."""
     counts_of = getattr(dataset, "domain_counts", None)
     if callable(counts_of):
         return dict(counts_of())
@@ -349,14 +364,25 @@ def domain_counts(dataset: Dataset) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def domain_report(dataset: Dataset, domain_sampling: str = "natural") -> str:
-    """One line for the start of a run: samples per domain, and how they are drawn.
+def listed(dataset: Dataset) -> str:
+    """What a dataset lists, before any file is read: ``48 files``, or ``40 files and
+    8 series`` (of single-frame files). Files, not samples or volumes: which of them
+    hold a usable volume is known only once they are read (others are quarantined)."""
+    is_series = getattr(dataset, "is_series", None)
+    series = sum(1 for i in range(len(dataset)) if is_series(i)) if callable(is_series) else 0
+    files = len(dataset) - series
+    text = f"{files} file{'' if files == 1 else 's'}"
+    return f"{text} and {series} series" if series else text
 
-    For example ``dataset: 48 samples in 3 domains: heidelberg 16, topcon 16,
+
+def domain_report(dataset: Dataset, domain_sampling: str = "natural") -> str:
+    """One line for the start of a run: files per domain, and how they are drawn.
+
+    For example ``dataset: 48 files in 3 domains: heidelberg 16, topcon 16,
     zeiss 16 (natural sampling)``.
     """
     counts = domain_counts(dataset)
     noun = "domain" if len(counts) == 1 else "domains"
-    listed = ", ".join(f"{domain} {count}" for domain, count in counts.items())
-    return (f"dataset: {len(dataset)} samples in {len(counts)} {noun}: {listed} "
+    per_domain = ", ".join(f"{domain} {count}" for domain, count in counts.items())
+    return (f"dataset: {listed(dataset)} in {len(counts)} {noun}: {per_domain} "
             f"({domain_sampling} sampling)")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from octfw.engine.build import build_components, check_schedule
-from octfw.engine.data import SampleSource, collate, domain_counts
+from octfw.engine.data import SampleSource, collate, domain_counts, listed
 from octfw.engine.distributed import BatchLayout
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError, UserError
@@ -78,7 +78,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     parts = build_components(recipe, registry, run_dir=None, world_size=layout.devices, with_loggers=False)
     ctx = parts.ctx
     counts = domain_counts(parts.dataset)
-    report(f"dataset   {recipe.dataset.name}: {len(parts.dataset)} samples; domains "
+    report(f"dataset   {recipe.dataset.name}: {listed(parts.dataset)}; domains "
            + ", ".join(f"{d} {n}" for d, n in counts.items()))
 
     source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
