@@ -1,7 +1,7 @@
 """The ``prepared`` dataset: volumes that ``octfw prepare`` stored, streamed from their location.
 
-Building it reads ``prepared.json`` and ``index.jsonl`` only: no file of the
-cohort is listed, opened or decoded, so 100,000 volumes are ready in
+Building it reads ``prepared.json`` and the index it names only: no file of
+the cohort is listed, opened or decoded, so 100,000 volumes are ready in
 seconds on every host. ``load(i)`` reads one volume's chunk (one GET on
 GCS), checks it against the index's SHA-256, decodes it and returns the
 prepared float32 array as the sample's volume, marked with the transform
@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from octfw.data.prepared_store import (
     ARRAY_METADATA, CHUNK, VOLUMES, Header, IndexRow, decode_volume, dequantize, join,
-    options_difference, read_header, read_index,
+    options_difference, read_snapshot,
 )
 from octfw.errors import CorruptFile, UserError
 from octfw.storage.files import is_local, open_filesystem
@@ -52,13 +52,18 @@ class PreparedDataset:
 
     @classmethod
     def open(cls, location: str, *, split: str | None = None, cache: Any = None) -> "PreparedDataset":
-        """Read the header and index at ``location`` (and nothing else)."""
+        """Read the header and index at ``location`` (and nothing else).
+
+        It is the location's last complete snapshot: a prepare running into
+        it meanwhile changes nothing this dataset reads (volumes are removed
+        only by ``octfw prepare --prune`` or ``--replace``).
+        """
         location = str(location).rstrip("/")
-        header = read_header(location)
-        if header is None:
+        snapshot = read_snapshot(location)
+        if snapshot is None:
             raise UserError(f"dataset.path {location}: no prepared dataset there (no prepared.json); "
                             f"make one with `octfw prepare RECIPE --out {location}`")
-        rows = read_index(location, header)
+        header, rows = snapshot
         if split is not None:
             rows = [row for row in rows if row.split == split]
             if not rows:

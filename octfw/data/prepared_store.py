@@ -5,12 +5,15 @@
 (:mod:`octfw.data.prepared_dataset`). A location (a local folder or a
 ``gs://`` prefix) holds::
 
-    prepared.json            the header: format, transform options, counts; "complete"
-                             becomes true only after the index below is written
-    index.jsonl              one line per usable volume (source URL, domain, spacing,
+    prepared.json            the header: format, transform options, counts, the datasets
+                             prepared into it, and the names of the snapshot's index and
+                             quarantine below; written last, in one atomic step
+    index-<sha>.jsonl        one line per usable volume (source URL, domain, spacing,
                              original shape, label, split, patient, source content hash,
-                             the volume's key, dtype and checksum)
-    quarantine.jsonl         sources that could not be used, with the reason
+                             the volume's key, dtype and checksum); named by the SHA-256
+                             of its bytes (stores written before: index.jsonl)
+    quarantine-<sha>.jsonl   sources that could not be used, with the reason
+    prepare.lock             who is preparing into the location now (host, pid, start)
     volumes/<key>/zarr.json  one zarr v3 array per volume: [D, H, W] = transform.image_size,
     volumes/<key>/c/0/0/0    uint8 or float16, one chunk, blosc zstd with bit shuffle
     entries/<key>.json       the volume's commit record, written by the worker that
@@ -35,6 +38,12 @@ Why this shape:
   any other as float16 (relative error at most 2^-11, absolute at most
   2^-12 on [0, 1]); :func:`quantize` and :func:`dequantize` are the only
   conversions, and tests bound both errors.
+- **Snapshots.** A header names one index file, and index files are
+  never rewritten (their name is their content's hash): a reader that read
+  the header reads the index it names, so it sees the last complete
+  snapshot while a new one is prepared, and the new one only once its
+  header has replaced the old one. Volumes of the old snapshot stay until
+  a prepare is asked to remove them (``--prune``, ``--replace``).
 - **Checked reads.** Each index line holds the SHA-256 of its volume's chunk
   bytes; a read that does not match (a damaged object, an index of another
   dataset) raises :class:`~octfw.errors.CorruptFile`, so the sample is
@@ -61,16 +70,18 @@ from octfw.storage.files import open_filesystem, write_atomically
 from octfw.types import Provenance
 
 __all__ = [
-    "FORMAT_VERSION", "HEADER_FILE", "INDEX_FILE", "QUARANTINE_FILE", "DTYPES",
-    "IndexRow", "Header", "volume_key", "quantize", "dequantize", "choose_dtype",
-    "encode_volume", "decode_volume", "prepare_volume", "read_header", "read_index",
-    "options_difference", "join",
+    "FORMAT_VERSION", "HEADER_FILE", "INDEX_FILE", "QUARANTINE_FILE", "LOCK_FILE", "DTYPES",
+    "IndexRow", "Header", "volume_key", "dataset_id", "snapshot_name", "quantize", "dequantize",
+    "choose_dtype", "encode_volume", "decode_volume", "prepare_volume", "read_header", "read_index",
+    "read_snapshot", "options_difference", "encode_lines", "write_lines", "join",
 ]
 
 FORMAT_VERSION = 1
 HEADER_FILE = "prepared.json"
+#: The index and quarantine of a store whose header names none (written before snapshots).
 INDEX_FILE = "index.jsonl"
 QUARANTINE_FILE = "quarantine.jsonl"
+LOCK_FILE = "prepare.lock"
 VOLUMES = "volumes"
 ENTRIES = "entries"
 #: The object names of one volume's array, inside ``volumes/<key>/``.
@@ -89,7 +100,7 @@ def join(location: str, *parts: str) -> str:
 
 @attrs.frozen
 class IndexRow:
-    """One usable volume of a prepared dataset (one line of ``index.jsonl``)."""
+    """One usable volume of a prepared dataset (one line of the index)."""
 
     key: str
     source: str  #: the URL the volume was read from (file or series folder)
@@ -103,6 +114,7 @@ class IndexRow:
     label: int | None = None
     split: str | None = None
     patient: str | None = None
+    dataset: str = ""  #: :func:`dataset_id` of the recipe dataset that listed it ("" before ids were kept)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=False, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v)
@@ -116,7 +128,7 @@ class IndexRow:
             dtype=str(data["dtype"]), checksum=str(data["checksum"]), nbytes=int(data["nbytes"]),
             content_hash=str(data["content_hash"]),
             label=None if data.get("label") is None else int(data["label"]),
-            split=data.get("split"), patient=data.get("patient"),
+            split=data.get("split"), patient=data.get("patient"), dataset=str(data.get("dataset") or ""),
         )
 
     @property
@@ -127,7 +139,12 @@ class IndexRow:
 
 @attrs.frozen
 class Header:
-    """``prepared.json``: what the volumes were prepared with, and whether the index is complete."""
+    """``prepared.json``: what the volumes were prepared with, and which snapshot is current.
+
+    ``complete`` is false only in a location that never had a complete
+    snapshot (its first prepare has not finished); a later prepare leaves
+    the header alone until it replaces it with the next complete one.
+    """
 
     transform: Mapping[str, Any]  #: the transform's ``prepare_options()``
     transform_key: str  #: its ``cache_key()``; a sample carries it as ``Sample.prepared_key``
@@ -136,19 +153,46 @@ class Header:
     complete: bool = False
     volumes: int = 0
     quarantined: int = 0
-    index_sha256: str = ""  #: of index.jsonl's bytes, so a replaced index is caught
+    index_sha256: str = ""  #: of the index file's bytes, so a replaced index is caught
     format: int = FORMAT_VERSION
+    index: str = INDEX_FILE  #: the snapshot's index file
+    quarantine: str = QUARANTINE_FILE  #: the snapshot's quarantine file
+    #: The recipe ``[dataset]`` tables prepared into the location (:func:`dataset_id` names each);
+    #: empty in stores written before they were kept.
+    datasets: tuple[Mapping[str, Any], ...] = ()
+    #: Part of every volume key: "" until a ``--replace`` changed the transform options, so the
+    #: new volumes never overwrite the old snapshot's (see :func:`volume_key`).
+    key_salt: str = ""
 
     def to_bytes(self) -> bytes:
         data = attrs.asdict(self, recurse=False)
         data["transform"] = dict(self.transform)
         data["image_size"] = list(self.image_size)
+        data["datasets"] = [dict(d) for d in self.datasets]
         return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
-def volume_key(source: str, stamp: str) -> str:
-    """The key of ``source`` as it is now: a new stamp (a rewritten file) is a new key."""
-    return hashlib.sha256(f"{FORMAT_VERSION}\0{source}\0{stamp}".encode("utf-8")).hexdigest()[:32]
+def volume_key(source: str, stamp: str, salt: str = "") -> str:
+    """The key of ``source`` as it is now: a new stamp (a rewritten file) is a new key.
+
+    ``salt`` is the header's ``key_salt``; "" keeps the keys of stores written before it existed.
+    """
+    text = f"{FORMAT_VERSION}\0{source}\0{stamp}" + (f"\0{salt}" if salt else "")
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def dataset_id(table: Mapping[str, Any]) -> str:
+    """A recipe ``[dataset]`` table's identity: its name and every option, paths resolved.
+
+    Two recipes prepare "the same dataset" when their tables are equal; files
+    added to or removed from its folder or manifest do not change it.
+    """
+    return hashlib.sha256(json.dumps(table, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+
+
+def snapshot_name(prefix: str, data: bytes) -> str:
+    """``<prefix>-<sha256[:16]>.jsonl``: a file named by its content is never rewritten."""
+    return f"{prefix}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
 
 
 # --- voxels ------------------------------------------------------------------
@@ -294,8 +338,12 @@ def read_header(location: str, *, must_be_complete: bool = True) -> Header | Non
             image_size=tuple(int(s) for s in data["image_size"]),  # type: ignore[arg-type]
             dtype=str(data["dtype"]), complete=bool(data["complete"]), volumes=int(data["volumes"]),
             quarantined=int(data["quarantined"]), index_sha256=str(data["index_sha256"]),
-            format=int(data["format"]),
+            format=int(data["format"]), index=str(data.get("index", INDEX_FILE)),
+            quarantine=str(data.get("quarantine", QUARANTINE_FILE)),
+            datasets=tuple(dict(d) for d in data.get("datasets", ())), key_salt=str(data.get("key_salt", "")),
         )
+        if "/" in header.index or "/" in header.quarantine:
+            raise ValueError("index and quarantine are file names in the location")
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{location}/{HEADER_FILE} is not a prepared-dataset header ({exc})") from None
     if header.format != FORMAT_VERSION:
@@ -308,24 +356,44 @@ def read_header(location: str, *, must_be_complete: bool = True) -> Header | Non
 
 
 def read_index(location: str, header: Header) -> list[IndexRow]:
-    """Every row of ``index.jsonl``, checked against the header (count and SHA-256)."""
+    """Every row of the index the header names, checked against the header (count and SHA-256)."""
     fs, root = open_filesystem(location)
+    name = header.index
     try:
-        raw = fs.cat_file(join(root, INDEX_FILE))
+        raw = fs.cat_file(join(root, name))
     except FileNotFoundError:
-        raise UserError(f"{location} has a header but no {INDEX_FILE}; run `octfw prepare` again") from None
+        raise UserError(f"{location} has a header but no {name}; run `octfw prepare` again") from None
     if hashlib.sha256(raw).hexdigest() != header.index_sha256:
-        raise UserError(f"{location}/{INDEX_FILE} does not match its header (changed after it was "
+        raise UserError(f"{location}/{name} does not match its header (changed after it was "
                         "written?); run `octfw prepare` again")
     rows = []
     for number, line in enumerate(raw.decode("utf-8").splitlines(), 1):
         try:
             rows.append(IndexRow.from_json(json.loads(line)))
         except (ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"{location}/{INDEX_FILE} line {number}: not an index row ({exc})") from None
+            raise UserError(f"{location}/{name} line {number}: not an index row ({exc})") from None
     if len(rows) != header.volumes:
-        raise UserError(f"{location}/{INDEX_FILE} has {len(rows)} rows, its header says {header.volumes}")
+        raise UserError(f"{location}/{name} has {len(rows)} rows, its header says {header.volumes}")
     return rows
+
+
+def read_snapshot(location: str) -> tuple[Header, list[IndexRow]] | None:
+    """The current complete snapshot: (header, rows), or None where there is no header.
+
+    A prepare that finishes between reading the header and its index removes
+    index files two snapshots old at most, so a missing index is read once
+    more from the newer header before it is an error.
+    """
+    header = read_header(location)
+    if header is None:
+        return None
+    try:
+        return header, read_index(location, header)
+    except UserError:
+        newer = read_header(location)
+        if newer is None or newer == header:
+            raise
+        return newer, read_index(location, newer)
 
 
 def options_difference(prepared: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
@@ -335,9 +403,14 @@ def options_difference(prepared: Mapping[str, Any], wanted: Mapping[str, Any]) -
             for k in keys if prepared.get(k) != wanted.get(k)]
 
 
+def encode_lines(records: Iterable[Mapping[str, Any]]) -> bytes:
+    """JSON lines, keys sorted: the same records always give the same bytes (and file name)."""
+    return "".join(json.dumps(dict(r), sort_keys=True) + "\n" for r in records).encode("utf-8")
+
+
 def write_lines(location: str, name: str, records: Iterable[Mapping[str, Any]]) -> bytes:
     """Write JSON lines atomically; returns the bytes written."""
-    data = "".join(json.dumps(dict(r), sort_keys=True) + "\n" for r in records).encode("utf-8")
+    data = encode_lines(records)
     write_atomically(join(location, name), data)
     return data
 
