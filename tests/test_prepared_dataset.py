@@ -25,7 +25,7 @@ from octfw.cli import main
 from octfw.data.dicom_dataset import DicomDataset
 from octfw.data.prepared_dataset import PreparedDataset
 from octfw.data.prepared_store import (
-    CHUNK, HEADER_FILE, INDEX_FILE, dequantize, quantize, read_header,
+    CHUNK, HEADER_FILE, dequantize, quantize, read_header,
 )
 from octfw.data.synthetic import write_synthetic_cohort
 from octfw.engine.data import domain_counts
@@ -97,7 +97,7 @@ def test_a_running_2_worker_cluster_prepares_the_cohort_with_its_quarantine(coho
 
     header = read_header(str(location))
     assert header.complete and header.volumes == 10 and header.quarantined == 2
-    quarantined = [json.loads(line) for line in (location / "quarantine.jsonl").read_text().splitlines()]
+    quarantined = [json.loads(line) for line in (location / header.quarantine).read_text().splitlines()]
     assert len(quarantined) == 2 and all(q["reason"] and q["source"].endswith(".dcm") for q in quarantined)
 
     # Every usable volume is the transform's own prepare() output, within float16's bound.
@@ -120,7 +120,7 @@ def test_a_running_2_worker_cluster_prepares_the_cohort_with_its_quarantine(coho
         assert row.dtype == "float16" and row.label == original.provenance.label
 
 
-def test_a_rerun_prepares_only_added_and_rewritten_files_and_drops_removed_ones(cohort, write_recipe, tmp_path):
+def test_a_rerun_prepares_only_added_and_rewritten_files_and_prune_drops_replaced_ones(cohort, write_recipe, tmp_path):
     folder = cohort / "heidelberg"
     recipe = dicom_recipe(write_recipe, cohort)  # the folder: new files are listed
     location = tmp_path / "prepared"
@@ -136,9 +136,13 @@ def test_a_rerun_prepares_only_added_and_rewritten_files_and_drops_removed_ones(
     good[1].write_bytes(good[0].read_bytes())  # rewritten in place, new content
     os.utime(good[1], ns=(time.time_ns(), time.time_ns() + 10**9))
     third = prepare(recipe, location, workers=2)
-    assert (third.prepared, third.reused, third.removed, third.volumes) == (2, 11, 1, 11)
+    assert (third.prepared, third.reused, third.removed, third.stale, third.volumes) == (2, 11, 0, 1, 11)
     rows = PreparedDataset.open(str(location)).rows
     assert len({r.source for r in rows}) == len(rows) == 11
+    assert len(list((location / "volumes").iterdir())) == 12  # the rewritten file's old volume, until --prune
+
+    pruned = prepare(recipe, location, workers=2, prune=True)
+    assert (pruned.prepared, pruned.removed, pruned.removed_sources, pruned.stale) == (0, 1, (str(good[1]),), 0)
     assert len(list((location / "volumes").iterdir())) == 11
     assert next(r for r in rows if r.source == str(good[1])).content_hash == \
         next(r for r in rows if r.source == str(good[0])).content_hash
@@ -250,8 +254,9 @@ def test_bad_prepared_locations_get_one_line_errors(prepared, write_recipe, tmp_
         header = json.loads((prepared / HEADER_FILE).read_text())
         (prepared / HEADER_FILE).write_text(json.dumps({**header, "complete": False}))
     elif damage == "index":
-        lines = (prepared / INDEX_FILE).read_text().splitlines()
-        (prepared / INDEX_FILE).write_text("\n".join(lines[:-1]) + "\n")
+        index = prepared / read_header(str(prepared)).index
+        lines = index.read_text().splitlines()
+        index.write_text("\n".join(lines[:-1]) + "\n")
     else:
         image = [8, 48, 48]
     capsys.readouterr()

@@ -10,7 +10,13 @@ __all__ = ["add_parser"]
 
 HELP = ("Decode, resample, normalise and fit every volume of the recipe's dataset once, on a Dask "
         "cluster, into compressed zarr arrays at a local folder or gs:// URL; train from it with "
-        "[dataset] name = \"prepared\". Resumable: run it again to finish or to add new files.")
+        "[dataset] name = \"prepared\". Resumable: run it again to finish or to add new files. "
+        "Safe to run while trainers read the location: they see the last complete snapshot until "
+        "the new one is written whole; one prepare at a time per location. A location holding "
+        "another dataset or other transform options is refused unless --add or --replace says "
+        "what to do; nothing is deleted without --prune or --replace.")
+
+_NAMED = 5  # removed sources named on the console; the rest are counted
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +32,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=("auto", "uint8", "float16"), default="auto",
                         help="stored voxels: uint8 (error <= 1/510) or float16 (error <= 2^-12); auto: "
                              "uint8 for 8-bit sources, float16 otherwise (default)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--add", action="store_true",
+                      help="LOCATION holds another recipe's dataset: add this recipe's volumes to it "
+                           "(same transform options needed); nothing is removed")
+    mode.add_argument("--replace", action="store_true",
+                      help="rebuild LOCATION for this recipe alone: once the new snapshot is written, "
+                           "every volume not in it (other datasets, other transform options, removed "
+                           "or rewritten files) is deleted and its source listed")
+    parser.add_argument("--prune", action="store_true",
+                        help="once the new snapshot is written, delete the volumes it no longer lists "
+                             "(files removed from the dataset or rewritten); without it they are kept, "
+                             "for trainers still reading the previous snapshot, and counted as stale")
     parser.set_defaults(func=run)
 
 
@@ -38,13 +56,24 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--workers {args.workers}: must be at least 1")
     with progress_bar("prepare", unit="volumes") as progress:
         summary = prepare_dataset(recipe, registry, args.out, scheduler=args.scheduler, workers=args.workers,
-                                  dtype=args.dtype, progress=progress)
+                                  dtype=args.dtype, add=args.add, replace=args.replace, prune=args.prune,
+                                  progress=progress)
     per_volume = summary.stored_bytes / max(summary.volumes, 1) / 2**20
     print(f"prepared  {summary.location}: {summary.volumes} volumes ({summary.prepared} sources read now, "
           f"{summary.reused} done before), {summary.quarantined} quarantined, {summary.removed} removed; "
           f"{summary.stored_bytes / 2**30:.2f} GiB stored ({per_volume:.2f} MiB per volume) "
           f"in {summary.seconds:.0f} s")
+    if summary.kept:
+        print(f"          {summary.kept} of the volumes are other datasets' (added before)")
+    if summary.removed:
+        named = ", ".join(summary.removed_sources[:_NAMED])
+        more = len(summary.removed_sources) - _NAMED
+        print(f"          removed {summary.removed} volumes no longer listed: {named}"
+              + (f" and {more} more" if more > 0 else ""))
+    if summary.stale:
+        print(f"          {summary.stale} volumes no longer listed (files removed or rewritten) are kept for "
+              "trainers still reading the previous snapshot; run again with --prune to remove them")
     if summary.quarantined:
-        print(f"          the files that could not be used and why: {summary.location}/quarantine.jsonl")
+        print(f"          the files that could not be used and why: {summary.quarantine_file}")
     print(f"train from it: [dataset] name = \"prepared\", path = \"{summary.location}\"")
     return 0
