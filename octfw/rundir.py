@@ -12,6 +12,7 @@ import datetime as dt
 import importlib.metadata as metadata
 import json
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,13 @@ from typing import Any, Mapping
 from octfw.errors import UserError
 from octfw.recipe import Recipe, to_toml
 from octfw.registry import Registry
+from octfw.storage.failures import storage_cause
 
-__all__ = ["create_run_dir", "latest_run_dir", "versions", "write_summary"]
+__all__ = ["create_run_dir", "run_dirs", "versions", "write_summary", "START_FILES"]
+
+#: What a run folder holds before its first update step: a folder with nothing else
+#: trained nothing, and a start that failed removes it (see octfw.engine.launch).
+START_FILES = frozenset({"recipe.toml", "versions.json", "git.json", "octfw.log", "owner.lock", "owner.json"})
 
 
 def _version(dist: str) -> str | None:
@@ -74,19 +80,21 @@ def create_run_dir(recipe: Recipe, registry: Registry) -> Path:
         run_dir = root / f"{stamp}-{suffix}"
     try:
         run_dir.mkdir(parents=True)
-    except OSError as exc:
-        raise UserError(f"run.output_dir: cannot create {run_dir}: {exc.strerror}") from None
-    (run_dir / "recipe.toml").write_text(to_toml(recipe.to_dict()), encoding="utf-8")
-    _write_json(run_dir / "versions.json", versions(registry))
-    _write_json(run_dir / "git.json", git_info(recipe.folder))
+        (run_dir / "recipe.toml").write_text(to_toml(recipe.to_dict()), encoding="utf-8")
+        _write_json(run_dir / "versions.json", versions(registry))
+        _write_json(run_dir / "git.json", git_info(recipe.folder))
+    except OSError as exc:  # a full disk, a read-only folder: said before anything is trained
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cause = storage_cause(exc, str(run_dir)) or f"{type(exc).__name__}: {exc}"
+        raise UserError(f"run.output_dir: cannot write the run folder: {cause}") from None
     return run_dir
 
 
-def latest_run_dir(recipe: Recipe) -> Path | None:
-    """The newest run directory of this recipe's name, for ``--resume auto``."""
+def run_dirs(recipe: Recipe) -> list[Path]:
+    """The run directories of this recipe's name, newest first (for ``--resume auto``)."""
     root = _runs_root(recipe)
-    runs = sorted(p for p in root.glob("*") if (p / "recipe.toml").exists()) if root.exists() else []
-    return runs[-1] if runs else None
+    runs = [p for p in root.glob("*") if (p / "recipe.toml").exists()] if root.exists() else []
+    return sorted(runs, reverse=True)
 
 
 def _write_json(path: Path, data: Any) -> None:

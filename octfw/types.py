@@ -264,10 +264,12 @@ class Checkpointer(Protocol):
     keeps training and lists the failed save in the summary. An optional
     ``checkpoints() -> list[(update_step, location)]`` lists the complete
     ones, so ``octfw replay`` can start from the nearest. Two more are
-    optional, and the built-ins have them: ``check_writable(needed_bytes)``
-    raises UserError before training when a checkpoint could not be written
-    (no space, no permission, store unreachable), and ``cancel()`` aborts the
-    save in flight when the user asks to stop at once (a second Ctrl-C).
+    optional, and the built-ins have them: ``claim(needed_bytes)`` holds the
+    folder for the run (one writer) and raises UserError before training when
+    it is held by another process or a checkpoint could not be written (no
+    space, no permission, store unreachable), ``release()`` gives it up, and
+    ``cancel()`` aborts the save in flight when the user asks to stop at once
+    (a second Ctrl-C).
     ``load`` must refuse a damaged checkpoint, never load it.
     """
 

@@ -222,20 +222,40 @@ def test_training_checkpoints_to_gcs_and_resume_auto_continues(bucket, tiny_reci
     assert objects(bucket, "train") == ["latest", "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
 
 
-def test_store_lost_mid_run_the_run_finishes_and_lists_failed_saves(bucket, tiny_recipe, stopper):
+def test_store_lost_mid_run_the_final_state_goes_to_the_fallback_and_reaches_the_store_once_back(
+        bucket, tiny_recipe, stopper):
+    from octfw.engine.trainer import SAVE_FAILED_EXIT_CODE
+
     url = f"gs://{BUCKET}/lost"
     stopper.ON_LOG_STEP[3] = lambda: stop_once_saved(bucket, "lost")  # after the step-2 save, before step 4
     text = tiny_recipe.read_text() + '\n[[guard]]\nname = "stopper"\n'
     tiny_recipe.write_text(text)
-    code = octfw_run(tiny_recipe, "--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}",
-                     "--set", "checkpointer.retries=1", "--set", "checkpointer.backoff_s=0.05",
-                     "--set", "checkpointer.timeout_s=3", "--set", "engine.checkpoint_every_steps=2")
-    assert code == 0
+    sets = ["--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}",
+            "--set", "checkpointer.retries=1", "--set", "checkpointer.backoff_s=0.05",
+            "--set", "checkpointer.timeout_s=3", "--set", "engine.checkpoint_every_steps=2"]
+    # The run trains to the end, but its weights never reached the store: that is a failure.
+    assert octfw_run(tiny_recipe, *sets) == SAVE_FAILED_EXIT_CODE
     summary = summary_of(tiny_recipe)
-    assert summary["update_steps"] == 4
+    assert summary["update_steps"] == 4 and summary["final_save_failed"] is True
     assert summary["checkpoint"] == f"{url}/step_00000002.pt"
     [failed] = summary["failed_saves"]
-    assert failed.startswith("step 4: StorageError") and "failed after 2 attempts" in failed
+    assert failed.startswith("step 4: ") and "failed after 2 attempts" in failed
+    fallback = Path(summary["fallback_checkpoint"])
+    assert fallback.name == "step_00000004.pt" and fallback.exists()
+
+    # The store comes back (empty: the emulator keeps nothing in memory across restarts).
+    bucket.start()
+    bucket.make_bucket(BUCKET)
+    stopper.ON_LOG_STEP.clear()
+    # --resume auto does not take the run as finished: it continues from the fallback copy and
+    # writes it to the store, then drops the copy.
+    assert octfw_run(tiny_recipe, *sets, "--resume", "auto") == 0
+    summary = summary_of(tiny_recipe)
+    assert summary["final_save_failed"] is False and summary["checkpoint"] == f"{url}/step_00000004.pt"
+    assert "step_00000004.pt" in objects(bucket, "lost") and not fallback.parent.exists()
+    restored = GcsCheckpointer(url).load(f"{url}/step_00000004.pt")
+    assert restored["update_step"] == 4
+    assert octfw_run(tiny_recipe, *sets, "--resume", "auto") == 0  # now finished: nothing to do
 
 
 def test_resume_auto_on_a_fresh_disk_continues_from_the_gcs_checkpoint(bucket, tiny_recipe):

@@ -12,13 +12,21 @@ Rules:
   one is still being written is *skipped* (noted in ``octfw.log``, counted in
   the summary); the next due save tries again. So a slow or unreachable store
   makes checkpoints rarer, never training slower.
-- A failed save is reported once: one warning line on the console, the
-  traceback in ``octfw.log``, and a line in the run summary.
+- A failed save is reported once: one warning line on the console naming
+  the cause (no space left, with bytes free and needed; permission denied;
+  store unreachable), the traceback in ``octfw.log``, and a line in the run
+  summary. Training goes on: the next due save tries again.
 - The final save (the end of the run, or a stop on SIGTERM) first waits for
   the save in flight, then writes its own and waits for it, all within
-  ``engine.save_deadline_s``. What is still being written at the deadline is
-  reported as failed; its thread is a daemon, so the process does not wait for
-  it, and the pointer-last rule means a write cut short is never loaded.
+  ``engine.save_deadline_s``, and says whether it was written: the trainer
+  turns a failed final save into a fallback copy and a non-zero exit
+  (:mod:`octfw.engine.trainer`). What is still being written at the deadline
+  is reported as failed; its thread is a daemon, so the process does not
+  wait for it, and the pointer-last rule means a write cut short is never
+  loaded.
+- ``stop_now`` (a second Ctrl-C) ends the wait at once: the checkpointer is
+  asked to ``cancel()`` the write in flight, which removes its temporary
+  file, and the last complete checkpoint stays the newest.
 """
 
 from __future__ import annotations
@@ -28,16 +36,34 @@ import threading
 import time
 from typing import Any, Callable
 
+from octfw.storage.failures import storage_cause
+
 __all__ = ["BackgroundSaver"]
 
 logger = logging.getLogger(__name__)
 
 
+# How often a wait for the final save looks at the stop-now request.
+_POLL_S = 0.1
+
+
+def state_nbytes(value: Any) -> int:
+    """Bytes of the tensors in a captured state: about what its checkpoint file takes."""
+    if hasattr(value, "nbytes") and hasattr(value, "dtype"):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(state_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(state_nbytes(v) for v in value)
+    return 0
+
+
 class _Save:
     """One checkpoint being written on its own daemon thread."""
 
-    def __init__(self, update_step: int, write: Callable[[], str | None]):
+    def __init__(self, update_step: int, write: Callable[[], str | None], nbytes: int = 0):
         self.update_step = update_step
+        self.nbytes = nbytes
         self.location: str | None = None
         self.error: BaseException | None = None
         self.finished = threading.Event()
@@ -77,7 +103,8 @@ class BackgroundSaver:
                          update_step, self._in_flight.update_step)
             return False
         state = capture()
-        self._in_flight = _Save(update_step, lambda: self.checkpointer.save(update_step, state))
+        self._in_flight = _Save(update_step, lambda: self.checkpointer.save(update_step, state),
+                                state_nbytes(state))
         return True
 
     def poll(self) -> None:
@@ -85,37 +112,59 @@ class BackgroundSaver:
         if self._in_flight is not None and self._in_flight.finished.is_set():
             self._settle()
 
-    def wait(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` for the save in flight; False if it is still being written."""
-        if self._in_flight is None:
+    def wait(self, timeout_s: float, stop_now: Callable[[], bool] = lambda: False) -> bool:
+        """Wait at most ``timeout_s`` for the save in flight, or until ``stop_now()``; False if
+        it is still being written."""
+        save = self._in_flight
+        if save is None:
             return True
-        if not self._in_flight.finished.wait(max(timeout_s, 0.0)):
-            return False
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while not save.finished.wait(max(0.0, min(_POLL_S, deadline - time.monotonic()))):
+            if stop_now() or time.monotonic() >= deadline:
+                return False
         self._settle()
         return True
 
-    def save_final(self, update_step: int, capture: Callable[[], dict[str, Any]], deadline_s: float) -> None:
+    def save_final(self, update_step: int, capture: Callable[[], dict[str, Any]], deadline_s: float,
+                   stop_now: Callable[[], bool] = lambda: False) -> bool:
         """The last save of a run: wait for the one in flight, write this one, wait for it,
-        all within ``deadline_s``. ``capture`` takes the host copy only if it will be written."""
+        all within ``deadline_s``; True once it is written. ``capture`` takes the host copy
+        only if it will be written. ``stop_now()`` true: cancel and return False at once."""
         started = time.monotonic()
         in_flight = self._in_flight
         if in_flight is None or in_flight.update_step != update_step:  # not already being written
-            if not self.wait(deadline_s):
-                self._fail(update_step, f"not written: the save of update step {in_flight.update_step} "
-                                        f"was still being written after {deadline_s:g} s")
-                return
+            if not self.wait(deadline_s, stop_now):
+                return self._abandon(update_step, stop_now(), f"not written: the save of update step "
+                                     f"{in_flight.update_step} was still being written after {deadline_s:g} s")
+            if stop_now():
+                return self._abandon(update_step, True, "")
             self.submit(update_step, capture)
-        if not self.wait(deadline_s - (time.monotonic() - started)):
-            self._in_flight = None
-            self._fail(update_step, f"still being written after engine.save_deadline_s = {deadline_s:g} s; "
-                                    "the run ends without it (an unfinished write is never loaded)")
+        if not self.wait(deadline_s - (time.monotonic() - started), stop_now):
+            return self._abandon(update_step, stop_now(), f"still being written after engine.save_deadline_s "
+                                 f"= {deadline_s:g} s; the run ends without it (an unfinished write is never loaded)")
+        return not (self.failed and self.failed[-1].startswith(f"step {update_step}:"))
+
+    def _abandon(self, update_step: int, stopping: bool, reason: str) -> bool:
+        """Give up the final save: on a stop-now request, cancel the write in flight."""
+        if stopping:
+            cancel = getattr(self.checkpointer, "cancel", None)
+            if cancel is not None:
+                cancel()
+            if self._in_flight is not None:  # a cancelled write ends at its next block
+                self._in_flight.finished.wait(5.0)
+            reason = "not written: stopped at once by a second Ctrl-C (the last complete checkpoint is kept)"
+        self._in_flight = None
+        self._fail(update_step, reason)
+        return False
 
     def _settle(self) -> None:
         save, self._in_flight = self._in_flight, None
         if save.error is None:
             self.latest = save.location or self.latest
             return
-        self._fail(save.update_step, f"{type(save.error).__name__}: {save.error}", save.error)
+        where = getattr(self.checkpointer, "location", None) or "the checkpoint folder"
+        cause = storage_cause(save.error, where, save.nbytes) or f"{type(save.error).__name__}: {save.error}"
+        self._fail(save.update_step, cause, save.error)
 
     def _fail(self, update_step: int, error: str, exc: BaseException | None = None) -> None:
         self.failed.append(f"step {update_step}: {error}")

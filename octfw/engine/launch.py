@@ -4,36 +4,50 @@
 start training here, so the run directory and resume rules exist once. While
 it trains, rank 0 writes the run's ``octfw.log`` (:func:`octfw.logs.attach_run_log`).
 
-``--resume auto`` is safe to run again and again (a preemptible VM's startup
-script, a queued job that is requeued):
+One process writes a run folder: rank 0 holds it for the run's life
+(:class:`octfw.storage.owner.FolderOwner`), and a second ``octfw run`` into
+it is refused with one line naming the owner. A start that fails before its
+first update step removes the folder it made, so nothing empty is left for
+``--resume auto`` to pick.
 
-- no earlier run of the recipe: a new run folder, which starts from the
-  checkpointer's newest checkpoint if it has one (a ``gs://`` folder that
-  outlived the VM, as on a recreated spot TPU), else from scratch;
-- the newest run has no ``summary.json`` (killed) or its summary says it was
-  preempted: it continues from its last complete checkpoint, or from the
-  start when it has none;
-- the newest run finished (or a guard stopped it): nothing is trained again,
-  and :class:`AlreadyFinished` carries its summary; unless the recipe now asks
+``--resume auto`` is safe to run again and again (a preemptible VM's startup
+script, a queued job that is requeued), and never goes backwards:
+
+- a run of the recipe is still being trained (its folder is held): refused,
+  naming the owner;
+- otherwise the runs of the recipe are read newest first, and the first one
+  that has a complete checkpoint whose checksum holds (or a fallback copy of
+  its final state), or that finished, decides; runs with neither (killed
+  before their first save, failed starts of an older octfw) are skipped;
+- that run finished (or a guard stopped it): nothing is trained again, and
+  :class:`AlreadyFinished` carries its summary; unless the recipe now asks
   for another length (``run.max_steps`` or ``run.epochs`` changed), which
-  extends it from its last checkpoint.
+  extends it from its last checkpoint. A run whose final save failed, or that
+  was preempted or interrupted, is not finished: it continues;
+- no run has either: a new run folder, which starts from the checkpointer's
+  newest checkpoint if it has one (a ``gs://`` folder that outlived the VM,
+  as on a recreated spot TPU), else from scratch.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 from octfw.engine.backend import resolve_device
 from octfw.engine.cadence import cadence_warnings
 from octfw.engine.distributed import broadcast_object, init_process_group
-from octfw.engine.trainer import RunSummary, train
+from octfw.engine.trainer import FALLBACK_DIR, RunSummary, train
+from octfw.errors import UserError
 from octfw.logs import attach_run_log, detach_run_log
 from octfw.recipe import Recipe, read_with_extends
 from octfw.registry import Registry
-from octfw.rundir import create_run_dir, latest_run_dir
+from octfw.rundir import START_FILES, create_run_dir, run_dirs
+from octfw.storage.checkpoints import CheckpointStorage
+from octfw.storage.owner import FolderOwner, is_owned
 
 __all__ = ["launch", "AlreadyFinished"]
 
@@ -50,23 +64,52 @@ class AlreadyFinished(Exception):
                          + (f", stopped: {summary['stopped']}" if summary.get("stopped") else "") + ")")
 
 
-def _resumable_run(recipe: Recipe) -> tuple[Path | None, dict[str, Any] | None]:
-    """(the newest run of ``recipe`` to continue, or None to start a new one; the
-    summary of that run if it finished). See the module docstring."""
-    run_dir = latest_run_dir(recipe)
-    if run_dir is None:
-        logger.info("--resume auto: no earlier run of %r under %s; starting a new run",
-                    recipe.name, recipe.run.output_dir)
-        return None, None
+def _finished(run_dir: Path, recipe: Recipe) -> dict[str, Any] | None:
+    """The summary of ``run_dir`` if that run is done with this recipe's length; else None."""
     summary_file = run_dir / "summary.json"
-    if summary_file.exists():
-        summary = json.loads(summary_file.read_text(encoding="utf-8"))
-        recorded = read_with_extends(run_dir / "recipe.toml").get("run", {})
-        extended = (recorded.get("max_steps"), recorded.get("epochs")) != (recipe.run.max_steps, recipe.run.epochs)
-        if not summary.get("preempted") and not extended:
+    if not summary_file.exists():
+        return None
+    summary = json.loads(summary_file.read_text(encoding="utf-8"))
+    if summary.get("preempted") or summary.get("interrupted") or summary.get("final_save_failed"):
+        return None
+    recorded = read_with_extends(run_dir / "recipe.toml").get("run", {})
+    extended = (recorded.get("max_steps"), recorded.get("epochs")) != (recipe.run.max_steps, recipe.run.epochs)
+    return None if extended else summary
+
+
+def _has_checkpoint(run_dir: Path, recipe: Recipe, registry: Registry) -> bool:
+    """Whether ``run_dir`` can be continued: a complete, intact checkpoint, or a fallback copy."""
+    if CheckpointStorage(str(run_dir / FALLBACK_DIR)).latest() is not None:
+        return True
+    ctx = recipe.build_context(registry=registry, run_dir=run_dir)
+    return recipe.by_stage["checkpointer"].build(ctx).latest() is not None
+
+
+def _resumable_run(recipe: Recipe, registry: Registry) -> tuple[Path | None, dict[str, Any] | None]:
+    """(the run of ``recipe`` to continue, or None to start a new one; the summary of that
+    run if it finished). See the module docstring."""
+    runs = run_dirs(recipe)
+    for run_dir in runs:
+        owner = is_owned(run_dir)
+        if owner is not None:
+            raise UserError(f"--resume auto: run folder {run_dir} is being trained by pid {owner.get('pid')} on "
+                            f"{owner.get('host')} (since {owner.get('started')}); one process trains a run at a time")
+    for run_dir in runs:
+        summary = _finished(run_dir, recipe)
+        if summary is not None:
             return run_dir, summary
-    logger.info("--resume auto: continuing %s", run_dir)
-    return run_dir, None
+        if _has_checkpoint(run_dir, recipe, registry):
+            logger.info("--resume auto: continuing %s", run_dir)
+            return run_dir, None
+        logger.info("--resume auto: skipping %s (no complete checkpoint: it never saved one)", run_dir)
+    logger.info("--resume auto: no earlier run of %r under %s to continue; starting a new run",
+                recipe.name, recipe.run.output_dir)
+    return None, None
+
+
+def _failed_start(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds only what a start writes: nothing trained, nothing saved."""
+    return all(p.name in START_FILES for p in run_dir.rglob("*") if p.is_file())
 
 
 def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> RunSummary:
@@ -74,22 +117,34 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> Run
     checkpoint location. Raises :class:`AlreadyFinished` when ``auto`` has nothing to do."""
     # Under torchrun every process runs this; rank 0 picks the run directory.
     rank, _world = init_process_group(resolve_device(recipe.run.device))
-    run_dir, finished = None, None
+    run_dir, finished, owner, created = None, None, None, False
     if rank == 0:
         for warning in cadence_warnings(recipe.engine):
             logger.warning(warning)
         if resume == "auto":
-            run_dir, finished = _resumable_run(recipe)
+            run_dir, finished = _resumable_run(recipe, registry)
         if run_dir is None:
             # A new run folder; with "auto" the checkpointer is still asked for its newest
             # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
-            run_dir = create_run_dir(recipe, registry)
+            run_dir, created = create_run_dir(recipe, registry), True
+        if finished is None:  # rank 0 writes the folder: it holds it until the run ends
+            owner = FolderOwner(run_dir, "run folder")
+            owner.acquire()
     run_dir, resume, finished = broadcast_object((run_dir, resume, finished))  # every rank decides alike
     if finished is not None:
         raise AlreadyFinished(run_dir, finished)
     run_log = attach_run_log(run_dir) if rank == 0 else None
     try:
         return train(recipe, registry, run_dir, resume=resume)
+    except BaseException:
+        if run_log is not None:
+            detach_run_log(run_log)
+            run_log = None
+        if created and _failed_start(run_dir):  # leave nothing --resume auto could take for a run
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     finally:
         if run_log is not None:
             detach_run_log(run_log)
+        if owner is not None:
+            owner.release()

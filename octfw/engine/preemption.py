@@ -4,8 +4,12 @@ Spot and preemptible VMs get a SIGTERM about 30 s before they stop. While
 training, :class:`StopRequests` turns SIGTERM and the first SIGINT (Ctrl-C)
 into a request that the loop reads after each update step: it finishes that
 step, writes a checkpoint within ``engine.save_deadline_s`` and ends with
-:data:`PREEMPTED_EXIT_CODE`, naming the command that resumes. A second SIGINT
-interrupts at once, as usual.
+:data:`PREEMPTED_EXIT_CODE`, naming the command that resumes. A second
+SIGINT or SIGTERM means "stop now": the loop stops after the update step in
+progress, the final save is cancelled (its temporary file removed), the last
+complete checkpoint stays the newest, and the run ends with
+:data:`INTERRUPTED_EXIT_CODE`. It never aborts the process in the middle of a
+write. A third Ctrl-C raises KeyboardInterrupt, for a step that never ends.
 
 Every process must stop at the same update step, or collectives would hang
 and ranks would save different states:
@@ -26,13 +30,15 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["StopRequests", "PREEMPTED_EXIT_CODE"]
+__all__ = ["StopRequests", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE"]
 
 logger = logging.getLogger(__name__)
 
 #: Exit code of a run stopped by SIGTERM/SIGINT after saving: EX_TEMPFAIL,
 #: "try again later", which is what a job scheduler should do with it.
 PREEMPTED_EXIT_CODE = 75
+#: Exit code of a run stopped at once by a second Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED_EXIT_CODE = 130
 
 
 class StopRequests:
@@ -42,6 +48,7 @@ class StopRequests:
         from octfw.engine.distributed import is_ddp
 
         self.signal_name: str | None = None
+        self.signals = 0  #: how many stop signals arrived; 2 or more: stop now, without the final save
         self._previous: dict[int, Any] = {}
         self._xla_sync = backend_kind == "xla" and _activate_xla_preemption_sync()
         self._ddp_group = None
@@ -61,14 +68,23 @@ class StopRequests:
             signal.signal(sig, handler)
         self._previous.clear()
 
+    @property
+    def stop_now(self) -> bool:
+        """A second signal arrived: stop without waiting for the final save."""
+        return self.signals >= 2
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the final save
-        if self.signal_name is None:
-            self.signal_name = name
+        self.signals += 1
+        if self.signals == 1:
+            self.signal_name = self.signal_name or name
             logger.warning("%s received: finishing this update step, then saving a checkpoint and stopping "
-                           "(Ctrl-C again to stop at once)", name)
+                           "(Ctrl-C again to stop at once, keeping the last complete checkpoint)", name)
+        elif self.signals == 2:
+            logger.warning("%s received again: stopping after this update step without the final save; "
+                           "the last complete checkpoint is kept", name)
+        elif signum == signal.SIGINT:  # a step that never ends (a hung collective): the way out
+            raise KeyboardInterrupt
 
     def should_stop(self, update_step: int) -> bool:
         """Whether every process stops after ``update_step`` (called once per update step)."""

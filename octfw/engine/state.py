@@ -28,7 +28,7 @@ from octfw.engine.build import Components
 from octfw.errors import UserError
 from octfw.recipe import Recipe
 
-__all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "global_batch"]
+__all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "global_batch", "checkpoint_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,13 @@ def host_copy(value: Any) -> Any:
 def global_batch(recipe: Recipe, device_count: int) -> int:
     """Samples per update step across all devices: per-device batch x devices x accumulation."""
     return recipe.engine.per_device_batch * device_count * recipe.engine.grad_accum_steps
+
+
+def checkpoint_nbytes(model: torch.nn.Module, parameters: list[torch.Tensor]) -> int:
+    """About what a checkpoint of this model takes before the first one is written: the
+    model's state (weights, buffers, an EMA copy) plus AdamW's two float32 moments."""
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return model_bytes + sum(2 * 4 * p.numel() for p in parameters)
 
 
 def dataset_fingerprint(dataset: Any) -> dict[str, Any]:

@@ -3,6 +3,12 @@
 Counting: ``grad_accum_steps`` micro-steps make one *update step*. The
 scheduler, EMA, guards, logging and checkpoint intervals all count update
 steps. Device-to-host syncs happen at log steps and checkpoint steps only.
+
+The final state is never lost: before training, the checkpointer must show
+that it can take a checkpoint (a probe write; room on a local disk). If the
+final save fails anyway, the state goes to ``<run_dir>/fallback/`` and the
+run ends with :data:`SAVE_FAILED_EXIT_CODE`; ``--resume auto`` continues from
+that copy and writes it to the checkpointer once it can.
 """
 
 from __future__ import annotations
@@ -29,18 +35,25 @@ from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
 from octfw.engine.optim import GatedAdamW
 from octfw.engine.preemption import StopRequests
-from octfw.engine.state import capture, dataset_fingerprint, restore
+from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.update import grad_norm, step_unless_vetoed
 from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.schedules import effective_lr
 from octfw.registry import Registry
+from octfw.storage.checkpoints import CheckpointStorage
+from octfw.storage.failures import storage_cause
 from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining
 
-__all__ = ["train", "Trainer", "RunSummary"]
+__all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR"]
 
 PROVENANCE_WINDOW = 8  # update steps whose sample URLs are kept for guard reports
+#: Exit code of a run whose final checkpoint could not be written to the checkpointer
+#: (EX_IOERR): the final state is in FALLBACK_DIR if that could be written; resume it.
+SAVE_FAILED_EXIT_CODE = 74
+#: Folder of the run directory that takes the final state when the checkpointer cannot.
+FALLBACK_DIR = "fallback"
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +76,9 @@ class RunSummary:
     mfu: float | str | None = None  #: model FLOPs utilisation, or "unknown peak"
     skipped_saves: int = 0  #: checkpoints skipped because the previous save was still being written
     preempted: bool = False  #: stopped by SIGTERM/SIGINT or a TPU preemption notice, after saving
+    interrupted: bool = False  #: stopped at once by a second signal, without the final save
+    final_save_failed: bool = False  #: the checkpointer could not take the final state
+    fallback_checkpoint: str | None = None  #: where the final state went instead (None: nowhere)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
@@ -168,7 +184,15 @@ class Trainer:
         self.local_samples_per_update = per_update * backend.local_devices
         self.fingerprint = dataset_fingerprint(parts.dataset)
         self.start_step, self.samples_done = 0, 0
-        location = parts.checkpointer.latest() if resume == "auto" else resume
+        #: the final state, when the checkpointer could not take it (a full disk, a store away)
+        self.fallback = CheckpointStorage(str(run_dir / FALLBACK_DIR), keep_last=1)
+        fallback = self.fallback.latest() if resume == "auto" else None
+        #: resumed from the fallback: the final save must reach the checkpointer, even with no step left
+        self.upload_fallback = fallback is not None
+        location = fallback or (parts.checkpointer.latest() if resume == "auto" else resume)
+        if fallback is not None:
+            log.warning("--resume auto: continuing from %s, the final state the checkpointer could not take; "
+                        "it is written to the checkpointer at the end of this run", fallback)
         if resume == "auto" and location is None:  # a new run, or one killed before its first save
             log.info("--resume auto: no complete checkpoint yet; training from the start")
         if location is not None:
@@ -344,19 +368,50 @@ class Trainer:
         return capture(self.parts, self.model, self.optimizer, done, self.samples_done,
                        global_batch_size=self.samples_per_update, fingerprint=self.fingerprint)
 
-    def save_checkpoint(self, done: int, *, final: bool = False) -> None:
-        """Hand a checkpoint to the background saver (rank 0 only); the final one is awaited."""
-        if not self.backend.is_main_process:
-            return
-        self.heartbeat.waiting_on("the checkpoint save")
-        if final:
-            self.saver.save_final(done, lambda: self._capture(done), self.recipe.engine.save_deadline_s)
-        else:  # skipped, without a copy, while the previous save is still being written
+    def save_checkpoint(self, done: int) -> None:
+        """Hand a checkpoint to the background saver (rank 0 only); skipped, without a copy,
+        while the previous save is still being written."""
+        if self.backend.is_main_process:
+            self.heartbeat.waiting_on("the checkpoint save")
             self.saver.submit(done, lambda: self._capture(done))
+
+    def save_final(self, done: int) -> tuple[bool, str | None]:
+        """The run's last checkpoint, awaited (rank 0 only): (whether the checkpointer failed to
+        take it, where the state went instead). A second Ctrl-C skips it: the user asked to stop."""
+        if not self.backend.is_main_process:
+            return False, None
+        self.heartbeat.waiting_on("the checkpoint save")
+        stop_now = lambda: self.stop_requests.stop_now  # noqa: E731
+        if self.saver.save_final(done, lambda: self._capture(done), self.recipe.engine.save_deadline_s, stop_now):
+            if self.upload_fallback:  # the checkpointer holds the state now
+                self.fallback.remove()
+            return False, None
+        if stop_now():
+            return False, None
+        try:
+            location = self.fallback.save(done, self._capture(done))
+        except Exception as exc:  # noqa: BLE001 - said on the console; the exit code says it too
+            cause = storage_cause(exc, str(self.fallback.url)) or f"{type(exc).__name__}: {exc}"
+            log.error("the final state could not be written to the fallback folder either: %s", cause, exc_info=exc)
+            return True, None
+        log.warning("the final checkpoint could not be written to the checkpointer; the final state is in %s",
+                    location)
+        return True, location
 
     # --- the loop ----------------------------------------------------------
 
     def run(self) -> RunSummary:
+        """Hold the checkpoint folder (rank 0), train, summarise."""
+        checkpointer = self.parts.checkpointer
+        if self.backend.is_main_process and hasattr(checkpointer, "claim"):  # before an hour is spent
+            checkpointer.claim(checkpoint_nbytes(self.model, self.parameters))
+        try:
+            return self.train_loop()
+        finally:
+            if hasattr(checkpointer, "release"):
+                checkpointer.release()
+
+    def train_loop(self) -> RunSummary:
         from octfw.rundir import write_summary
 
         engine, total = self.recipe.engine, self.total
@@ -389,8 +444,9 @@ class Trainer:
                 stopped = str(reason)
                 self.guard_log.write(done, stopped)
             # The last checkpoint of the run (end, guard stop or preemption), awaited with a deadline.
-            if done > self.start_step:
-                self.save_checkpoint(done, final=True)
+            final_save_failed, fallback = False, None
+            if done > self.start_step or self.upload_fallback:
+                final_save_failed, fallback = self.save_final(done)
 
         elapsed = time.perf_counter() - started
         samples_per_s = (done - self.start_step) * self.samples_per_update / max(elapsed, 1e-9)
@@ -401,6 +457,8 @@ class Trainer:
             samples_per_s=samples_per_s, elapsed_s=elapsed,
             checkpoint=self.saver.latest, failed_saves=self.saver.failed,
             skipped_saves=len(self.saver.skipped), preempted=preempted,
+            interrupted=self.stop_requests.stop_now, final_save_failed=final_save_failed,
+            fallback_checkpoint=fallback,
             quarantined=len(self.quarantine), stopped=stopped, device=self.device_name,
             mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),
         )

@@ -330,6 +330,7 @@ class CheckpointStorage:
         self._fs: Any = None
         self._root = ""
         self._downloaded: tuple[str, bytes] | None = None  # the remote checkpoint latest() verified
+        self._owner: Any = None  # FolderOwner or ObjectLease while a run writes here (claim)
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.url!r}, keep_last={self.keep_last})"
@@ -454,22 +455,44 @@ class CheckpointStorage:
         self._delete(sorted(doomed & set(names)) + orphans)
         return self.location(name)
 
-    def check_writable(self, needed_bytes: int) -> None:
-        """Refuse, before training, a folder that cannot take a checkpoint: a probe file is
-        written and deleted, and a local disk must have ``needed_bytes`` free. UserError naming
-        the cause (no space, permission denied, cannot reach the store)."""
+    def remove(self) -> None:
+        """Delete the folder and every checkpoint in it (a fallback copy, once it was uploaded)."""
+        try:
+            self._call(f"delete {self.url}", "rm", self.root, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def claim(self, needed_bytes: int) -> None:
+        """Before training: take the folder for this process (one writer: an OS lock on a local
+        disk, a lease object on a store; :mod:`octfw.storage.owner`) and refuse one that cannot
+        take a checkpoint of ``needed_bytes`` (a probe file written and deleted; room on a local
+        disk). UserError naming the owner or the cause (no space, permission denied, unreachable)."""
+        from octfw.storage.owner import LEASE_FILE, FolderOwner, ObjectLease
+
+        where = self.setting or "checkpoint folder"
         probe = f".octfw-write-probe-{os.getpid()}"
         try:
             self._write(probe, b"octfw checks that it can write here\n")
             self._delete([probe])
         except Exception as exc:  # noqa: BLE001 - named below, or shown as it is
             cause = storage_cause(exc, self.url, needed_bytes) or f"{type(exc).__name__}: {exc}"
-            raise UserError(f"{self.setting or 'checkpoint folder'}: cannot write checkpoints: {cause}") from None
+            raise UserError(f"{where}: cannot write checkpoints: {cause}") from None
         if self._renamed_into_place:
             free = free_bytes(self._root)
             if free is not None and free < needed_bytes:
-                raise UserError(f"{self.setting or 'checkpoint folder'}: no space left on device at {self.url} "
+                raise UserError(f"{where}: no space left on device at {self.url} "
                                 f"({format_bytes(free)} free, a checkpoint needs {format_bytes(needed_bytes)})")
+            self._owner = FolderOwner(self._root, "checkpoint folder")
+        else:
+            self._owner = ObjectLease(self.fs, self._path(LEASE_FILE), self.url, "checkpoint folder",
+                                      options=self.retry.options(self.fs))
+        self._owner.acquire()
+
+    def release(self) -> None:
+        """Give the folder up (the end of the run)."""
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.release()
 
     def _intact(self, name: str) -> bool:
         """Whether checkpoint ``name`` matches its recorded SHA-256 (True when none was recorded);

@@ -57,6 +57,8 @@ def storage_cause(exc: BaseException, location: str, needed_bytes: int | None = 
     device at PATH (4.9 MB free, a checkpoint needs 10.2 MB)".
     """
     for link in _chain(exc):
+        if type(link).__name__ == "FSTimeoutError":  # fsspec's deadline: the store did not answer
+            link = TimeoutError(str(link))
         number = getattr(link, "errno", None)
         if number in (errno.ENOSPC, errno.EDQUOT):
             free = free_bytes(location)
@@ -68,5 +70,6 @@ def storage_cause(exc: BaseException, location: str, needed_bytes: int | None = 
             return f"{_PERMISSION[number]} at {location}"
         if isinstance(link, (ConnectionError, TimeoutError)) or type(link).__name__ in (
                 "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ServerTimeoutError"):
-            return f"cannot reach the store of {location} ({type(link).__name__}: {link})"
+            said = str(exc) if exc is not link else f"{type(link).__name__}: {link}"
+            return f"cannot reach the store of {location} ({said.rstrip(': ')})"
     return None

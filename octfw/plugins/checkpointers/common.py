@@ -46,10 +46,16 @@ class StoredCheckpointer:
         temporary file is removed; the pointer still names the last complete checkpoint."""
         self._cancelled.set()
 
-    def check_writable(self, needed_bytes: int) -> None:
-        """UserError, before training, when the folder cannot take a checkpoint of ``needed_bytes``."""
+    def claim(self, needed_bytes: int) -> None:
+        """Before training (rank 0): hold the folder for this run and check that it can take a
+        checkpoint of ``needed_bytes``; UserError naming the owner or the cause otherwise."""
         if self.rank == 0 and self.storage is not None:
-            self.storage.check_writable(needed_bytes)
+            self.storage.claim(needed_bytes)
+
+    def release(self) -> None:
+        """Give the folder up at the end of the run."""
+        if self.storage is not None:
+            self.storage.release()
 
     def latest(self) -> str | None:
         """The newest complete checkpoint (see ``CheckpointStorage.latest``); None if there is none."""
