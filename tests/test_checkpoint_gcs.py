@@ -271,3 +271,28 @@ def test_resume_auto_on_a_fresh_disk_continues_from_the_gcs_checkpoint(bucket, t
     assert summary["update_steps"] == 3 and summary["checkpoint"] == f"{url}/step_00000003.pt"
     steps = [json.loads(line)["step"] for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert steps == [3]  # a new run folder, continuing from the step-2 checkpoint
+
+
+def test_one_writer_per_gcs_checkpoint_folder_through_a_lease_that_expires_when_its_holder_is_gone(
+        bucket, caplog):
+    """Two VMs (a recreated spot VM and the old one, say) on one gs:// checkpoint folder."""
+    from octfw.storage.owner import FolderInUse
+
+    url = f"gs://{BUCKET}/leased"
+    first, second = GcsCheckpointer(url), GcsCheckpointer(url)
+    first.claim(1024)
+    lease = json.loads(bucket.filesystem().cat_file(f"{BUCKET}/leased/owner.lease"))
+    assert lease["pid"] == os.getpid() and lease["expires"] > time.time()
+    with pytest.raises(FolderInUse, match=rf"checkpoint folder {url} is in use by pid {os.getpid()}"):
+        second.claim(1024)
+    first.release()
+    assert not bucket.filesystem().exists(f"{BUCKET}/leased/owner.lease")
+    second.claim(1024)  # free again
+    second.release()
+
+    # A holder whose VM vanished stops renewing: once its lease has expired, the folder is taken over.
+    stale = {"host": "old-vm", "pid": 4242, "started": "2026-11-24T00:00:00+00:00", "expires": time.time() - 1}
+    bucket.filesystem().pipe_file(f"{BUCKET}/leased/owner.lease", json.dumps(stale).encode())
+    first.claim(1024)
+    assert "taking over checkpoint folder" in caplog.text and "pid 4242 on old-vm" in caplog.text
+    first.release()
