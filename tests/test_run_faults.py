@@ -293,3 +293,24 @@ def test_a_second_ctrl_c_during_the_final_save_stops_at_once_and_keeps_the_last_
     assert not list((run_dir / "checkpoints").glob("step_*.pt"))  # none complete: none claimed
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and summary["preempted"] and summary["checkpoint"] is None
+
+
+def test_no_load_error_ever_suggests_weights_only_false(tmp_path):
+    """torch's advice to retry with weights_only=False would run whatever code the file holds."""
+    import datetime
+
+    import torch
+
+    from octfw.errors import UserError
+    from octfw.storage.checkpoints import load_checkpoint
+    from octfw.tools.export import load_encoder
+
+    with_object = tmp_path / "step_00000001.pt"
+    torch.save({"model": datetime.date(2026, 11, 25)}, with_object)  # a class weights_only refuses
+    junk = tmp_path / "encoder.pt"
+    junk.write_bytes(b"x" * 100)
+    for load, path in ((load_checkpoint, with_object), (load_checkpoint, junk), (load_encoder, junk)):
+        with pytest.raises(UserError) as refused:
+            load(str(path))
+        message = str(refused.value)
+        assert str(path) in message and "weights_only" not in message and "\n" not in message

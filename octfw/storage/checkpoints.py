@@ -210,7 +210,10 @@ def parse_checksum(raw: bytes) -> str | None:
 
 
 def verify(location: str, actual: str, expected: str | None) -> None:
-    """Raise :class:`CorruptCheckpoint` unless ``actual`` is the recorded checksum; warn when none was."""
+    """Raise :class:`CorruptCheckpoint` unless ``actual`` is the recorded checksum; warn when a
+    checkpoint (a ``step_N.pt``) has none. Other files (an exported encoder) may have none."""
+    if expected is None and checkpoint_step(location.rsplit("/", 1)[-1]) is None:
+        return
     if expected is None:
         logger.warning("checkpoint %s has no recorded SHA-256 (written before octfw recorded them): "
                        "loaded unverified", location)
@@ -239,7 +242,7 @@ class _HashingWriter:
         self.file.flush()
 
 
-def safe_load(source: str | IO[bytes], location: str) -> dict[str, Any]:
+def safe_load(source: str | IO[bytes], location: str, what: str = "checkpoint") -> dict[str, Any]:
     """``torch.load(weights_only=True)`` onto the CPU; UserError naming ``location`` if refused.
 
     ``source`` is a local path or a binary file object (a BytesIO of a remote
@@ -254,16 +257,16 @@ def safe_load(source: str | IO[bytes], location: str) -> dict[str, Any]:
         state = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # weights_only refused an object: never executed
         raise UserError(
-            f"checkpoint {location} cannot be loaded safely ({type(exc).__name__}: {_reason(exc)}); "
+            f"{what} {location} cannot be loaded safely ({type(exc).__name__}: {_reason(exc)}); "
             "octfw loads tensors and plain Python data only"
         ) from exc
     except Exception as exc:  # noqa: BLE001 - re-raised with the checkpoint's name
         raise UserError(
-            f"checkpoint {location} cannot be read ({type(exc).__name__}: {_reason(exc)}); "
-            "the file is cut short or not a checkpoint"
+            f"{what} {location} cannot be read ({type(exc).__name__}: {_reason(exc)}); "
+            f"the file is cut short or not a {what}"
         ) from exc
     if not isinstance(state, dict):
-        raise UserError(f"checkpoint {location} holds a {type(state).__name__}, not a dict")
+        raise UserError(f"{what} {location} holds a {type(state).__name__}, not a dict")
     return state
 
 

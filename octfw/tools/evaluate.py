@@ -164,11 +164,9 @@ def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget
 
     path = Path(source)
     if path.is_file():
-        try:
-            head = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the file's name
-            first = (str(exc).strip().splitlines() or [""])[0]
-            raise UserError(f"{path}: cannot be read as a checkpoint or encoder ({type(exc).__name__}: {first})") from None
+        from octfw.storage.checkpoints import load_checkpoint
+
+        head = load_checkpoint(str(path))  # checked against its SHA-256 where it has one
         if isinstance(head, Mapping) and head.get("format") == FORMAT:
             return _model_from_export(path, seed)
         if not isinstance(head, Mapping) or "model" not in head:

@@ -219,12 +219,10 @@ def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such encoder file")
-    try:
-        data = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file's name
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise UserError(f"{path}: cannot be loaded as an encoder ({type(exc).__name__}: {first})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    from octfw.storage.checkpoints import safe_load
+
+    data = safe_load(str(path), str(path), what="encoder file")  # on the CPU; moved below
+    if data.get("format") != FORMAT:
         raise UserError(f"{path}: not an octfw encoder file (write one with `octfw export`)")
     if data.get("format_version") != FORMAT_VERSION or data.get("architecture") != "vit3d":
         raise UserError(f"{path}: encoder format {data.get('format_version')!r} / architecture "
