@@ -8,7 +8,19 @@ traceback.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "RecipeError", "ContractError", "CorruptFile", "PluginError"]
+__all__ = ["UserError", "RecipeError", "ContractError", "CorruptFile", "PluginError", "one_line"]
+
+# Control characters (and Unicode line breaks) as the escapes repr() writes.
+_ESCAPES = {code: repr(chr(code))[1:-1] for code in (*range(0x20), 0x7F, 0x85, 0x2028, 0x2029)}
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\n``, ``\\x00``).
+
+    A message quotes file names, keys and values the user chose, and a file
+    name may hold a newline: printed raw, one error would read as two.
+    """
+    return text.translate(_ESCAPES)
 
 
 class UserError(Exception):
@@ -26,9 +38,9 @@ class RecipeError(UserError):
 
     def __init__(self, source: str, problems: "list[tuple[str, str] | str]"):
         self.source = source
-        self.problems = [p if isinstance(p, str) else f"{p[0]}: {p[1]}" for p in problems]
+        self.problems = [one_line(p if isinstance(p, str) else f"{p[0]}: {p[1]}") for p in problems]
         noun = "problem" if len(self.problems) == 1 else "problems"
-        lines = [f"{source}: {len(self.problems)} {noun}"]
+        lines = [f"{one_line(source)}: {len(self.problems)} {noun}"]
         lines += [f"  {p}" for p in self.problems]
         super().__init__("\n".join(lines))
 

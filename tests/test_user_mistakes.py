@@ -340,3 +340,58 @@ def test_a_batch_that_skipped_one_file_twice_records_it_once(tmp_path):
 
     Quarantine(tmp_path).record([("/a.dcm", "truncated"), ("/a.dcm", "truncated")])
     assert (tmp_path / "quarantine.jsonl").read_text().count("/a.dcm") == 1
+
+
+# --- 8. regressions found by the fuzz (tests/test_fuzz.py) --------------------
+
+
+def test_a_set_value_that_is_not_utf8_is_refused_not_a_crash_when_printed(tmp_path):
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    # Bytes on the command line, as a shell passes a Latin-1 name; stdout strict UTF-8, as a terminal's.
+    out = subprocess.run([sys.executable, "-m", "octfw.cli", "show", str(recipe), "--set", b"run.name=caf\xe9"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-8"})
+    assert refused(out) == ("octfw: error: --set 'run.name=caf\\udce9': not UTF-8 text (the command line "
+                            "passed bytes that are not UTF-8)")
+
+
+def test_a_manifest_label_beyond_any_float_is_a_user_error(tmp_path):
+    from octfw.data.manifest import read_manifest
+    from octfw.errors import UserError
+
+    manifest = write(tmp_path / "m.jsonl", '{"path": "a.dcm", "label": 1' + "0" * 400 + "}\n")
+    with pytest.raises(UserError, match=r"m.jsonl:1: label must be an integer, got 10{36}\.\.\.$"):
+        read_manifest(str(manifest))
+
+
+def test_a_manifest_series_row_of_an_unknown_protocol_is_a_user_error(tmp_path):
+    from octfw.data.dicom_dataset import DicomDataset
+    from octfw.errors import UserError
+
+    manifest = write(tmp_path / "m.csv", "path\nnosuch://bucket/scan/\n")
+    with pytest.raises(UserError, match="'nosuch://bucket/scan/': Protocol not known: nosuch"):
+        DicomDataset.from_location(manifest)
+
+
+def test_a_path_with_a_newline_stays_on_the_error_line(tmp_path):
+    recipe = write(tmp_path / "nl.toml", TINY_RECIPE.replace(
+        'name = "synthetic-oct"\nn_volumes = 8', f'name = "dicom"\npath = "{tmp_path}/new\\nline"'))
+    line = refused(octfw("check", str(recipe), cwd=tmp_path))
+    assert line == f"octfw: error: dataset path does not exist: {tmp_path}/new\\nline"
+
+
+def test_a_recipe_key_with_a_newline_stays_on_its_problem_line(tmp_path):
+    recipe = write(tmp_path / "nl.toml", TINY_RECIPE.replace("[run]\n", '[run]\n"a\\nb" = 1\n'))
+    out = octfw("show", str(recipe), cwd=tmp_path)
+    refused(out)
+    assert out.stderr.splitlines()[1].startswith("  run.a\\nb: unknown key")
+
+
+def test_a_csv_manifest_with_a_lone_carriage_return_in_a_cell_is_a_user_error(tmp_path):
+    from octfw.data.manifest import read_manifest
+    from octfw.errors import UserError
+
+    manifest = tmp_path / "m.csv"
+    manifest.write_bytes(b"path,label\nvol.dcm,1\nscan\rb.dcm,0\n")
+    with pytest.raises(UserError, match=r"m.csv:\d: not valid CSV \(new-line character seen in unquoted field\)$"):
+        read_manifest(str(manifest))

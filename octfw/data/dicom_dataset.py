@@ -138,9 +138,9 @@ def list_dicom_files(path: str, extensions: Sequence[str] = (".dcm", "")) -> lis
     URLs keep their protocol; local paths are returned as paths. Raises
     UserError when ``path`` does not exist; returns [] when nothing matches.
     """
-    import fsspec
+    from octfw.storage.files import open_filesystem
 
-    fs, root = fsspec.core.url_to_fs(path)
+    fs, root = open_filesystem(path)  # an unknown protocol is a UserError naming the path
     keep_protocol = "://" in path
 
     def as_url(found: str) -> str:

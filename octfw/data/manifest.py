@@ -61,17 +61,23 @@ def _text(value: Any) -> str | None:
     return text or None
 
 
+def _short(value: Any) -> str:
+    """A cell as an error message shows it: a 400-digit number is not read in full."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def _label(manifest: str, line: int, value: Any) -> int | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, bool):
-        raise UserError(f"{manifest}:{line}: label must be an integer, got {value!r}")
+        raise UserError(f"{manifest}:{line}: label must be an integer, got {_short(value)}")
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{manifest}:{line}: label must be an integer, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond any float
+        raise UserError(f"{manifest}:{line}: label must be an integer, got {_short(value)}") from None
     if not number.is_integer():
-        raise UserError(f"{manifest}:{line}: label must be an integer, got {value!r}")
+        raise UserError(f"{manifest}:{line}: label must be an integer, got {_short(value)}")
     return int(number)
 
 
@@ -108,11 +114,15 @@ def read_manifest(url: str) -> list[ManifestRow]:
     rows: list[ManifestRow] = []
     if url.lower().endswith(".csv"):
         reader = csv.DictReader(io.StringIO(text))
-        if reader.fieldnames is None or "path" not in [n.strip() for n in reader.fieldnames]:
-            raise UserError(f"{url}: no 'path' column (columns: {reader.fieldnames or []})")
-        for record in reader:
-            record = {str(k).strip(): v for k, v in record.items() if k is not None}
-            rows.append(_row(url, reader.line_num, record))
+        try:
+            if reader.fieldnames is None or "path" not in [n.strip() for n in reader.fieldnames]:
+                raise UserError(f"{url}: no 'path' column (columns: {reader.fieldnames or []})")
+            for record in reader:
+                record = {str(k).strip(): v for k, v in record.items() if k is not None}
+                rows.append(_row(url, reader.line_num, record))
+        except csv.Error as exc:  # e.g. a carriage return alone inside an unquoted cell
+            reason = str(exc).split(" - ")[0]  # without the csv module's advice to Python programmers
+            raise UserError(f"{url}:{reader.line_num}: not valid CSV ({reason})") from None
         return rows
 
     for line_number, line in enumerate(text.splitlines(), start=1):

@@ -109,6 +109,13 @@ def parse_override(text: str, cwd: Path | None = None) -> tuple[list[str], Any]:
     The value is read as a TOML value (numbers, booleans, arrays, quoted
     strings); anything else is taken as a bare string.
     """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Python keeps command-line bytes that are not UTF-8 as lone surrogates,
+        # which no recipe, run folder or printout can hold.
+        raise UserError(f"--set {text!r}: not UTF-8 text (the command line passed bytes that "
+                        "are not UTF-8)") from None
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
