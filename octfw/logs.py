@@ -44,8 +44,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from octfw.errors import one_line
-
 __all__ = ["LABEL", "LOG_FILE", "THIRD_PARTY_LEVELS", "setup_console_logging", "attach_run_log",
            "detach_run_log"]
 
@@ -87,7 +85,7 @@ class _ConsoleFormatter(logging.Formatter):
         label = getattr(record, LABEL, None)
         if label is None and record.levelno != logging.INFO:
             label = f"octfw: {_level_word(record.levelno)}"
-        message = one_line(record.getMessage())  # a file name with a newline must not split the line
+        message = record.getMessage()
         text = f"{label}: {message}" if label else message
         if self.tracebacks and record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
