@@ -88,6 +88,14 @@ def test_a_cache_dir_under_a_regular_file_is_refused_at_start_naming_run_cache_d
                     "set run.cache_dir or OCTFW_CACHE_DIR to a writable folder")
 
 
+def test_octfw_lr_by_epochs_refuses_an_unwritable_cache_dir_before_building_the_dataset(tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
+    out = octfw("lr", str(recipe), "--set", "run.epochs=2", cwd=tmp_path,
+                env={"OCTFW_CACHE_DIR": str(tmp_path / "afile" / "cache")})
+    assert refused(out).startswith(f"octfw: error: OCTFW_CACHE_DIR={tmp_path}/afile/cache: cannot write there")
+
+
 @pytest.fixture
 def read_only_folder(tmp_path):
     """A real read-only filesystem (a tmpfs mounted ro): root can write anywhere else."""

@@ -42,13 +42,14 @@ def schedule_for(recipe: Any, registry: Any, devices: int = 1) -> tuple[Any, int
 
     if devices < 1:
         raise UserError(f"--devices {devices}: must be at least 1")
-    ctx = recipe.build_context(registry=registry, world_size=devices)
+    by_epochs = recipe.run.epochs is not None  # the dataset's size is needed, so it is built
+    ctx = recipe.build_context(registry=registry, world_size=devices, writable_cache=by_epochs)
     steps_per_epoch = None
     total = recipe.run.max_steps
-    if recipe.run.epochs is not None:
+    if by_epochs:
         dataset = recipe.dataset.build(ctx)
         if len(dataset) == 0:
-            raise UserError(f"dataset {recipe.dataset.name!r} holds no samples")
+            raise UserError(f"dataset {recipe.dataset.name!r} lists no files")
         steps_per_epoch, total = plan_update_steps(recipe, len(dataset), devices)
     schedule = recipe.scheduler.build(attrs.evolve(ctx, total_update_steps=total))
     return schedule, total, steps_per_epoch

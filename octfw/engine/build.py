@@ -34,7 +34,8 @@ def plan_update_steps(recipe: Recipe, dataset_size: int, world_size: int) -> tup
     steps_per_epoch = dataset_size // global_batch
     if steps_per_epoch == 0:
         raise UserError(
-            f"dataset has {dataset_size} samples, fewer than one global batch of {global_batch} "
+            f"dataset lists {dataset_size} file{'' if dataset_size == 1 else 's'}, fewer than one global "
+            f"batch of {global_batch} "
             f"(engine.per_device_batch {engine.per_device_batch} x {world_size} devices x "
             f"engine.grad_accum_steps {engine.grad_accum_steps})"
         )
@@ -56,7 +57,7 @@ def build_components(
                                writable_cache=True)
     dataset = recipe.dataset.build(ctx)
     if len(dataset) == 0:
-        raise UserError(f"dataset {recipe.dataset.name!r} holds no samples")
+        raise UserError(f"dataset {recipe.dataset.name!r} lists no files")
     steps_per_epoch, total = plan_update_steps(recipe, len(dataset), world_size)
     ctx = attrs.evolve(ctx, total_update_steps=total)
     built: dict[str, Any] = {"dataset": dataset}
