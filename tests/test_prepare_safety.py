@@ -9,6 +9,7 @@ prepare runs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -171,7 +172,6 @@ def test_a_store_written_before_snapshots_is_read_updated_and_guarded(cohorts, w
     (location / header.pop("quarantine")).rename(location / QUARANTINE_FILE)
     for name in location.glob("index-*.jsonl"):
         name.unlink()
-    import hashlib
     header.update(index_sha256=hashlib.sha256(data).hexdigest())
     del header["datasets"], header["key_salt"]
     (location / HEADER_FILE).write_text(json.dumps(header))

@@ -272,6 +272,12 @@ class _StoreLock:
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_S / 4):
             try:
+                holder = self._read_remote()
+                if (holder or {}).get("token") != self.owner["token"]:
+                    # Taken over after a lease this process failed to renew: never write over it.
+                    logger.warning(f"--out {self.location}: another prepare took it over "
+                                   f"({_describe_owner(holder)}); this one no longer holds it")
+                    return
                 self._write_remote(create=False)
             except OSError as exc:  # the store is away: the next renewal may succeed
                 logger.debug("renewing %s failed: %s", self.path, exc)
