@@ -46,6 +46,7 @@ class DicomConfig:
     )
     series: bool = doc(
         "Read single-frame files that share a SeriesInstanceUID in one folder as one "
-        "volume (reads every header when the dataset is built); false: each file is a volume.",
+        "volume (reads every header when the dataset is built); false: each file is a volume "
+        "(a single-frame file alone is quarantined: one B-scan is no 3D volume).",
         default=True,
     )
