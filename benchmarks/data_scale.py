@@ -178,7 +178,7 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
     from octfw.engine.data import domain_counts
 
     header = read_header(location)
-    template = [json.loads(line) for line in Path(location, INDEX_FILE).read_text().splitlines()]
+    template = [json.loads(line) for line in Path(location, header.index).read_text().splitlines()]
     results = {}
     for size in BUILD_SIZES:
         folder = scratch / f"index-{size}"
@@ -191,7 +191,7 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
             lines.append(json.dumps(row, sort_keys=True) + "\n")
         data = "".join(lines).encode()
         (folder / INDEX_FILE).write_bytes(data)
-        fake = attrs.evolve(header, volumes=size, index_sha256=hashlib.sha256(data).hexdigest())
+        fake = attrs.evolve(header, index=INDEX_FILE, volumes=size, index_sha256=hashlib.sha256(data).hexdigest())
         (folder / HEADER_FILE).write_bytes(fake.to_bytes())
         started = time.perf_counter()
         domain_counts(PreparedDataset.open(str(folder)))

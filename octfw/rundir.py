@@ -27,7 +27,7 @@ __all__ = ["create_run_dir", "run_dirs", "versions", "write_summary", "START_FIL
 
 #: What a run folder holds before its first update step: a folder with nothing else
 #: trained nothing, and a start that failed removes it (see octfw.engine.launch).
-START_FILES = frozenset({"recipe.toml", "versions.json", "git.json", "octfw.log", "owner.lock", "owner.json"})
+START_FILES = frozenset({"recipe.toml", "versions.json", "git.json", "octfw.log", "owner.lock"})
 
 
 def _version(dist: str) -> str | None:

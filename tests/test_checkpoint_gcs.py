@@ -281,18 +281,33 @@ def test_one_writer_per_gcs_checkpoint_folder_through_a_lease_that_expires_when_
     url = f"gs://{BUCKET}/leased"
     first, second = GcsCheckpointer(url), GcsCheckpointer(url)
     first.claim(1024)
-    lease = json.loads(bucket.filesystem().cat_file(f"{BUCKET}/leased/owner.lease"))
+    lease = json.loads(bucket.filesystem().cat_file(f"{BUCKET}/leased/owner.lock"))
     assert lease["pid"] == os.getpid() and lease["expires"] > time.time()
     with pytest.raises(FolderInUse, match=rf"checkpoint folder {url} is in use by pid {os.getpid()}"):
         second.claim(1024)
     first.release()
-    assert not bucket.filesystem().exists(f"{BUCKET}/leased/owner.lease")
+    assert not bucket.filesystem().exists(f"{BUCKET}/leased/owner.lock")
     second.claim(1024)  # free again
     second.release()
 
     # A holder whose VM vanished stops renewing: once its lease has expired, the folder is taken over.
     stale = {"host": "old-vm", "pid": 4242, "started": "2026-11-24T00:00:00+00:00", "expires": time.time() - 1}
-    bucket.filesystem().pipe_file(f"{BUCKET}/leased/owner.lease", json.dumps(stale).encode())
+    bucket.filesystem().pipe_file(f"{BUCKET}/leased/owner.lock", json.dumps(stale).encode())
     first.claim(1024)
     assert "taking over checkpoint folder" in caplog.text and "pid 4242 on old-vm" in caplog.text
     first.release()
+
+
+def test_an_unreachable_gcs_checkpoint_folder_is_refused_in_seconds_before_training(tiny_recipe, monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    assert octfw_run(tiny_recipe, "--set", "checkpointer.name=gcs", "--set", "checkpointer.dir=gs://away/run") == 2
+    assert time.monotonic() - started < 60  # building and a first batch included; the probe itself takes < 5 s
+    error = capsys.readouterr().err
+    assert f"checkpointer.dir = 'gs://away/run': cannot reach http://127.0.0.1:{port}" in error
+    assert not (tiny_recipe.parent / "runs" / "tiny").exists() or not any((tiny_recipe.parent / "runs" / "tiny").iterdir())

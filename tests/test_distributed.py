@@ -145,5 +145,6 @@ def test_ddp_a_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] is True and summary["update_steps"] == steps[0][-1]
     assert summary["checkpoint"].endswith(f"step_{steps[0][-1]:08d}.pt")
+    # Rank 0 alone held the folder (owner.lock stays; its owner record went with the run).
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "latest", f"step_{steps[0][-1]:08d}.pt"]
+        "latest", "owner.lock", f"step_{steps[0][-1]:08d}.pt", f"step_{steps[0][-1]:08d}.pt.sha256"]

@@ -217,8 +217,8 @@ def test_a_second_prepare_is_refused_naming_the_first_and_a_killed_one_is_taken_
         second = cli("prepare", str(recipe), "--out", str(location), "--workers", "1")
         assert first.poll() is None, "the first prepare ended before the second was refused"
         error = one_line_error(second.stderr)
-        assert second.returncode == 2 and "is being prepared by another octfw prepare" in error
-        assert f"host {socket.gethostname()}, pid {first.pid}, started {owner['started']}" in error
+        assert second.returncode == 2 and f"--out {location} is in use by" in error
+        assert f"pid {first.pid} on {socket.gethostname()} since {owner['started']}" in error
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver and its Dask workers
         first.wait()
@@ -229,7 +229,7 @@ def test_a_second_prepare_is_refused_naming_the_first_and_a_killed_one_is_taken_
     capsys.readouterr()
     summary = prepare(recipe, location, workers=2)
     warning = capsys.readouterr().err
-    assert f"pid {first.pid}" in warning and "stopped without finishing" in warning
+    assert f"taking over --out {location} from pid {first.pid}" in warning and "is no longer running" in warning
     assert (summary.reused, summary.prepared, summary.volumes) == (4 + done, 16 - done, 20)
     sources = [r.source for r in PreparedDataset.open(str(location)).rows]
     assert len(sources) == len(set(sources)) == 20
@@ -248,7 +248,7 @@ def test_a_gcs_prefix_held_by_a_live_prepare_is_refused_and_an_expired_lease_tak
     fs.pipe_file(f"octfw-locks/cohort-a/{LOCK_FILE}", json.dumps({**owner, "expires": time.time() + 600}).encode())
     capsys.readouterr()
     assert main(["prepare", str(recipe), "--out", location]) == 2
-    assert "(host trainer-7, pid 4242, started 2030-01-01T00:00:00+00:00)" in one_line_error(capsys.readouterr().err)
+    assert "in use by pid 4242 on trainer-7 since 2030-01-01T00:00:00+00:00" in one_line_error(capsys.readouterr().err)
 
     fs.pipe_file(f"octfw-locks/cohort-a/{LOCK_FILE}", json.dumps({**owner, "expires": time.time() - 1}).encode())
     assert prepare(recipe, location, workers=1).volumes == 4

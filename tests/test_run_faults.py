@@ -92,7 +92,7 @@ def test_a_second_trainer_is_refused_while_a_run_is_live_and_takes_over_once_its
     first = _start(tmp_path, tiny_recipe, *long)
     try:
         run_dir = _wait_for_step(root, 3, first)
-        owner = json.loads((run_dir / "owner.json").read_text())
+        owner = json.loads((run_dir / "owner.lock").read_text())
         assert owner["pid"] == first.pid
 
         # A retry loop, a second terminal, a scheduler that thinks the job died: refused, naming the owner.
@@ -115,7 +115,7 @@ def test_a_second_trainer_is_refused_while_a_run_is_live_and_takes_over_once_its
         _out, err = third.communicate(timeout=300)
     assert third.returncode == PREEMPTED_EXIT_CODE, err
     assert f"taking over run folder {run_dir} from pid {first.pid}" in err
-    assert _runs(root) == [run_dir] and not (run_dir / "owner.json").exists()
+    assert _runs(root) == [run_dir] and (run_dir / "owner.lock").read_text() == ""  # released
 
 
 # --- --resume auto never goes backwards ------------------------------------------------

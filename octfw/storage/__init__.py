@@ -14,6 +14,10 @@ pipeline or a plugin.
   asked once with a short timeout (``require_reachable``), so an endpoint
   that is down is named in seconds instead of after gcsfs's minute of retries;
 - :mod:`octfw.storage.checkpoints`: checkpoint files in one folder, with the
-  ``latest`` pointer and ``keep_last`` retention written once for every
-  checkpointer (``CheckpointStorage``), and ``load_checkpoint(url)``.
+  ``latest`` pointer, ``keep_last`` retention and SHA-256 checks written once
+  for every checkpointer (``CheckpointStorage``), and ``load_checkpoint(url)``;
+- :mod:`octfw.storage.owner`: one writer per folder (``FolderOwner``), for run
+  folders, checkpoint folders and prepared stores;
+- :mod:`octfw.storage.failures`: the cause of a failed write in words (no
+  space, with bytes free and needed; permission denied; unreachable).
 """

@@ -333,7 +333,7 @@ class CheckpointStorage:
         self._fs: Any = None
         self._root = ""
         self._downloaded: tuple[str, bytes] | None = None  # the remote checkpoint latest() verified
-        self._owner: Any = None  # FolderOwner or ObjectLease while a run writes here (claim)
+        self._owner: Any = None  # the FolderOwner while a run writes here (claim)
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.url!r}, keep_last={self.keep_last})"
@@ -470,9 +470,11 @@ class CheckpointStorage:
         disk, a lease object on a store; :mod:`octfw.storage.owner`) and refuse one that cannot
         take a checkpoint of ``needed_bytes`` (a probe file written and deleted; room on a local
         disk). UserError naming the owner or the cause (no space, permission denied, unreachable)."""
-        from octfw.storage.owner import LEASE_FILE, FolderOwner, ObjectLease
+        from octfw.storage.owner import FolderOwner
+        from octfw.storage.reach import require_reachable
 
         where = self.setting or "checkpoint folder"
+        require_reachable(self.url, where)  # seconds, not gcsfs's minute of retries per attempt
         probe = f".octfw-write-probe-{os.getpid()}"
         try:
             self._write(probe, b"octfw checks that it can write here\n")
@@ -485,11 +487,9 @@ class CheckpointStorage:
             if free is not None and free < needed_bytes:
                 raise UserError(f"{where}: no space left on device at {self.url} "
                                 f"({format_bytes(free)} free, a checkpoint needs {format_bytes(needed_bytes)})")
-            self._owner = FolderOwner(self._root, "checkpoint folder")
-        else:
-            self._owner = ObjectLease(self.fs, self._path(LEASE_FILE), self.url, "checkpoint folder",
-                                      options=self.retry.options(self.fs))
-        self._owner.acquire()
+        owner = FolderOwner(self.url, "checkpoint folder", options=self.retry.options(self.fs))
+        owner.acquire()
+        self._owner = owner
 
     def release(self) -> None:
         """Give the folder up (the end of the run)."""

@@ -45,21 +45,18 @@ A prepare never damages what a location holds:
   on GCS), read back, and renewed every few minutes as a lease. A second
   prepare is refused with the owner named; an owner that died (a pid gone
   on this host, or a lease not renewed for :data:`LEASE_S`) is taken over
-  with a warning.
+  with a warning. :class:`octfw.storage.owner.FolderOwner` does this, as
+  for run and checkpoint folders.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import logging
 import os
-import socket
-import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -73,7 +70,8 @@ from octfw.data.prepared_store import (
 from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
-from octfw.storage.files import is_local_filesystem, open_filesystem, write_atomically
+from octfw.storage.files import open_filesystem, write_atomically
+from octfw.storage.owner import FolderOwner
 
 __all__ = ["PrepareSummary", "prepare_dataset", "check_out", "LEASE_S"]
 
@@ -134,153 +132,6 @@ def _check_scheduler(scheduler: str) -> None:
     except ValueError as exc:
         raise UserError(f"--scheduler {scheduler!r} is not a Dask scheduler address ({exc}); "
                         "write it like tcp://host:8786") from None
-
-
-# --- the lock -----------------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def _describe_owner(owner: Mapping[str, Any] | None) -> str:
-    if not owner:
-        return "owner not recorded yet"
-    return f"host {owner.get('host')}, pid {owner.get('pid')}, started {owner.get('started')}"
-
-
-def _parse_owner(data: bytes) -> dict[str, Any] | None:
-    try:
-        owner = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return owner if isinstance(owner, dict) else None
-
-
-class _StoreLock:
-    """``prepare.lock``: one prepare per location at a time (see the module docstring)."""
-
-    def __init__(self, fs: Any, root: str, location: str):
-        self.fs, self.root, self.location = fs, root, location
-        self.path = join(root, LOCK_FILE)
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
-                      "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                      "token": uuid.uuid4().hex}
-        self._fd: int | None = None
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
-
-    def _refuse(self, owner: Mapping[str, Any] | None) -> UserError:
-        return UserError(f"--out {self.location} is being prepared by another octfw prepare "
-                         f"({_describe_owner(owner)}); wait for it to finish or stop it, then run again")
-
-    def _took_over(self, owner: Mapping[str, Any], why: str) -> None:
-        logger.warning(f"--out {self.location}: the prepare that held it ({_describe_owner(owner)}) {why}; "
-                       "this one takes over and finishes its work")
-
-    def __enter__(self) -> "_StoreLock":
-        if is_local_filesystem(self.fs):
-            self._lock_local()
-        else:
-            self._lock_remote()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            import fcntl
-
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)  # kept, empty: removing a lock file races with its next user
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-        if self._renewer is not None:
-            self._stop.set()
-            self._renewer.join()
-            with contextlib.suppress(OSError):
-                if (_parse_owner(self.fs.cat_file(self.path)) or {}).get("token") == self.owner["token"]:
-                    self.fs.rm_file(self.path)
-
-    def _lock_local(self) -> None:
-        import fcntl
-
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by worker processes
-        except PermissionError as exc:
-            raise UserError(f"--out {self.location}: no permission to write ({exc})") from None
-        except OSError as exc:
-            raise UserError(f"--out {self.location}: cannot write ({type(exc).__name__}: {exc})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _parse_owner(os.pread(fd, 1 << 16, 0))
-            os.close(fd)
-            raise self._refuse(owner) from None
-        previous = _parse_owner(os.pread(fd, 1 << 16, 0))
-        if previous:  # a holder empties the file when it finishes: this one did not finish
-            self._took_over(previous, "stopped without finishing")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(self.owner).encode("utf-8"), 0)
-        self._fd = fd
-
-    def _read_remote(self) -> dict[str, Any] | None:
-        try:
-            return _parse_owner(self.fs.cat_file(self.path))
-        except FileNotFoundError:
-            return None
-
-    def _write_remote(self, create: bool) -> None:
-        record = {**self.owner, "expires": time.time() + LEASE_S}
-        # ifGenerationMatch=0 on GCS: the upload fails if the object exists. Not every
-        # object store (nor the GCS emulator) honours it, hence the read back below.
-        options = {"mode": "create"} if create and "gs" in getattr(self.fs, "protocol", ()) else {}
-        write_atomically(self.path, json.dumps(record).encode("utf-8"), fs=self.fs, **options)
-
-    def _lock_remote(self) -> None:
-        try:
-            owner = self._read_remote()
-            if owner is not None:
-                if owner.get("host") == self.owner["host"] and not _pid_alive(int(owner.get("pid", 0))):
-                    self._took_over(owner, "is no longer running")
-                elif float(owner.get("expires", 0)) < time.time():
-                    self._took_over(owner, f"has not renewed its lease for {LEASE_S:.0f} s")
-                else:
-                    raise self._refuse(owner)
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(self.path)
-            try:
-                self._write_remote(create=True)
-            except FileExistsError:
-                raise self._refuse(self._read_remote()) from None
-            mine = self._read_remote()
-        except PermissionError as exc:
-            raise UserError(f"--out {self.location}: no permission to write ({exc})") from None
-        except OSError as exc:
-            raise UserError(f"--out {self.location}: cannot write ({type(exc).__name__}: {exc})") from None
-        if (mine or {}).get("token") != self.owner["token"]:
-            raise self._refuse(mine)  # another prepare wrote its record between ours and the read
-        self._renewer = threading.Thread(target=self._renew, name="octfw-prepare-lease", daemon=True)
-        self._renewer.start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(LEASE_S / 4):
-            try:
-                holder = self._read_remote()
-                if (holder or {}).get("token") != self.owner["token"]:
-                    # Taken over after a lease this process failed to renew: never write over it.
-                    logger.warning(f"--out {self.location}: another prepare took it over "
-                                   f"({_describe_owner(holder)}); this one no longer holds it")
-                    return
-                self._write_remote(create=False)
-            except OSError as exc:  # the store is away: the next renewal may succeed
-                logger.debug("renewing %s failed: %s", self.path, exc)
 
 
 # --- library logs -------------------------------------------------------------------
@@ -542,7 +393,8 @@ def prepare_dataset(recipe: Recipe, registry: Registry, location: str, *, schedu
     table = recipe.dataset.to_table()
 
     fs, root = open_filesystem(location, setting="--out")
-    with _library_log(ctx.cache_dir, location), _StoreLock(fs, root, location):
+    with _library_log(ctx.cache_dir, location), FolderOwner(location, "--out", lock_name=LOCK_FILE,
+                                                            lease_s=LEASE_S):
         previous = read_header(location, must_be_complete=False)
         sources = {dataset.source(i) for i in range(len(dataset))}
         plan = _plan(location, fs, root, previous, options, table, sources,
