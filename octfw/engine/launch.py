@@ -41,13 +41,12 @@ from octfw.engine.backend import resolve_device
 from octfw.engine.cadence import cadence_warnings
 from octfw.engine.distributed import broadcast_object, init_process_group
 from octfw.engine.trainer import FALLBACK_DIR, RunSummary, train
-from octfw.errors import UserError
 from octfw.logs import attach_run_log, detach_run_log
 from octfw.recipe import Recipe, read_with_extends
 from octfw.registry import Registry
 from octfw.rundir import START_FILES, create_run_dir, run_dirs
 from octfw.storage.checkpoints import CheckpointStorage
-from octfw.storage.owner import FolderOwner, is_owned
+from octfw.storage.owner import FolderInUse, FolderOwner, describe_owner, is_owned
 
 __all__ = ["launch", "AlreadyFinished"]
 
@@ -92,8 +91,8 @@ def _resumable_run(recipe: Recipe, registry: Registry) -> tuple[Path | None, dic
     for run_dir in runs:
         owner = is_owned(run_dir)
         if owner is not None:
-            raise UserError(f"--resume auto: run folder {run_dir} is being trained by pid {owner.get('pid')} on "
-                            f"{owner.get('host')} (since {owner.get('started')}); one process trains a run at a time")
+            raise FolderInUse(f"--resume auto: run folder {run_dir} is in use by {describe_owner(owner)}; "
+                              "one process trains a run at a time")
     for run_dir in runs:
         summary = _finished(run_dir, recipe)
         if summary is not None:

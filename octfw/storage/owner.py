@@ -45,7 +45,7 @@ from octfw.errors import UserError
 from octfw.storage.failures import storage_cause
 from octfw.storage.files import is_local_filesystem, open_filesystem, write_atomically
 
-__all__ = ["FolderOwner", "FolderInUse", "is_owned", "LOCK_FILE"]
+__all__ = ["FolderOwner", "FolderInUse", "is_owned", "describe_owner", "LOCK_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class FolderInUse(UserError):
     """Another live process owns the folder."""
 
 
-def _describe(owner: dict[str, Any] | None) -> str:
+def describe_owner(owner: dict[str, Any] | None) -> str:
     if not owner:
         return "another process (owner not recorded yet)"
     return f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('started')}"
@@ -127,11 +127,11 @@ class FolderOwner:
         self.release()
 
     def _refuse(self, owner: dict[str, Any] | None) -> FolderInUse:
-        return FolderInUse(f"{self.what} {self.location} is in use by {_describe(owner)}; one process "
+        return FolderInUse(f"{self.what} {self.location} is in use by {describe_owner(owner)}; one process "
                            "writes it at a time (wait for it to finish or stop it, then run again)")
 
     def _took_over(self, owner: dict[str, Any], why: str) -> None:
-        logger.warning("taking over %s %s from %s, which %s", self.what, self.location, _describe(owner), why)
+        logger.warning("taking over %s %s from %s, which %s", self.what, self.location, describe_owner(owner), why)
 
     def acquire(self) -> None:
         """Take the folder, or raise :class:`FolderInUse` naming its live owner (a UserError
@@ -225,7 +225,7 @@ class FolderOwner:
                 if (holder or {}).get("token") != self.record["token"]:
                     # Taken over after a lease this process failed to renew: never write over it.
                     logger.warning("%s %s was taken over by %s; this process no longer holds it",
-                                   self.what, self.location, _describe(holder))
+                                   self.what, self.location, describe_owner(holder))
                     return
                 self._write_remote(create=False)
             except Exception as exc:  # noqa: BLE001 - the store is away: the next renewal may succeed
