@@ -311,3 +311,26 @@ def test_an_unreachable_gcs_checkpoint_folder_is_refused_in_seconds_before_train
     error = capsys.readouterr().err
     assert f"checkpointer.dir = 'gs://away/run': cannot reach http://127.0.0.1:{port}" in error
     assert not (tiny_recipe.parent / "runs" / "tiny").exists() or not any((tiny_recipe.parent / "runs" / "tiny").iterdir())
+
+
+def test_store_stopped_and_restarted_mid_run_the_saves_in_between_fail_and_the_run_ends_saved(
+        bucket, tiny_recipe, stopper):
+    url = f"gs://{BUCKET}/restart"
+
+    def restart() -> None:  # the store is back (empty: the emulator keeps its objects in memory)
+        time.sleep(8)  # longer than the step-4 save's two attempts of 3 s: it has failed by now
+        bucket.start()
+        bucket.make_bucket(BUCKET)
+
+    stopper.ON_LOG_STEP[3] = lambda: stop_once_saved(bucket, "restart")  # after the step-2 save
+    stopper.ON_LOG_STEP[5] = restart  # after the step-4 save failed
+    tiny_recipe.write_text(tiny_recipe.read_text() + '\n[[guard]]\nname = "stopper"\n')
+    code = octfw_run(tiny_recipe, "--set", "run.max_steps=8", "--set", "checkpointer.name=gcs",
+                     "--set", f"checkpointer.dir={url}", "--set", "checkpointer.retries=1",
+                     "--set", "checkpointer.backoff_s=0.05", "--set", "checkpointer.timeout_s=3",
+                     "--set", "engine.checkpoint_every_steps=2")
+    assert code == 0
+    summary = summary_of(tiny_recipe)
+    assert summary["final_save_failed"] is False and summary["checkpoint"] == f"{url}/step_00000008.pt"
+    assert [failure.split(":")[0] for failure in summary["failed_saves"]] == ["step 4"]
+    assert GcsCheckpointer(url).latest() == f"{url}/step_00000008.pt"
