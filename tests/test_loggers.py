@@ -190,3 +190,18 @@ def test_summary_shows_skipped_saves_and_the_resume_hint_only_when_they_apply():
                            "stopped": "SIGTERM at update step 7"})
     assert "skipped saves    3 (the previous save was still being written)" in busy
     assert "stopped          SIGTERM at update step 7; resume with --resume auto" in busy
+
+
+def test_summary_says_a_failed_final_save_and_where_the_state_went_only_when_it_happened():
+    from octfw.plugins.loggers.console import format_summary
+
+    fine = format_summary({"update_steps": 4, "interrupted": False, "final_save_failed": False,
+                           "fallback_checkpoint": None})
+    assert "final save" not in fine and "interrupted" not in fine and "fallback" not in fine
+    failed = format_summary({"update_steps": 4, "final_save_failed": True,
+                             "fallback_checkpoint": "runs/x/fallback/step_00000004.pt"})
+    assert "final save       FAILED; the final state is in runs/x/fallback/step_00000004.pt" in failed
+    lost = format_summary({"update_steps": 4, "final_save_failed": True, "fallback_checkpoint": None})
+    assert "FAILED; no fallback copy could be written" in lost
+    at_once = format_summary({"update_steps": 7, "preempted": True, "interrupted": True, "stopped": "SIGINT at update step 7"})
+    assert "SIGINT at update step 7 (at once: no final save); resume with --resume auto" in at_once

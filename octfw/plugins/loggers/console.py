@@ -140,11 +140,15 @@ def format_summary(summary: Mapping[str, Any], total_update_steps: int | None = 
         rows.append(("quarantined", _listing(get("quarantined"), "files")))
     if get("stopped") is not None:
         resume = "; resume with --resume auto" if get("preempted") else ""
-        rows.append(("stopped", [str(get("stopped")) + resume]))
+        at_once = " (at once: no final save)" if get("interrupted") else ""
+        rows.append(("stopped", [str(get("stopped")) + at_once + resume]))
+    if get("final_save_failed"):  # said only when it happened: the run failed, its state is here
+        rows.append(("final save", [f"FAILED; the final state is in {get('fallback_checkpoint')}"
+                                    if get("fallback_checkpoint") else "FAILED; no fallback copy could be written"]))
 
     known = {"update_steps", "total_update_steps", "first_loss", "last_loss", "skipped_updates",
              "samples_per_s", "elapsed_s", "checkpoint", "failed_saves", "skipped_saves", "quarantined",
-             "stopped", "preempted"}
+             "stopped", "preempted", "interrupted", "final_save_failed", "fallback_checkpoint"}
     for key, value in summary.items():
         if key not in known and isinstance(value, (int, float, str, bool)):
             rows.append((str(key), [str(value)]))
