@@ -314,3 +314,15 @@ def test_no_load_error_ever_suggests_weights_only_false(tmp_path):
             load(str(path))
         message = str(refused.value)
         assert str(path) in message and "weights_only" not in message and "\n" not in message
+
+
+def test_octfw_eval_refuses_a_damaged_checkpoint_file(tiny_recipe, tmp_path, registry):
+    from octfw.storage.checkpoints import CorruptCheckpoint
+    from octfw.tools.evaluate import load_target
+
+    assert _run(tmp_path, tiny_recipe, "--set", "run.max_steps=2").returncode == 0
+    [run_dir] = _runs(tmp_path / "runs" / "tiny")
+    checkpoint = run_dir / "checkpoints" / "step_00000002.pt"
+    _flip(checkpoint, checkpoint.stat().st_size // 2)
+    with pytest.raises(CorruptCheckpoint, match=f"{checkpoint} is damaged"):
+        load_target(str(checkpoint), seed=0, registry=registry)
