@@ -103,3 +103,18 @@ def test_every_hook_registers_a_component_under_its_stage(monkeypatch):
         component = registry.get(stage, f"probe-{stage}")
         assert (component.stage, component.plugin, component.config) == (stage, "plug_probe", ProbeConfig)
         assert component.summary == f"{stage} probe"
+
+
+def test_every_built_in_registration_hook_types_its_register_callback():
+    """Plugin authors copy the built-ins: each shows the typed contract, as the hookspecs declare it."""
+    import importlib
+    import typing
+
+    for module_name in BUILTIN_PLUGINS:
+        module = importlib.import_module(module_name)
+        hooks = [getattr(module, name) for name in dir(module) if name.startswith("octfw_register_")]
+        assert hooks, module_name
+        for hook in hooks:
+            hints = typing.get_type_hints(hook)
+            assert hints.get("register") is hookspecs.Register, f"{module_name}.{hook.__name__}"
+            assert hints.get("return") is type(None), f"{module_name}.{hook.__name__}"

@@ -1,12 +1,12 @@
 """Built-in checkpointers: ``local`` and ``gcs``."""
 
-from octfw.hookspecs import hookimpl
+from octfw.hookspecs import Register, hookimpl
 from octfw.plugins.checkpointers.gcs import GcsCheckpointConfig
 from octfw.plugins.checkpointers.local import LocalCheckpointConfig
 
 
 @hookimpl
-def octfw_register_checkpointers(register):
+def octfw_register_checkpointers(register: Register) -> None:
     register(
         "local",
         LocalCheckpointConfig,

@@ -4,12 +4,12 @@ files read through oct-converter, and volumes stored by ``octfw prepare``."""
 
 from __future__ import annotations
 
-from octfw.hookspecs import hookimpl
+from octfw.hookspecs import Register, hookimpl
 from octfw.plugins.datasets import dicom, oct_vendor, prepared, synthetic_oct
 
 
 @hookimpl
-def octfw_register_datasets(register):
+def octfw_register_datasets(register: Register) -> None:
     register(
         "dicom",
         dicom.DicomConfig,

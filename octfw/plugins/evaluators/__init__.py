@@ -9,12 +9,12 @@ intervals) on held-out volumes, overall and per domain.
 
 from __future__ import annotations
 
-from octfw.hookspecs import hookimpl
+from octfw.hookspecs import Register, hookimpl
 from octfw.plugins.evaluators import attentive_probe, knn, linear_probe
 
 
 @hookimpl
-def octfw_register_evaluators(register):
+def octfw_register_evaluators(register: Register) -> None:
     register(
         "linear-probe",
         linear_probe.LinearProbeConfig,

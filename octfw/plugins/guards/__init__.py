@@ -1,6 +1,6 @@
 """Built-in guards: decide on the device whether an update may be applied."""
 
-from octfw.hookspecs import hookimpl
+from octfw.hookspecs import Register, hookimpl
 from octfw.plugins.guards.collapse import CollapseConfig
 from octfw.plugins.guards.grad_clip import GradClipConfig
 from octfw.plugins.guards.loss_spike import LossSpikeConfig
@@ -9,7 +9,7 @@ from octfw.plugins.guards.nan_skip import NanSkipConfig
 
 
 @hookimpl
-def octfw_register_guards(register):
+def octfw_register_guards(register: Register) -> None:
     register("nan-skip", NanSkipConfig, "octfw.plugins.guards.nan_skip:build",
              "Skip an update whose loss or gradient is non-finite; decided on the device.")
     register("grad-clip", GradClipConfig, "octfw.plugins.guards.grad_clip:build",

@@ -1,13 +1,13 @@
 """Built-in loggers: ``console``, ``jsonl`` and ``wandb``."""
 
-from octfw.hookspecs import hookimpl
+from octfw.hookspecs import Register, hookimpl
 from octfw.plugins.loggers.console import ConsoleConfig
 from octfw.plugins.loggers.jsonl import JsonlConfig
 from octfw.plugins.loggers.wandb import WandbConfig
 
 
 @hookimpl
-def octfw_register_loggers(register):
+def octfw_register_loggers(register: Register) -> None:
     register(
         "console",
         ConsoleConfig,

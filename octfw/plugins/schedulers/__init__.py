@@ -1,12 +1,12 @@
 """Built-in schedulers: ``cosine-no-restart`` and ``constant``."""
 
-from octfw.hookspecs import hookimpl
+from octfw.hookspecs import Register, hookimpl
 from octfw.plugins.schedulers.constant import ConstantConfig
 from octfw.plugins.schedulers.cosine import CosineConfig
 
 
 @hookimpl
-def octfw_register_schedulers(register):
+def octfw_register_schedulers(register: Register) -> None:
     register(
         "cosine-no-restart",
         CosineConfig,
