@@ -201,10 +201,20 @@ def _xla_backend(precision: str) -> Backend:
                    local_devices=local, mesh=mesh)
 
 
-def select_backend(requested: str, precision: str) -> Backend:
+def refuse_compile_on_xla(compile: bool, kind: str) -> None:
+    """engine.compile on xla is refused (the seeds' Inductor compile-worker storm): the one rule,
+    for ``octfw run`` and ``octfw check`` alike, applied before torch_xla is imported."""
+    if compile and kind == "xla":
+        raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
+                        "storm); torch_xla compiles its graphs itself")
+
+
+def select_backend(requested: str, precision: str, compile: bool = False) -> Backend:
+    """The backend of ``run.device`` (``requested``: a resolved kind, or ``auto``)."""
     from octfw.engine.distributed import init_process_group
 
     kind = resolve_device(requested)
+    refuse_compile_on_xla(compile, kind)
     if precision == "auto":
         precision = "fp32" if kind == "cpu" else "bf16"
     if kind == "xla":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
@@ -13,6 +13,9 @@ from octfw.recipe import Recipe
 from octfw.recipe.resolved import ByStage
 from octfw.registry import Registry
 from octfw.types import BuildContext
+
+if TYPE_CHECKING:
+    from octfw.engine.distributed import BatchLayout  # imports torch: not at module level (octfw lr)
 
 __all__ = ["Components", "build_components", "plan_update_steps", "check_schedule"]
 
@@ -27,17 +30,16 @@ class Components(ByStage):
     domains: list[str]
 
 
-def plan_update_steps(recipe: Recipe, dataset_size: int, world_size: int) -> tuple[int, int]:
+def plan_update_steps(recipe: Recipe, dataset_size: int, layout: BatchLayout) -> tuple[int, int]:
     """(steps per epoch, total update steps), derived once, in update steps."""
-    engine, run = recipe.engine, recipe.run
-    global_batch = engine.per_device_batch * world_size * engine.grad_accum_steps
-    steps_per_epoch = dataset_size // global_batch
+    run = recipe.run
+    steps_per_epoch = dataset_size // layout.global_batch
     if steps_per_epoch == 0:
         raise UserError(
             f"dataset lists {dataset_size} file{'' if dataset_size == 1 else 's'}, fewer than one global "
-            f"batch of {global_batch} "
-            f"(engine.per_device_batch {engine.per_device_batch} x {world_size} devices x "
-            f"engine.grad_accum_steps {engine.grad_accum_steps})"
+            f"batch of {layout.global_batch} "
+            f"(engine.per_device_batch {layout.per_device_batch} x {layout.devices} devices x "
+            f"engine.grad_accum_steps {layout.grad_accum_steps})"
         )
     total = steps_per_epoch * run.epochs if run.epochs is not None else run.max_steps
     if run.max_steps is not None:
@@ -46,19 +48,23 @@ def plan_update_steps(recipe: Recipe, dataset_size: int, world_size: int) -> tup
 
 
 def build_components(
-    recipe: Recipe, registry: Registry, *, run_dir: Path | None, rank: int = 0, world_size: int = 1,
-    with_loggers: bool = True,
+    recipe: Recipe, registry: Registry, *, run_dir: Path | None, rank: int = 0,
+    layout: BatchLayout | None = None, with_loggers: bool = True,
 ) -> Components:
-    """Build dataset first (its size fixes the schedule), then every other stage in STAGES order."""
+    """Build dataset first (its size fixes the schedule), then every other stage in STAGES order.
+    ``layout``: the run's global batch arithmetic (default: one device)."""
     from octfw.data.prepared_dataset import check_transform_matches
     from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
-    ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=world_size,
+    from octfw.engine.distributed import BatchLayout
+
+    layout = layout or BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps)
+    ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=layout.devices,
                                writable_cache=True)
     dataset = recipe.dataset.build(ctx)
     if len(dataset) == 0:
         raise UserError(f"dataset {recipe.dataset.name!r} lists no files")
-    steps_per_epoch, total = plan_update_steps(recipe, len(dataset), world_size)
+    steps_per_epoch, total = plan_update_steps(recipe, len(dataset), layout)
     ctx = attrs.evolve(ctx, total_update_steps=total)
     built: dict[str, Any] = {"dataset": dataset}
     for stage, (_hook, _table, many) in STAGES.items():

@@ -58,6 +58,11 @@ class BatchLayout:
         """Samples of one update step over all devices and micro-steps."""
         return self.global_micro_batch * self.grad_accum_steps
 
+    @property
+    def process_batch(self) -> int:
+        """Samples one process loads per update step (its share of the global batch)."""
+        return self.process_micro_batch * self.grad_accum_steps
+
     def describe(self) -> str:
         """One line, e.g. for a TPU v4-32: ``global batch 32 = per_device_batch 1 x 16
         devices x grad_accum_steps 2; 4 processes x 4 devices: each process loads 4
@@ -70,7 +75,7 @@ class BatchLayout:
         return (f"global batch {self.global_batch} = per_device_batch {self.per_device_batch} x "
                 f"{self.devices} {devices} x grad_accum_steps {self.grad_accum_steps}; {split} "
                 f"{self.process_micro_batch} samples per micro-step, "
-                f"{self.process_micro_batch * self.grad_accum_steps} per update step")
+                f"{self.process_batch} per update step")
 
 
 def init_process_group(kind: str) -> tuple[int, int]:

@@ -115,7 +115,8 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> Run
     """Train ``recipe``; ``resume`` is None, ``"auto"`` (see the module docstring) or a
     checkpoint location. Raises :class:`AlreadyFinished` when ``auto`` has nothing to do."""
     # Under torchrun every process runs this; rank 0 picks the run directory.
-    rank, _world = init_process_group(resolve_device(recipe.run.device))
+    device = resolve_device(recipe.run.device)  # once per process, passed down
+    rank, _world = init_process_group(device)
     run_dir, finished, owner, created = None, None, None, False
     if rank == 0:
         for warning in cadence_warnings(recipe.engine):
@@ -134,7 +135,7 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> Run
         raise AlreadyFinished(run_dir, finished)
     run_log = attach_run_log(run_dir) if rank == 0 else None
     try:
-        return train(recipe, registry, run_dir, resume=resume)
+        return train(recipe, registry, run_dir, resume=resume, device=device)
     except BaseException:
         if run_log is not None:
             detach_run_log(run_log)

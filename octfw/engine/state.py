@@ -26,9 +26,8 @@ import torch
 
 from octfw.engine.build import Components
 from octfw.errors import UserError
-from octfw.recipe import Recipe
 
-__all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "global_batch", "checkpoint_nbytes"]
+__all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "checkpoint_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +43,6 @@ def host_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(host_copy(v) for v in value)
     return value
-
-
-def global_batch(recipe: Recipe, device_count: int) -> int:
-    """Samples per update step across all devices: per-device batch x devices x accumulation."""
-    return recipe.engine.per_device_batch * device_count * recipe.engine.grad_accum_steps
 
 
 def checkpoint_nbytes(model: torch.nn.Module, parameters: list[torch.Tensor]) -> int:

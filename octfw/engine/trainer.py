@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.engine.backend import Backend, resolve_device, select_backend
+from octfw.engine.backend import Backend, select_backend
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
 from octfw.engine.data import Quarantine, SampleSource, domain_report, make_loader, provenance_record
@@ -38,7 +38,6 @@ from octfw.engine.preemption import StopRequests
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.update import grad_norm, step_unless_vetoed
-from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.schedules import effective_lr
 from octfw.registry import Registry
@@ -160,15 +159,17 @@ class DeviceTotals:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None):
+    """``device``: the device kind ``launch`` resolved for this process (else ``run.device``)."""
+
+    def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None,
+                 device: str | None = None):
         seed_everything(recipe.run.seed)
         self.recipe, self.run_dir = recipe, run_dir
-        if recipe.engine.compile and resolve_device(recipe.run.device) == "xla":  # before importing torch_xla
-            raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
-                            "storm); torch_xla compiles its graphs itself")
-        self.backend = backend = select_backend(recipe.run.device, recipe.engine.precision)
-        self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank,
-                                              world_size=backend.device_count)
+        engine = recipe.engine
+        self.backend = backend = select_backend(device or recipe.run.device, engine.precision, engine.compile)
+        #: the global batch arithmetic, worked out once: build, resume, data position, throughput
+        self.layout = layout = backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps)
+        self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank, layout=layout)
         check_schedule(recipe, parts)
         self.model = parts.model.to(backend.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
@@ -177,11 +178,10 @@ class Trainer:
         if is_ddp():  # gradients averaged across torchrun processes
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.total = parts.ctx.total_update_steps
-        per_update = recipe.engine.grad_accum_steps * recipe.engine.per_device_batch
         #: samples one update step consumes on every device of the run (throughput, MFU)
-        self.samples_per_update = per_update * backend.device_count
+        self.samples_per_update = layout.global_batch
         #: this process's share of them (its data loader's position, ``samples_done``)
-        self.local_samples_per_update = per_update * backend.local_devices
+        self.local_samples_per_update = layout.process_batch
         self.fingerprint = dataset_fingerprint(parts.dataset)
         self.start_step, self.samples_done = 0, 0
         #: the final state, when the checkpointer could not take it (a full disk, a store away)
@@ -417,7 +417,7 @@ class Trainer:
         engine, total = self.recipe.engine, self.total
         if self.backend.is_main_process:
             log.info(domain_report(self.parts.dataset, engine.domain_sampling))
-            log.info(self.backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps).describe())
+            log.info(self.layout.describe())
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
         started, done, stopped, preempted = time.perf_counter(), self.start_step, None, False
@@ -469,5 +469,6 @@ class Trainer:
         return summary
 
 
-def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None) -> RunSummary:
-    return Trainer(recipe, registry, run_dir, resume).run()
+def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,
+          device: str | None = None) -> RunSummary:
+    return Trainer(recipe, registry, run_dir, resume, device).run()

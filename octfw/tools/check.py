@@ -13,7 +13,7 @@ from octfw.engine.build import build_components, check_schedule
 from octfw.engine.data import SampleSource, collate, domain_counts, listed
 from octfw.engine.distributed import BatchLayout
 from octfw.engine.update import grad_norm
-from octfw.errors import ContractError, UserError
+from octfw.errors import ContractError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.types import BATCH_KEYS, ModelOutput
@@ -66,16 +66,14 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     """
     from octfw.schedules import effective_lr
 
-    from octfw.engine.backend import resolve_device
+    from octfw.engine.backend import refuse_compile_on_xla, resolve_device
 
-    if recipe.engine.compile and resolve_device(recipe.run.device) == "xla":
-        # The same refusal as the Trainer's, before an accelerator hour is spent.
-        raise UserError("engine.compile = true is refused on xla (the Inductor compile-worker "
-                        "storm); torch_xla compiles its graphs itself")
+    kind = device_kind or resolve_device(recipe.run.device)  # the device the run is meant for
+    refuse_compile_on_xla(recipe.engine.compile, kind)  # the Trainer's rule, before an accelerator hour
     torch.manual_seed(recipe.run.seed)
     layout = BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
                          processes=processes, devices_per_process=devices_per_process)
-    parts = build_components(recipe, registry, run_dir=None, world_size=layout.devices, with_loggers=False)
+    parts = build_components(recipe, registry, run_dir=None, layout=layout, with_loggers=False)
     ctx = parts.ctx
     counts = domain_counts(parts.dataset)
     report(f"dataset   {recipe.dataset.name}: {listed(parts.dataset)}; domains "
@@ -122,7 +120,6 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     # --- memory (octfw.tools.memory): estimated per device, warned before the run ---
     from octfw.tools.memory import batch_advice, device_memory, estimate_memory, memory_report
 
-    kind = device_kind or resolve_device(recipe.run.device)
     estimate = estimate_memory(model, batch, device=kind)
     memory = (device_bytes, "--device-memory") if device_bytes else device_memory(kind)
     memory_line, memory_warning = memory_report(estimate, *memory)
