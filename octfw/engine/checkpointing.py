@@ -85,6 +85,7 @@ class BackgroundSaver:
     def __init__(self, checkpointer: Any):
         self.checkpointer = checkpointer
         self.latest: str | None = None  #: location of the newest checkpoint written
+        self.written_step: int | None = None  #: the update step of that checkpoint
         self.failed: list[str] = []  #: "step N: error", one per failed save
         self.skipped: list[int] = []  #: update steps whose save was skipped (one in flight)
         self._in_flight: _Save | None = None
@@ -133,19 +134,19 @@ class BackgroundSaver:
         started = time.monotonic()
         in_flight = self._in_flight
         if in_flight is None or in_flight.update_step != update_step:  # not already being written
-            if not self.wait(deadline_s, stop_now):
-                return self._abandon(update_step, stop_now(), f"not written: the save of update step "
+            if not self.wait(deadline_s, stop_now):  # only ever False with a save in flight
+                return self._give_up(update_step, stop_now(), f"not written: the save of update step "
                                      f"{in_flight.update_step} was still being written after {deadline_s:g} s")
             if stop_now():
-                return self._abandon(update_step, True, "")
+                return self._give_up(update_step, stopping=True)
             self.submit(update_step, capture)
         if not self.wait(deadline_s - (time.monotonic() - started), stop_now):
-            return self._abandon(update_step, stop_now(), f"still being written after engine.save_deadline_s "
+            return self._give_up(update_step, stop_now(), f"still being written after engine.save_deadline_s "
                                  f"= {deadline_s:g} s; the run ends without it (an unfinished write is never loaded)")
-        return not (self.failed and self.failed[-1].startswith(f"step {update_step}:"))
+        return self.written_step == update_step
 
-    def _abandon(self, update_step: int, stopping: bool, reason: str) -> bool:
-        """Give up the final save: on a stop-now request, cancel the write in flight."""
+    def _give_up(self, update_step: int, stopping: bool, reason: str = "") -> bool:
+        """Give up the final save (False): on a stop-now request, cancel the write in flight."""
         if stopping:
             cancel = getattr(self.checkpointer, "cancel", None)
             if cancel is not None:
@@ -160,7 +161,7 @@ class BackgroundSaver:
     def _settle(self) -> None:
         save, self._in_flight = self._in_flight, None
         if save.error is None:
-            self.latest = save.location or self.latest
+            self.latest, self.written_step = save.location or self.latest, save.update_step
             return
         where = getattr(self.checkpointer, "location", None) or "the checkpoint folder"
         cause = storage_cause(save.error, where, save.nbytes) or f"{type(save.error).__name__}: {save.error}"
