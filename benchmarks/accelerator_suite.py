@@ -9,7 +9,7 @@ On a CUDA machine (``--device cuda``, or ``auto`` with a GPU visible):
    (``tests/test_cuda_paths.py``).
 2. Attention: the scaled-dot-product-attention kernel the model's attention
    runs at 9,216 tokens for each preset's encoder and predictor heads, in bf16
-   and fp32 (:mod:`octfw.tools.attention`; the kernel that really ran, seen
+   and fp32 (:mod:`octfw.diagnostics.attention`; the kernel that really ran, seen
    through the dispatched aten operator), and the kernels of one real
    training step.
 3. Per preset, activation checkpointing off and on:
@@ -106,7 +106,7 @@ def run_cuda_tests(paths: list[str]) -> dict[str, Any]:
 def attention_cases(presets: tuple[str, ...], image_size: list[int], patch: list[int]) -> list[dict[str, Any]]:
     """Each preset's encoder and predictor attention over every patch of a volume
     (the target encoder and the predictor see all of them)."""
-    from octfw.models.vjepa3d_config import PRESETS
+    from octfw.models.vjepa3d.config import PRESETS
 
     tokens = 1
     for size, p in zip(image_size, patch):
@@ -125,7 +125,7 @@ def attention_section(device: str, cases: list[dict[str, Any]], dtype: torch.dty
                       backward: bool = True) -> list[dict[str, Any]]:
     """Each case with the kernel octfw's Attention runs (batch 1; with ``backward``,
     the backward is checked to run the same kernel)."""
-    from octfw.tools.attention import sdpa_call
+    from octfw.diagnostics.attention import sdpa_call
 
     records = []
     for case in cases:
@@ -189,7 +189,7 @@ def measure_step_memory(trainer, batch: dict[str, Any], kind: str, step: Callabl
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    from octfw.tools.memory import peak_rss_growth
+    from octfw.diagnostics.memory import peak_rss_growth
 
     gc.collect()
     resident = _resident_bytes(trainer, batch["tensors"])
@@ -248,7 +248,7 @@ class Probe:
 def largest_fitting_batch(probe: Probe, budget: int | None, limit: int) -> tuple[int, dict[int, int | None]]:
     """The largest batch that fits, by the search ``largest_batch`` uses (doubling,
     then bisection) with real update steps; and each probe's peak."""
-    from octfw.tools.memory import largest_fitting
+    from octfw.diagnostics.memory import largest_fitting
 
     peaks: dict[int, int | None] = {}
 
@@ -264,7 +264,7 @@ def largest_fitting_batch(probe: Probe, budget: int | None, limit: int) -> tuple
 
 def memory_and_batch(probe: Probe, budget: int | None, device_bytes: int | None, limit: int) -> dict[str, Any]:
     """Peak memory at batch 1 against the estimate; the largest batch against the prediction."""
-    from octfw.tools.memory import estimate_memory, largest_batch
+    from octfw.diagnostics.memory import estimate_memory, largest_batch
 
     config, kind, single = probe.config, probe.kind, probe.single["tensors"]
     estimate = estimate_memory(probe.trainer.model, single, device=kind, checkpointing=config.checkpointing)
@@ -309,8 +309,8 @@ def preset_section(preset: str, image_size: list[int], device: str, precision: s
                    budget: int | None, device_bytes: int | None) -> dict[str, Any]:
     """Memory, largest batch and throughput of one preset (one eager trainer per
     checkpointing setting, one compiled one each)."""
+    from octfw.diagnostics.attention import describe, record_attention
     from octfw.models.flops import training_flops_per_sample
-    from octfw.tools.attention import describe, record_attention
 
     print(f"{preset} at {image_size}, {precision}", flush=True)
     section: dict[str, Any] = {"image_size": image_size, "memory": [], "throughput": []}
@@ -410,13 +410,13 @@ def main() -> None:
     args = parser.parse_args()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
-        # Before any tensor exists: glibc reads it at start-up (see octfw.tools.memory.peak_rss_growth).
+        # Before any tensor exists: glibc reads it at start-up (see octfw.diagnostics.memory.peak_rss_growth).
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device")
+    from octfw.diagnostics.memory import device_memory, parse_bytes
     from octfw.engine.throughput import published_peak
-    from octfw.tools.memory import device_memory, parse_bytes
 
     cuda = device == "cuda"
     presets = args.presets = tuple(args.presets.split(",")) if args.presets else (

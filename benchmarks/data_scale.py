@@ -3,7 +3,10 @@
 On a cohort of device-size 8-bit volumes written by ``synthetic-oct``
 (``sizes = "device"``: Spectralis 49 x 496 x 512, Maestro 128 x 885 x 512,
 Cirrus 128 x 1024 x 512), prepared to the seeds' [64, 384, 384]
-(``recipes/multi_domain.toml``'s transform), measured side by side in one run:
+(``recipes/multi_domain.toml``'s ``image_size``, but not its
+``target_spacing``: volumes are fitted to the size without first being
+resampled to a spacing, so preparation here is cheaper than the seeds' real
+job), measured side by side in one run:
 
 - **bytes per volume**: the raw DICOM file; today's float32 cache entry of
   ``oct-standard``; the prepared volume (zarr, blosc zstd); and, as the
@@ -96,9 +99,9 @@ def write_recipe(folder: Path, source: str, image: list[int]) -> Path:
 
 
 def prepare(recipe: Path, location: str, workers: int) -> dict[str, Any]:
+    from octfw.data.prepared.prepare import prepare_dataset
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.tools.prepare import prepare_dataset
 
     registry = load_registry()
     summary = prepare_dataset(load_recipe(recipe, (), registry), registry, location, workers=workers,
@@ -111,8 +114,8 @@ def prepare(recipe: Path, location: str, workers: int) -> dict[str, Any]:
 
 def formats(location: str, count: int) -> dict[str, Any]:
     """Bytes and codec time per volume: zarr (blosc zstd) against np.savez_compressed and float32 .npz."""
-    from octfw.data.prepared_dataset import PreparedDataset
-    from octfw.data.prepared_store import ARRAY_METADATA, CHUNK, decode_volume, encode_volume, quantize
+    from octfw.data.prepared.dataset import PreparedDataset
+    from octfw.data.prepared.store import ARRAY_METADATA, CHUNK, decode_volume, encode_volume, quantize
 
     dataset = PreparedDataset.open(location)
     rows: dict[str, list[float]] = {}
@@ -150,7 +153,7 @@ def stream(location: str, transform: Any, samples: int, batch: int = 4) -> dict[
     """Samples/s on one thread: read + check + decode + views + masks + collate."""
     import torch
 
-    from octfw.data.prepared_dataset import PreparedDataset
+    from octfw.data.prepared.dataset import PreparedDataset
     from octfw.engine.data import SampleSource, collate
 
     torch.set_num_threads(1)
@@ -173,8 +176,8 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
     """PreparedDataset.open on indexes of 1k/10k/100k entries (rows copied from the real index)."""
     import attrs
 
-    from octfw.data.prepared_dataset import PreparedDataset
-    from octfw.data.prepared_store import HEADER_FILE, INDEX_FILE, read_header
+    from octfw.data.prepared.dataset import PreparedDataset
+    from octfw.data.prepared.store import HEADER_FILE, INDEX_FILE, read_header
     from octfw.engine.data import domain_counts
 
     header = read_header(location)
@@ -201,7 +204,7 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
 
 def header_scan(folder: str) -> dict[str, Any]:
     """Today's build of a folder dataset: list it, read every header (series grouping, domains)."""
-    from octfw.data.dicom_dataset import DicomDataset
+    from octfw.data.dicom.dataset import DicomDataset
 
     started = time.perf_counter()
     dataset = DicomDataset.from_location(folder)
@@ -215,8 +218,8 @@ def model_flops(image: list[int]) -> float:
     import torch
 
     from octfw.engine.throughput import flops_per_sample
-    from octfw.models.vjepa3d_config import VJEPA3DConfig
-    from octfw.plugins.models.vjepa3d import build
+    from octfw.models.vjepa3d import build
+    from octfw.models.vjepa3d.config import VJEPA3DConfig
     from octfw.types import BuildContext
 
     ctx = BuildContext(recipe_dir=ROOT, cache_dir=ROOT, run_dir=None, seed=0, image_size=tuple(image),
@@ -241,8 +244,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few small volumes: checks every path")
     args = parser.parse_args()
 
-    from octfw.data.synthetic import write_synthetic_cohort
-    from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
+    from octfw.data.oct_standard import OCTStandardConfig, build as build_transform
+    from octfw.data.synthetic.cohort import write_synthetic_cohort
     from octfw.types import BuildContext
 
     n = 6 if args.smoke else args.volumes

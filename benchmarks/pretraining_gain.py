@@ -3,8 +3,8 @@
 For each pretraining seed, ``recipes/pretrain_cpu.toml`` (the quickstart's
 tiny model on a 240-volume cohort holding every finding; labels unused) is
 trained for the same number of update steps, then its checkpoint is probed
-with ``octfw eval``'s own code (:func:`octfw.tools.evaluate.load_target`,
-:func:`~octfw.tools.evaluate.evaluate_target`) on every synthetic task,
+with ``octfw eval``'s own code (:func:`octfw.evaluation.target.load_target`,
+:func:`~octfw.evaluation.target.evaluate_target`) on every synthetic task,
 next to a randomly initialised encoder of the same architecture built with
 the run's seed: the very network the run started from. Every split seed is
 a fresh train/test split of the held-out cohort (seed 1, no volume shared
@@ -22,8 +22,11 @@ with pretraining); gaps are paired (same run seed, same split).
 Prints a table (mean ± std over seeds x splits of balanced accuracy and
 AUROC: pretrained, random, gap, and the room above random: 1 minus its
 mean, the largest gap any encoder could show) and writes
-``benchmarks/results/pretraining_gain.json`` (``--smoke``:
-``pretraining_gain_smoke.json``). The full run wants the machine to itself
+``benchmarks/results/pretraining_gain_pretrain_cpu-ID[_NAME].json``: ``ID``
+names the recipe measured (the first 8 hex digits of the SHA-256 of its
+TOML data and the ``--set`` overrides, comments ignored), so a result is
+never overwritten by a run of another version of the recipe, and the JSON
+keeps ``recipe_id`` and the recipe's text (``--smoke``: ``_smoke`` added). The full run wants the machine to itself
 (two runs of ``--budget-minutes`` each, then roughly 10-20 minutes of probes
 on 2 CPUs); ``--smoke`` checks the whole path (about 3 minutes on a 2-CPU
 machine shared with other work, less alone) and says nothing about
@@ -36,11 +39,13 @@ pretraining: 8-20 updates on 24 volumes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +143,7 @@ def measure(work: Path, seed: int, updates: int, pretrain_volumes: int | None, o
             options: dict[str, dict[str, Any]], registry: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Pretrain one seed (with ``overrides``) and probe it next to its random init on every task and split:
     (the run's summary, one record per task and split)."""
-    from octfw.tools.evaluate import evaluate_target, load_eval_recipe, load_target
+    from octfw.evaluation.target import evaluate_target, load_eval_recipe, load_target
 
     run = pretrain(work / f"seed{seed}", seed, updates, pretrain_volumes, overrides)
     target = load_target(run["run_dir"], seed, registry)
@@ -196,6 +201,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def measured_recipe_id(recipe_text: str, overrides: list[str]) -> str:
+    """8 hex digits naming what was pretrained: the recipe's TOML data (not its comments) and overrides."""
+    data = json.dumps(tomllib.loads(recipe_text), sort_keys=True)
+    return hashlib.sha256((data + "\n" + "\n".join(overrides)).encode("utf-8")).hexdigest()[:8]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-minutes", type=float, default=10.0,
@@ -207,8 +218,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--work-dir", type=Path, help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                        help="pretrain a variant of the recipe (repeatable); the result is written to "
-                             "pretraining_gain_<name>.json, see --name")
+                        help="pretrain a variant of the recipe (repeatable); the result's name gets the "
+                             "variant's recipe id and _<name>, see --name")
     parser.add_argument("--name", help="result file suffix for a variant (default: from --set)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny version (small cohorts, a few updates, 2 splits, a short attentive "
@@ -246,12 +257,18 @@ def main() -> None:
     rows = summarise(records, probes, args.tasks)
     print()
     print(format_table(rows))
-    name = "pretraining_gain_smoke" if args.smoke else "pretraining_gain"
-    if args.overrides:
+    recipe_text = RECIPE.read_text(encoding="utf-8")
+    recipe_id = measured_recipe_id(recipe_text, args.overrides)
+    name = f"pretraining_gain_{RECIPE.stem}-{recipe_id}"
+    if args.name or args.overrides:
         name += "_" + (args.name or "_".join(o.replace("=", "").replace(".", "-") for o in args.overrides))
+    if args.smoke:
+        name += "_smoke"
     path = write_result(name, {
         "machine": machine(),
         "recipe": str(RECIPE.relative_to(ROOT)),
+        "recipe_id": recipe_id,
+        "recipe_text": recipe_text,
         "smoke": args.smoke,
         "updates": updates,
         "overrides": args.overrides,

@@ -99,7 +99,7 @@ class Harness:
     def random_encoder(self, seed: int):
         import torch
 
-        # As octfw eval builds its baseline (octfw.tools.evaluate): the recipe's
+        # As octfw eval builds its baseline (octfw.evaluation.target): the recipe's
         # model, seeded, without touching the caller's generator.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

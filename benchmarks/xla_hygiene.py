@@ -4,7 +4,7 @@ over 200 update steps with gradient accumulation 2, three guards
 (nan-skip, grad-clip, lr-positive), EMA and logging every 10 steps.
 
 Targets: 0 compilations after warm-up; transfers only on log steps. The
-counting is octfw.tools.xla_counters, shared with the hygiene test
+counting is octfw.diagnostics.xla_counters, shared with the hygiene test
 (tests/test_xla_engine.py), run in a subprocess (torch_xla patches torch).
 Prints one line per figure and writes ``benchmarks/results/xla_hygiene.json``.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from _common import ROOT, machine, run_subprocess, write_result
 
-from octfw.tools.xla_counters import HYGIENE_OVERRIDES, summarize
+from octfw.diagnostics.xla_counters import HYGIENE_OVERRIDES, summarize
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 
@@ -37,7 +37,7 @@ def main() -> None:
         text = RECIPE.read_text().replace('output_dir = "../runs"', f'output_dir = "{tmp}/runs"')
         text = text.replace("epochs = 5", "epochs = 100000")  # run.max_steps decides
         recipe.write_text(text)
-        out = run_subprocess([sys.executable, "-m", "octfw.tools.xla_counters", str(recipe),
+        out = run_subprocess([sys.executable, "-m", "octfw.diagnostics.xla_counters", str(recipe),
                               str(args.steps), str(args.log_every)], env={"PJRT_DEVICE": "CPU"})
     raw = json.loads(out.strip().splitlines()[-1])
     s = summarize(raw)

@@ -52,7 +52,7 @@ from typing import Any
 
 from _common import RESULTS, ROOT, machine, octfw_step, run_subprocess, write_result
 
-from octfw.tools.xla_hlo import compiled_modules, dump_flags, module_report, record_update_steps
+from octfw.diagnostics.xla_hlo import compiled_modules, dump_flags, module_report, record_update_steps
 
 SEEDS_SIZE = (64, 384, 384)
 SMOKE_SIZE = (16, 128, 128)

@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 import octfw.commands
-from octfw.errors import RecipeError, UserError, one_line
+from octfw.errors import UserError
 from octfw.version import __version__
 
 __all__ = ["main", "build_parser"]
@@ -52,8 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             raise
-        # One line per error; a RecipeError is one line per problem, each made one line already.
-        print(f"octfw: error: {exc if isinstance(exc, RecipeError) else one_line(str(exc))}", file=sys.stderr)
+        print(exc.console_text(), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("octfw: interrupted", file=sys.stderr)

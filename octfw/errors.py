@@ -8,7 +8,8 @@ traceback.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "RecipeError", "ContractError", "CorruptFile", "PluginError", "one_line"]
+__all__ = ["UserError", "RecipeError", "ContractError", "CorruptFile", "PluginError", "OctfwWarning",
+           "one_line"]
 
 # Control characters (and Unicode line breaks) as the escapes repr() writes.
 _ESCAPES = {code: repr(chr(code))[1:-1] for code in (*range(0x20), 0x7F, 0x85, 0x2028, 0x2029)}
@@ -28,6 +29,10 @@ class UserError(Exception):
 
     exit_code = 2
 
+    def console_text(self) -> str:
+        """What the command line prints: ``octfw: error: <message>``, made one line."""
+        return f"octfw: error: {one_line(str(self))}"
+
 
 class RecipeError(UserError):
     """Every problem found in a recipe, reported at once.
@@ -43,6 +48,10 @@ class RecipeError(UserError):
         lines = [f"{one_line(source)}: {len(self.problems)} {noun}"]
         lines += [f"  {p}" for p in self.problems]
         super().__init__("\n".join(lines))
+
+    def console_text(self) -> str:
+        """One line per problem, each made one line already."""
+        return f"octfw: error: {self}"
 
 
 class ContractError(UserError):
@@ -64,3 +73,12 @@ class CorruptFile(Exception):
         self.url = url
         self.reason = reason
         super().__init__(f"{url}: {reason}")
+
+
+class OctfwWarning(UserWarning):
+    """A warning a caller of octfw's library functions may catch by its class.
+
+    Under the CLI (:func:`octfw.logs.setup_console_logging`) it is shown as
+    one ``octfw: warning:`` line and kept in the run's ``octfw.log``, like
+    every other octfw warning, which modules log through ``logging``.
+    """

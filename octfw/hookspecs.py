@@ -11,19 +11,21 @@ registration hook receives a ``register`` callback; call it once per
 component::
 
     import attrs
-    from octfw.hookspecs import hookimpl
+    from octfw.fields import doc, positive
+    from octfw.hookspecs import Register, hookimpl
+    from octfw.types import BuildContext
 
     @attrs.frozen
     class MyScheduleConfig:
-        warmup_steps: int = 100
-        \"\"\"Linear warmup length in update steps.\"\"\"
+        warmup_steps: int = doc("Linear warmup length in update steps.",
+                                default=100, validator=positive)
 
-    def build(config: MyScheduleConfig, ctx):
+    def build(config: MyScheduleConfig, ctx: BuildContext):
         from my_package.schedule import MySchedule   # heavy imports go here
         return MySchedule(config, ctx)
 
     @hookimpl
-    def octfw_register_schedulers(register):
+    def octfw_register_schedulers(register: Register) -> None:
         register("my-schedule", MyScheduleConfig, build,
                  "Warmup then inverse square root decay.")
 
@@ -39,8 +41,9 @@ and is announced in its distribution's ``pyproject.toml``::
   error naming both distributions.
 - ``config``: an attrs class; its fields are the component's recipe options.
   Recipes are structured into it with unknown keys refused, so an error names
-  ``table.key``. The attribute docstring under each field is shown by
-  ``octfw list --stage S --name N``.
+  ``table.key``. Declare each field with :func:`octfw.fields.doc`: its text,
+  default and validator are what ``octfw list --stage S --name N`` and the
+  recipe reference show (a plain attribute docstring is not shown).
 - ``factory``: ``factory(config, ctx) -> component``, a callable or a
   ``"module:function"`` string imported only when the component is built.
   ``ctx`` is an :class:`octfw.types.BuildContext`.

@@ -33,6 +33,16 @@ than rich's ``RichHandler``: that one lays records out in a table wrapped to
 the terminal width (several lines for one long warning), and a rich
 ``Console`` on stderr writes past the progress bar's redirection.
 
+Warnings have one channel: logging. A module warns with
+``logging.getLogger(__name__).warning(...)``, so the console shows one line
+and the run's ``octfw.log`` keeps it. A warning that a library caller should
+be able to catch by class (a volume's spacing defaulted:
+:class:`~octfw.data.dicom.reader.SpacingDefaulted`) is raised with
+:func:`warnings.warn` as an :class:`octfw.errors.OctfwWarning`;
+:func:`setup_console_logging` routes those into the same logger
+(``octfw.warnings``), and leaves every other package's warnings as Python
+shows them. ``print("warning: ...")`` is not used.
+
 Without :func:`setup_console_logging` (octfw used as a library), octfw's
 records follow the embedding program's logging configuration.
 """
@@ -41,8 +51,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
+
+from octfw.errors import OctfwWarning
 
 __all__ = ["LABEL", "LOG_FILE", "THIRD_PARTY_LEVELS", "setup_console_logging", "attach_run_log",
            "detach_run_log"]
@@ -146,6 +159,7 @@ def setup_console_logging(debug: bool = False) -> logging.Handler:
     handler.setFormatter(_ConsoleFormatter(tracebacks=debug))
     if logger.level == logging.NOTSET or logger.level > level:
         logger.setLevel(level)
+    _route_octfw_warnings()
     for name in THIRD_PARTY_LEVELS:
         library = logging.getLogger(name)
         quiet = _named(library, _QUIET)
@@ -156,6 +170,22 @@ def setup_console_logging(debug: bool = False) -> logging.Handler:
         elif quiet is not None and debug:
             library.removeHandler(quiet)
     return handler
+
+
+def _route_octfw_warnings() -> None:
+    """Show :class:`OctfwWarning` through the ``octfw.warnings`` logger; others as before."""
+    shown = warnings.showwarning
+    if getattr(shown, "_octfw", False):
+        return  # installed already
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, OctfwWarning):
+            logging.getLogger(f"{_ROOT}.warnings").warning("%s", message)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    showwarning._octfw = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
 
 
 def attach_run_log(run_dir: str | Path) -> logging.Handler:

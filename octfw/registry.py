@@ -36,17 +36,32 @@ ENTRY_POINT_GROUP = "octfw"
 DISABLE_ENV = "OCTFW_DISABLE_PLUGINS"
 BUILTIN_DISTRIBUTION = "octfw"
 
-#: The built-in plugin modules, one per stage, imported by name so that the
-#: registry (a low layer) never imports :mod:`octfw.plugins` statically.
+#: The built-in components, one module each (a component's config, code and
+#: registration live together: docs/architecture.md), in the order
+#: ``octfw list`` shows them within a stage. Imported by name so that the
+#: registry (a low layer) never imports a component statically.
 BUILTIN_PLUGINS: tuple[str, ...] = (
-    "octfw.plugins.datasets",
-    "octfw.plugins.transforms",
-    "octfw.plugins.models",
-    "octfw.plugins.schedulers",
-    "octfw.plugins.guards",
-    "octfw.plugins.loggers",
-    "octfw.plugins.checkpointers",
-    "octfw.plugins.evaluators",
+    "octfw.data.dicom",
+    "octfw.data.synthetic",
+    "octfw.data.vendor",
+    "octfw.data.prepared",
+    "octfw.data.oct_standard",
+    "octfw.models.vjepa3d",
+    "octfw.schedulers.cosine",
+    "octfw.schedulers.constant",
+    "octfw.guards.nan_skip",
+    "octfw.guards.grad_clip",
+    "octfw.guards.lr_positive",
+    "octfw.guards.loss_spike",
+    "octfw.guards.collapse",
+    "octfw.loggers.console",
+    "octfw.loggers.jsonl",
+    "octfw.loggers.wandb",
+    "octfw.checkpointers.local",
+    "octfw.checkpointers.gcs",
+    "octfw.evaluation.evaluators.linear_probe",
+    "octfw.evaluation.evaluators.knn",
+    "octfw.evaluation.evaluators.attentive_probe",
 )
 
 

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
-import numpy as np
 
 from octfw.fields import choices, doc, in_range, non_negative
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+
     from octfw.types import BuildContext, Schedule
 
 __all__ = [
@@ -150,6 +151,8 @@ def simulate(schedule: "Schedule", total_update_steps: int, base_lr: float) -> d
     ``lr`` (the LR in effect, see :func:`effective_lr`), ``weight_decay`` and
     ``ema_momentum`` (NaN where the schedule returns None: not scheduled).
     """
+    import numpy as np  # not at import: validating a recipe (the schedulers' configs) stays numpy-free
+
     raw = _evaluate(schedule, total_update_steps)
     lr = [float(base_lr) if v is None else v for v in raw["lr"]]
     out = {"update_step": np.arange(total_update_steps, dtype=np.float64)}
@@ -253,6 +256,7 @@ def plot_schedule(values: Mapping[str, np.ndarray], png_path: str | Path) -> Pat
     Uses matplotlib's Agg canvas without pyplot, so no display and no global
     backend switch is involved.
     """
+    import numpy as np
     from matplotlib.figure import Figure  # heavy import: only when a plot is drawn
 
     lr = np.asarray(values["lr"], dtype=np.float64)

@@ -23,6 +23,7 @@ __all__ = [
     "BuildContext",
     "Dataset",
     "SourcedDataset",
+    "TransformCheckingDataset",
     "Transform",
     "PreparingTransform",
     "Schedule",
@@ -143,6 +144,19 @@ class Dataset(Protocol):
 
 
 @runtime_checkable
+class TransformCheckingDataset(Dataset, Protocol):
+    """Optional: a dataset whose volumes only suit some transforms.
+
+    The engine calls ``check_transform(transform)`` once, after both are
+    built and before the first step; it raises
+    :class:`octfw.errors.UserError` naming what does not match (the
+    ``prepared`` dataset: volumes prepared with other transform options).
+    """
+
+    def check_transform(self, transform: Any) -> None: ...
+
+
+@runtime_checkable
 class SourcedDataset(Dataset, Protocol):
     """Optional additions to :class:`Dataset` that let octfw cache prepared volumes.
 
@@ -185,7 +199,7 @@ class PreparingTransform(Transform, Protocol):
     :class:`octfw.errors.CorruptFile`. ``cache`` is None (no caching) or an
     object with ``get(source) -> CachedVolume | None`` and
     ``put(source, prepared, provenance)``, such as
-    :class:`octfw.data.prepared_cache.PreparedCache`, keyed so that a
+    :class:`octfw.data.prepared.cache.PreparedCache`, keyed so that a
     changed option never reuses an entry.
     """
 

@@ -26,3 +26,29 @@ def test_imports_follow_the_declared_layers(monkeypatch, capsys):
     report = capsys.readouterr().out
     assert code == 0, report
     assert "BROKEN" not in report and "KEPT" in report
+
+
+def test_validating_every_recipe_imports_no_heavy_package():
+    """`octfw show`/`octfw list` and every recipe check stay fast: configs are attrs only.
+
+    Each shipped recipe (every component of every stage among them) is
+    loaded and validated in a fresh interpreter, then no numerical, imaging
+    or cloud package may have been imported.
+    """
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pathlib\n"
+        "from octfw.recipe import load_recipe\n"
+        "from octfw.registry import load_registry\n"
+        "registry = load_registry(entry_points=[])\n"
+        "for path in sorted(pathlib.Path('recipes').glob('*.toml')):\n"
+        "    load_recipe(path, [], registry=registry)\n"
+        "heavy = ('numpy', 'torch', 'torch_xla', 'pydicom', 'monai', 'zarr', 'dask', 'gcsfs', 'wandb',\n"
+        "         'matplotlib', 'oct_converter', 'scipy')\n"
+        "print('HEAVY', sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout

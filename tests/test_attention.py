@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from octfw.models.vjepa3d_config import PRESETS
-from octfw.tools.attention import record_attention, sdpa_backend
+from octfw.diagnostics.attention import record_attention, sdpa_backend
+from octfw.models.vjepa3d.config import PRESETS
 
 from test_vjepa3d import make_batch, make_model
 

@@ -13,8 +13,8 @@ import torch
 
 from octfw.evaluation.attentive import fit_attentive_grid, select_member
 from octfw.evaluation.evaluator import AttentiveProbeEvaluator, Encoded
+from octfw.evaluation.evaluators.attentive_probe import AttentiveProbeConfig
 from octfw.evaluation.features import LabelledVolumes, pool_tokens, pooled_grid
-from octfw.plugins.evaluators.attentive_probe import AttentiveProbeConfig
 
 
 def _lesions(n: int, seed: int, *, flip: bool = False, tokens: int = 16, width: int = 16):

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from octfw.tools.bench import BenchRow, combinations, format_table, parse_grid
+from octfw.diagnostics.bench import BenchRow, combinations, format_table, parse_grid
 from octfw.errors import UserError
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from octfw.checkpointers.gcs import GcsCheckpointConfig, GcsCheckpointer, StorageError, build
 from octfw.cli import main
 from octfw.errors import UserError
 from octfw.fields import Location
-from octfw.plugins.checkpointers.gcs import GcsCheckpointConfig, GcsCheckpointer, StorageError, build
 from octfw.types import BuildContext, Checkpointer
 
 from conftest import make_dist

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from octfw.checkpointers.local import LocalCheckpointConfig, build, checkpoint_name
 from octfw.errors import UserError
 from octfw.fields import Location
-from octfw.plugins.checkpointers.local import LocalCheckpointConfig, build, checkpoint_name
 from octfw.types import BuildContext, Checkpointer
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from octfw.diagnostics.attention import record_attention
 from octfw.engine.optim import GatedAdamW
 from octfw.engine.trainer import Trainer
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 from octfw.rundir import create_run_dir
-from octfw.tools.attention import record_attention
 
 CUDA_SKIP = "needs a CUDA device (run scripts/accelerator_suite.sh on a GPU machine)"
 

@@ -19,9 +19,9 @@ import numpy as np
 import pydicom
 import pytest
 
-from octfw.data.dicom_dataset import DicomDataset, list_dicom_files
-from octfw.data.dicom_io import read_oct_volume, write_oct_dicom
-from octfw.data.synthetic import (
+from octfw.data.dicom.dataset import DicomDataset, list_dicom_files
+from octfw.data.dicom.reader import read_oct_volume, write_oct_dicom
+from octfw.data.synthetic.cohort import (
     CORRUPTION_KINDS,
     PROFILES,
     TASKS,
@@ -442,7 +442,7 @@ def test_missing_manifest_is_a_user_error(tmp_path):
 
 
 def test_all_components_register_with_documented_configs():
-    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    registry = load_registry(entry_points=[])
     assert registry.names("dataset") == ["dicom", "oct-vendor", "prepared", "synthetic-oct"]
     for name in registry.names("dataset"):
         component = registry.get("dataset", name)
@@ -451,7 +451,7 @@ def test_all_components_register_with_documented_configs():
 
 
 def test_synthetic_oct_component_writes_to_the_cache_and_reads_it_as_dicom(tmp_path):
-    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    registry = load_registry(entry_points=[])
     component = registry.get("dataset", "synthetic-oct")
     config = component.config(n_volumes=5, corrupt_fraction=0.2, labels=True)
     dataset = component.build(config, _ctx(tmp_path, seed=4))
@@ -474,7 +474,7 @@ def test_synthetic_oct_component_writes_to_the_cache_and_reads_it_as_dicom(tmp_p
 
 
 def test_synthetic_oct_component_honours_folder_and_seed(tmp_path):
-    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    registry = load_registry(entry_points=[])
     component = registry.get("dataset", "synthetic-oct")
     config = component.config(n_volumes=2, domains=("zeiss",), seed=9, folder=str(tmp_path / "mine"))
     dataset = component.build(config, _ctx(tmp_path))
@@ -484,7 +484,7 @@ def test_synthetic_oct_component_honours_folder_and_seed(tmp_path):
 
 def test_dicom_component_builds_from_a_folder(tmp_path):
     _cohort(tmp_path / "data", 3)
-    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    registry = load_registry(entry_points=[])
     component = registry.get("dataset", "dicom")
     dataset = component.build(component.config(path=str(tmp_path / "data"), domain_from="folder"), _ctx(tmp_path))
     assert dataset.domain_counts() == {"heidelberg": 1, "topcon": 1, "zeiss": 1}
@@ -506,15 +506,15 @@ def test_dicom_component_builds_from_a_folder(tmp_path):
     ],
 )
 def test_configs_refuse_bad_values(component, options, message):
-    registry = load_registry(builtins=["octfw.plugins.datasets"], entry_points=[])
+    registry = load_registry(entry_points=[])
     with pytest.raises(ValueError, match=message):
         registry.get("dataset", component).config(**options)
 
 
 def test_plugin_modules_import_without_heavy_packages():
     code = (
-        "import sys, octfw.plugins.datasets, octfw.plugins.datasets.dicom, "
-        "octfw.plugins.datasets.synthetic_oct, octfw.plugins.datasets.oct_vendor\n"
+        "import sys, octfw.data.dicom.config, octfw.data.dicom, octfw.data.prepared, "
+        "octfw.data.synthetic, octfw.data.vendor\n"
         "heavy = [m for m in ('torch', 'pydicom', 'gcsfs', 'fsspec', 'torch_xla', 'oct_converter') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
@@ -531,7 +531,7 @@ def _write_series(folder, volume, *, series_uid="1.2.3.4.5", manufacturer="Heide
     """One single-frame OPT file per B-scan, written in a shuffled file-name order."""
     import io
 
-    from octfw.data.dicom_io import encode_oct_dicom
+    from octfw.data.dicom.reader import encode_oct_dicom
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -89,7 +89,7 @@ def test_a_model_that_cannot_run_on_meta_is_counted_on_its_device():
 
 
 def test_octfw_check_prints_and_returns_flops(tiny_recipe, registry):
-    from octfw.tools.check import check_recipe
+    from octfw.diagnostics.check import check_recipe
     from octfw.recipe import load_recipe
 
     lines: list[str] = []

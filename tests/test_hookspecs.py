@@ -8,6 +8,7 @@ to a stage, given a built-in implementation and registered through below.
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import json
 import re
 import sys
 import types
@@ -118,3 +119,18 @@ def test_every_built_in_registration_hook_types_its_register_callback():
             hints = typing.get_type_hints(hook)
             assert hints.get("register") is hookspecs.Register, f"{module_name}.{hook.__name__}"
             assert hints.get("return") is type(None), f"{module_name}.{hook.__name__}"
+
+
+def test_every_option_of_every_built_in_shows_its_doc_text_in_octfw_list(capsys):
+    """What `octfw list --stage S --name N` prints is all a user reads: no option goes unexplained."""
+    from octfw.cli import main
+
+    undocumented, options = [], 0
+    for component in load_registry(entry_points=[]).by_stage():
+        assert main(["list", "--stage", component.stage, "--name", component.name, "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        options += len(shown["options"])
+        undocumented += [f"{component.stage} {component.name}: {row['key']}"
+                         for row in shown["options"] if len(row["doc"].strip()) < 10]
+    assert options > 100  # every component's options were read, nested tables (mask.ratio) included
+    assert not undocumented, "options without doc() text:\n" + "\n".join(undocumented)

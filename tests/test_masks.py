@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from octfw.data.masks import (
+from octfw.data.oct_standard import MaskConfig
+from octfw.data.oct_standard.masks import (
     MultiBlock3DMask,
     RandomMask,
     mask_generator_from_config,
     validate_indices,
 )
 from octfw.errors import ContractError, UserError
-from octfw.plugins.transforms.oct_standard import MaskConfig
 
 GRIDS = [(4, 4, 4), (2, 8, 8), (1, 5, 13), (16, 24, 24)]
 GENERATORS = [

@@ -1,4 +1,4 @@
-"""The per-device memory estimate that ``octfw check`` reports (octfw.tools.memory)."""
+"""The per-device memory estimate that ``octfw check`` reports (octfw.diagnostics.memory)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from octfw.tools.memory import (
+from octfw.diagnostics.memory import (
     GIB,
     MemoryEstimate,
     batch_advice,
@@ -17,7 +17,7 @@ from octfw.tools.memory import (
     estimate_memory,
     largest_batch,
     memory_report,
-    parse_bytes,
+    device_memory_bytes,
 )
 from octfw.types import BuildContext
 
@@ -65,7 +65,7 @@ def test_activations_measured_on_meta_equal_what_autograd_saves():
 
 
 def seeds_model():
-    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
+    from octfw.models.vjepa3d import VJEPA3DConfig, build
 
     ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
                        image_size=(64, 384, 384), patch_size=(4, 16, 16))
@@ -161,13 +161,13 @@ def test_batch_advice_names_the_batch_with_and_without_checkpointing():
 @pytest.mark.parametrize("text, size", [("32GiB", 32 * GIB), ("16 GB", 16 * 10**9), ("80g", 80 * 10**9),
                                          ("1.5TiB", int(1.5 * 1024**4)), ("512MiB", 512 * 1024**2)])
 def test_parse_bytes(text, size):
-    assert parse_bytes(text) == size
+    assert device_memory_bytes(text) == size
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "32 parsecs", "-1GB", "0GiB"])
 def test_parse_bytes_refuses_what_is_not_a_size(text):
     with pytest.raises(ValueError, match="is not a memory size"):
-        parse_bytes(text)
+        device_memory_bytes(text)
 
 
 def test_check_sizes_a_run_for_a_stated_device(tiny_recipe, capsys):

@@ -164,8 +164,8 @@ def test_batch_layout_of_a_tpu_v4_32():
 
 
 def test_check_prints_the_global_batch_arithmetic_of_the_pod(tmp_path, registry):
+    from octfw.diagnostics.check import check_recipe
     from octfw.recipe import load_recipe
-    from octfw.tools.check import check_recipe
 
     (tmp_path / "tiny.toml").write_text(TINY_RECIPE)
     recipe = load_recipe(tmp_path / "tiny.toml", ["engine.per_device_batch=1", "engine.grad_accum_steps=2",

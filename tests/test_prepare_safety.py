@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from octfw.cli import main
-from octfw.data.prepared_dataset import PreparedDataset
-from octfw.data.prepared_store import HEADER_FILE, INDEX_FILE, LOCK_FILE, QUARANTINE_FILE, read_header
-from octfw.data.synthetic import write_synthetic_cohort
+from octfw.data.prepared.dataset import PreparedDataset
+from octfw.data.prepared.store import HEADER_FILE, INDEX_FILE, LOCK_FILE, QUARANTINE_FILE, read_header
+from octfw.data.synthetic.cohort import write_synthetic_cohort
 
 from gcs_emulator import GCSEmulator
 from test_prepared_dataset import SHAPES, dicom_recipe, prepare

@@ -22,18 +22,18 @@ import numpy as np
 import pytest
 
 from octfw.cli import main
-from octfw.data.dicom_dataset import DicomDataset
-from octfw.data.prepared_dataset import PreparedDataset
-from octfw.data.prepared_store import (
+from octfw.data.dicom.dataset import DicomDataset
+from octfw.data.oct_standard import OCTStandardConfig, build as build_transform
+from octfw.data.prepared.dataset import PreparedDataset
+from octfw.data.prepared.prepare import prepare_dataset
+from octfw.data.prepared.store import (
     CHUNK, HEADER_FILE, dequantize, quantize, read_header,
 )
-from octfw.data.synthetic import write_synthetic_cohort
+from octfw.data.synthetic.cohort import write_synthetic_cohort
 from octfw.engine.data import domain_counts
 from octfw.errors import CorruptFile
-from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
-from octfw.tools.prepare import prepare_dataset
 from octfw.types import BuildContext
 
 from conftest import TINY_RECIPE
@@ -120,6 +120,26 @@ def test_a_running_2_worker_cluster_prepares_the_cohort_with_its_quarantine(coho
         assert row.dtype == "float16" and row.label == original.provenance.label
 
 
+def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_output(write_recipe, tmp_path):
+    """Devices export 8-bit voxels: stored as uint8 (round(255 x)), at most 1/510 from prepare()."""
+    folder = tmp_path / "cohort8"
+    write_synthetic_cohort(folder, 6, shapes=SHAPES, seed=5, sizes="device")  # device profiles are 8-bit
+    location = tmp_path / "prepared8"
+    assert prepare(dicom_recipe(write_recipe, folder / "manifest.jsonl"), location, workers=1).volumes == 6
+
+    source = DicomDataset.from_location(folder / "manifest.jsonl")
+    assert all(source.load(i).volume.max() <= 255 for i in range(len(source)))  # the sources are 8-bit
+    transform = transform_for()
+    dataset = PreparedDataset.open(str(location))
+    by_source = {source.source(i): i for i in range(len(source))}
+    errors = []
+    for index in range(len(dataset)):
+        assert dataset.rows[index].dtype == "uint8"
+        expected = transform.prepare(source.load(by_source[dataset.source(index)]))
+        errors.append(float(np.abs(dataset.load(index).volume - expected).max()))
+    assert 0 < max(errors) <= 1 / 510 + 1e-6
+
+
 def test_a_rerun_prepares_only_added_and_rewritten_files_and_prune_drops_replaced_ones(cohort, write_recipe, tmp_path):
     folder = cohort / "heidelberg"
     recipe = dicom_recipe(write_recipe, cohort)  # the folder: new files are listed
@@ -186,7 +206,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_training_from_a_prepared_dataset_resumes_exactly_and_replays(prepared, write_recipe, tmp_path, capsys):
-    from octfw.tools.replay import replay
+    from octfw.diagnostics.replay import replay
 
     recipe = prepared_recipe(write_recipe, str(prepared))
     overrides = ["--set", "run.max_steps=6", "--set", "engine.checkpoint_every_steps=3",

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from octfw.cli import main
+from octfw.diagnostics.replay import replay
 from octfw.registry import load_registry
-from octfw.tools.replay import replay
 
 
 def test_replay_reproduces_the_logged_loss_and_gradient_norm(tiny_recipe, tmp_path, capsys):

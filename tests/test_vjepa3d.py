@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from octfw.errors import UserError
-from octfw.models.vjepa3d import embedding_std, masked_feature_loss
-from octfw.plugins.models.vjepa3d import PRESETS, VJEPA3DConfig, build
+from octfw.models.vjepa3d import PRESETS, VJEPA3DConfig, build
+from octfw.models.vjepa3d.model import embedding_std, masked_feature_loss
 from octfw.registry import load_registry
 from octfw.types import BuildContext, ModelOutput
 
@@ -63,14 +63,14 @@ def patch_slices(model, index: int) -> tuple[slice, slice, slice]:
 
 def test_plugin_modules_import_without_torch():
     code = (
-        "import sys, octfw.plugins.models, octfw.plugins.models.vjepa3d;"
+        "import sys, octfw.models.vjepa3d;"
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_vjepa3d_is_registered_with_its_config():
-    registry = load_registry(builtins=["octfw.plugins.models"], entry_points=[])
+    registry = load_registry(builtins=["octfw.models.vjepa3d"], entry_points=[])
     component = registry.get("model", "vjepa3d")
     assert component.config is VJEPA3DConfig
     model = component.build(VJEPA3DConfig(preset="tiny", patch_size=TINY_PATCH), make_ctx())
@@ -166,7 +166,7 @@ def test_same_seed_gives_the_same_loss():
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_keeps_less():
     """Recomputing each block in backward changes memory, not numbers (bitwise on the CPU)."""
-    from octfw.tools.memory import activation_bytes
+    from octfw.diagnostics.memory import activation_bytes
 
     runs = {}
     for checkpointing in (False, True):
@@ -421,7 +421,7 @@ def test_model_layer_norms_keep_nn_layer_norm_state_dicts():
 def test_effective_rank_compiles_without_a_graph_break():
     """A graph break inside the forward made torch.compile recompile on every
     update step (engine.compile = true); fullgraph refuses any break."""
-    from octfw.models.vjepa3d import effective_rank
+    from octfw.models.vjepa3d.model import effective_rank
 
     torch._dynamo.reset()
     features = torch.randn(2, 40, 16)

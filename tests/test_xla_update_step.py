@@ -1,9 +1,9 @@
 """What an XLA update step costs: the compiled program of the real engine on
 torch_xla's CPU device with 4 virtual SPMD devices, read from the HLO that
-XLA dumps after partitioning and optimisation (octfw.tools.xla_hlo).
+XLA dumps after partitioning and optimisation (octfw.diagnostics.xla_hlo).
 
 The run happens in a subprocess (torch_xla patches torch process-wide): the
-hygiene configuration of octfw.tools.xla_counters (gradient accumulation 2,
+hygiene configuration of octfw.diagnostics.xla_counters (gradient accumulation 2,
 three guards, EMA, bf16 autocast) on a one-block model, 12 tokens per
 volume, 2 samples per device. Figures at the seeds' size are in
 benchmarks/xla_update_cost.py and docs/performance.md.
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_RECIPE
-from octfw.models.vjepa3d import RANK_TOKENS
-from octfw.tools.xla_counters import summarize
-from octfw.tools.xla_hlo import (collective_totals, collectives, compiled_modules, dump_flags, gradient_rounds,
+from octfw.diagnostics.xla_counters import summarize
+from octfw.diagnostics.xla_hlo import (collective_totals, collectives, compiled_modules, dump_flags, gradient_rounds,
                                  match_gradients, module_memory_bytes, trailing_square_buffers, unoptimized)
+from octfw.models.vjepa3d.model import RANK_TOKENS
 from test_xla_engine import FAST_COMPILE
 
 REPO = Path(__file__).resolve().parents[1]

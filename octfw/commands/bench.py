@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.tools.bench import bench, format_table, parse_grid, write_csv
+    from octfw.diagnostics.bench import bench, format_table, parse_grid, write_csv
 
     grid = parse_grid(args.grid or [])
     rows = bench(Path(args.recipe), grid, args.steps, base_overrides=args.set or (),

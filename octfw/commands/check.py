@@ -42,13 +42,13 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1")
-    from octfw.tools.check import check_recipe  # imports torch: only when the command runs
-    from octfw.tools.memory import parse_bytes
+    from octfw.diagnostics.check import check_recipe  # imports torch: only when the command runs
+    from octfw.diagnostics.memory import device_memory_bytes
 
     device_bytes = None
     if args.device_memory is not None:
         try:
-            device_bytes = parse_bytes(args.device_memory)
+            device_bytes = device_memory_bytes(args.device_memory)
         except ValueError as error:
             raise UserError(f"--device-memory {error}") from None
     check_recipe(recipe, registry, processes=args.processes, devices_per_process=args.devices_per_process,

@@ -74,7 +74,7 @@ def _default_png(source: str, name: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     from octfw.commands._common import load_registry_once, progress_bar
     from octfw.evaluation.shots import parse_shots
-    from octfw.tools.evaluate import evaluate_target, format_report, load_eval_recipe, load_target
+    from octfw.evaluation.target import evaluate_target, format_report, load_eval_recipe, load_target
 
     _check_options(args)
     shots = parse_shots(args.shots) if args.shots is not None else None
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_eval_recipe(args.recipe, args.set or (), registry)
 
     if args.checkpoints is not None:
-        from octfw.tools.evaluate_checkpoints import compare_checkpoints, format_checkpoints, plot_checkpoints
+        from octfw.evaluation.checkpoints import compare_checkpoints, format_checkpoints, plot_checkpoints
 
         with progress_bar("eval", text="loading volumes") as progress:
             report = compare_checkpoints(args.source, recipe, registry, args.checkpoints, progress)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     target = load_target(args.source, recipe.run.seed, registry)
     if shots is not None:
-        from octfw.tools.evaluate_shots import evaluate_shots, format_shots, write_shots
+        from octfw.evaluation.label_efficiency import evaluate_shots, format_shots, write_shots
 
         draws = 3 if args.draws is None else args.draws
         with progress_bar("eval", text="loading volumes") as progress:

@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from octfw.commands._common import load_registry_once
-    from octfw.tools.export import export_encoder  # imports torch: only when the command runs
+    from octfw.encoder import export_encoder  # imports torch: only when the command runs
 
     summary = export_encoder(args.source, args.out, load_registry_once())
     config = summary["config"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import logging
 
 import attrs
 
@@ -42,12 +42,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"components": rows, "failures": [attrs.asdict(f) for f in registry.failures]},
                          indent=2))
         return 0
-    widths = {k: max([len(k)] + [len(r[k]) for r in rows]) for k in ("stage", "name", "distribution", "version")}
-    print("  ".join(k.upper().ljust(widths[k]) for k in widths) + "  SUMMARY")
-    for r in rows:
-        print("  ".join(r[k].ljust(widths[k]) for k in widths) + "  " + r["summary"])
+    from octfw.tables import render_table
+
+    columns = ("stage", "name", "distribution", "version", "summary")
+    print(render_table([c.upper() for c in columns], [[r[c] for c in columns] for r in rows]))
     for failure in registry.failures:
-        print(f"warning: {failure}", file=sys.stderr)
+        logging.getLogger(__name__).warning("%s", failure)
     return 0
 
 

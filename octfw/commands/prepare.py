@@ -49,8 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     recipe, registry = load_recipe_from_args(args)
+    from octfw.data.prepared.prepare import prepare_dataset
     from octfw.errors import UserError
-    from octfw.tools.prepare import prepare_dataset
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers}: must be at least 1")

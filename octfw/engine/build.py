@@ -12,7 +12,7 @@ from octfw.hookspecs import STAGES
 from octfw.recipe import Recipe
 from octfw.recipe.resolved import ByStage
 from octfw.registry import Registry
-from octfw.types import BuildContext
+from octfw.types import BuildContext, TransformCheckingDataset
 
 if TYPE_CHECKING:
     from octfw.engine.distributed import BatchLayout  # imports torch: not at module level (octfw lr)
@@ -53,7 +53,6 @@ def build_components(
 ) -> Components:
     """Build dataset first (its size fixes the schedule), then every other stage in STAGES order.
     ``layout``: the run's global batch arithmetic (default: one device)."""
-    from octfw.data.prepared_dataset import check_transform_matches
     from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
     from octfw.engine.distributed import BatchLayout
@@ -75,7 +74,8 @@ def build_components(
             built[stage] = []
         else:
             built[stage] = [s.build(ctx) for s in spec] if many else spec.build(ctx)
-    check_transform_matches(dataset, built["transform"])
+    if isinstance(dataset, TransformCheckingDataset):  # e.g. prepared volumes must meet their transform
+        dataset.check_transform(built["transform"])
     return Components(ctx, built, steps_per_epoch, dataset_domains(dataset))
 
 

@@ -1,6 +1,9 @@
 """Frozen-encoder evaluation: labelled volumes -> features or tokens -> probe or kNN -> metrics.
 
-Modules:
+Everything evaluation is here: the library, the evaluator components
+(:mod:`octfw.evaluation.evaluators`) and what ``octfw eval`` runs.
+
+The library:
 
 - :mod:`octfw.evaluation.config`: the options every feature evaluator shares
   and the nested component tables (``dataset = { name = ... }``); light.
@@ -18,11 +21,16 @@ Modules:
   over checkpoints.
 - :mod:`octfw.evaluation.evaluator`: the evaluators the ``linear-probe``,
   ``knn`` and ``attentive-probe`` components build.
-- :mod:`octfw.tools.evaluate`: ``octfw eval``: a checkpoint against a
-  randomly initialised encoder of the same architecture (``--shots`` and
-  ``--checkpoints`` in the two modules beside it).
 
-Only ``config`` may be imported where torch must not be (plugin modules,
-recipe validation); the others import torch or numpy at import (``curves``
+``octfw eval``:
+
+- :mod:`octfw.evaluation.target`: a checkpoint or an exported encoder
+  against a randomly initialised encoder of the same architecture.
+- :mod:`octfw.evaluation.label_efficiency`: ``--shots``.
+- :mod:`octfw.evaluation.checkpoints`: ``--checkpoints``, a metric over the
+  saved checkpoints of a run.
+
+Only ``config`` may be imported where torch must not be (the evaluator
+registrations, recipe validation); the others import torch or numpy at import (``curves``
 imports matplotlib only when drawing).
 """

@@ -1,1 +1,7 @@
-"""Neural network implementations (imported only when a model is built)."""
+"""Models (recipe table ``[model]``) and the networks they share.
+
+:mod:`octfw.models.vit3d` (the 3D ViT encoder every model and the exported
+encoder use) and :mod:`octfw.models.flops` are shared code; each model is a
+package holding its config, its code and its registration
+(:mod:`octfw.models.vjepa3d`).
+"""

@@ -211,7 +211,7 @@ class Block(nn.Module):
     With :attr:`checkpoint_activations` set, a forward that builds a graph
     keeps only the block's input and recomputes the rest in backward:
     activation memory of one ``[B, N, E]`` tensor per block instead of about
-    a dozen, for one more forward of the block. :mod:`octfw.tools.memory`
+    a dozen, for one more forward of the block. :mod:`octfw.diagnostics.memory`
     reads the same attribute to estimate the saving.
     """
 

@@ -47,7 +47,6 @@ Light at import time (stdlib only): torch and fsspec load inside the functions.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -55,6 +54,8 @@ import logging
 import os
 import re
 from typing import IO, Any, Iterable, Iterator, Mapping
+
+import attrs
 
 from octfw.errors import UserError
 from octfw.storage.failures import format_bytes, free_bytes, storage_cause
@@ -118,7 +119,7 @@ def prunable(names: Iterable[str], keep_last: int, protected: Iterable[str] = ()
 # --- the pointer ----------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@attrs.frozen
 class PointerEntry:
     """One checkpoint the pointer lists; ``bytes`` is None for an old-format pointer."""
 

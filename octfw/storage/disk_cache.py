@@ -47,8 +47,8 @@ import contextlib
 import fcntl
 import os
 import time
+import logging
 import uuid
-import warnings
 from pathlib import Path
 
 __all__ = ["DiskCache"]
@@ -134,9 +134,9 @@ class DiskCache:
         except OSError as exc:
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"cannot write to the cache in {self.folder} "
-                              f"({exc.strerror or type(exc).__name__}); going on without caching",
-                              RuntimeWarning, stacklevel=2)
+                logging.getLogger(__name__).warning(
+                    "cannot write to the cache in %s (%s); going on without caching",
+                    self.folder, exc.strerror or type(exc).__name__)
 
     def total_bytes(self) -> int:
         """Total size of the entries, counted by a scan of the folder (temporary files excluded)."""

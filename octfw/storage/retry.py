@@ -5,13 +5,19 @@ attempt a moment later usually succeeds. gcsfs already retries transient
 HTTP errors inside each call; this layer retries the whole operation and
 bounds each attempt, so a store that stays away costs a known time and ends
 in one :class:`StorageError` that names the operation.
+
+Written here rather than taken from a retry library (tenacity, backoff):
+the policy is twenty lines, and what octfw needs beyond backoff (a permanent
+error raised at once, the deadline handed to fsspec, one error naming the
+operation) would be configuration there.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable, TypeVar
+
+import attrs
 
 from octfw.errors import UserError
 
@@ -29,7 +35,7 @@ def is_permanent(exc: BaseException) -> bool:
     return isinstance(exc, (FileNotFoundError, PermissionError, TypeError, ValueError, UserError))
 
 
-@dataclasses.dataclass(frozen=True)
+@attrs.frozen
 class RetryPolicy:
     """How often, and how patiently, to try one storage operation.
 

@@ -1,9 +1,9 @@
 """Run by tests/test_xla_update_step.py in its own process (torch_xla patches
 torch process-wide), with PJRT_DEVICE=CPU, CPU_NUM_DEVICES=4 (four virtual
 SPMD devices) and XLA_FLAGS asking XLA to dump every compiled module as text
-into DUMP (octfw.tools.xla_hlo.dump_flags).
+into DUMP (octfw.diagnostics.xla_hlo.dump_flags).
 
-The real engine, as the hygiene run of octfw.tools.xla_counters builds it
+The real engine, as the hygiene run of octfw.diagnostics.xla_counters builds it
 (gradient accumulation 2, three guards, EMA), for STEPS update steps logging
 every LOG_EVERY. Recorded for each update step: the modules XLA compiled
 during it and the graphs it executed. Then each compiled module's
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from octfw.diagnostics.xla_counters import counted_run
+from octfw.diagnostics.xla_hlo import compiled_modules, module_report, record_update_steps
 from octfw.models.vit3d import LayerNorm
-from octfw.tools.xla_counters import counted_run
-from octfw.tools.xla_hlo import compiled_modules, module_report, record_update_steps
 
 recipe, steps, log_every, dump, tokens = (Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                           Path(sys.argv[4]), int(sys.argv[5]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 
 from octfw.fields import doc, in_range, positive
-from octfw.hookspecs import hookimpl
+from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext
 
 
@@ -46,6 +46,6 @@ def build(config: LinearDecayConfig, ctx: BuildContext) -> LinearDecay:
 
 
 @hookimpl
-def octfw_register_schedulers(register):
+def octfw_register_schedulers(register: Register) -> None:
     register("linear-decay", LinearDecayConfig, build,
              "Linear warmup, then a straight line down to min_lr_ratio x base_lr.")

@@ -1,0 +1,3 @@
+"""Checkpointers (recipe table ``[checkpointer]``): ``local`` and ``gcs``,
+both on :mod:`octfw.storage.checkpoints`. One module per checkpointer holds
+its config, its code and its registration; ``common`` is what both share."""

@@ -1,0 +1,61 @@
+"""Config of the ``oct-vendor`` component (light: attrs only).
+
+Validating a recipe imports it and nothing heavier; the implementation
+reads it, and the package's ``__init__`` (:mod:`octfw.data.vendor`) registers it
+and holds the factory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from octfw.fields import Location, choices, doc, length, positive
+
+_each_positive = attrs.validators.deep_iterable(member_validator=positive)
+
+
+def _extensions(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    known = (".e2e", ".fds", ".fda", ".img", ".oct")
+    if not value:
+        raise ValueError("must list at least one extension")
+    unknown = [e for e in value if e.lower() not in known]
+    if unknown:
+        raise ValueError(f"unknown vendor extensions {unknown!r}; known: {list(known)!r}")
+
+
+@attrs.frozen
+class OctVendorConfig:
+    path: Location = doc(
+        "Folder (searched recursively), glob, or manifest .csv/.jsonl of vendor files; "
+        "local path or URL (gs://...)."
+    )
+    split: str | None = doc(
+        "Keep only manifest rows of this split (needs a manifest); unset: all rows.",
+        default=None,
+    )
+    domain_from: str = doc(
+        "Where a volume's domain comes from: 'format' (.e2e heidelberg, .fds/.fda topcon, "
+        ".img zeiss, .oct bioptigen), 'folder' (the parent folder's name) or 'manifest'.",
+        default="format",
+        validator=choices("format", "folder", "manifest"),
+    )
+    extensions: tuple[str, ...] = doc(
+        "File name endings a folder listing keeps (case-insensitive).",
+        default=(".e2e", ".fds", ".fda", ".img", ".oct"),
+        validator=_extensions,
+    )
+    img_shape: tuple[int, int] = doc(
+        "Zeiss .img only: [rows, cols] of one B-scan (the file does not record it).",
+        default=(1024, 512),
+        validator=[length(2), _each_positive],
+    )
+    img_interlaced: bool = doc("Zeiss .img only: the B-scans are interlaced.", default=False)
+    default_spacing: tuple[float, float, float] | None = doc(
+        "[dz, dy, dx] mm for the axes a file does not record: all three for Zeiss .img and "
+        "Bioptigen .OCT, dz and dx for Heidelberg .e2e (Topcon records all); "
+        "unset: 1.0 mm with a warning.",
+        default=None,
+        validator=attrs.validators.optional([length(3), _each_positive]),
+    )

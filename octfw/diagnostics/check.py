@@ -1,0 +1,148 @@
+"""``octfw check``: build every component and push one real batch through the
+pipeline on the CPU, verifying each stage boundary before an accelerator hour
+is spent."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from octfw.engine.build import build_components, check_schedule
+from octfw.engine.data import SampleSource, collate, domain_counts, listed
+from octfw.engine.distributed import BatchLayout
+from octfw.engine.update import grad_norm
+from octfw.errors import ContractError
+from octfw.recipe import Recipe
+from octfw.registry import Registry
+from octfw.types import BATCH_KEYS, ModelOutput
+
+__all__ = ["check_recipe"]
+
+FLOAT_KEYS = ("context", "target")
+INDEX_KEYS = ("context_idx", "target_idx")
+
+
+def _describe(t: Any) -> str:
+    if torch.is_tensor(t) or isinstance(t, np.ndarray):
+        return f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+    return type(t).__name__
+
+
+def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | None) -> None:
+    """Shapes and dtypes the model may rely on; a [D, H, W] mask is refused here."""
+    for key in FLOAT_KEYS:
+        t = tensors[key]
+        if t.dtype != torch.float32 or t.dim() != 5:
+            raise ContractError(f"transform output {key!r} must be float32 [B, C, D, H, W], got {_describe(t)}")
+    if tensors["context"].shape != tensors["target"].shape:
+        raise ContractError(f"context {_describe(tensors['context'])} and target "
+                            f"{_describe(tensors['target'])} views differ in shape")
+    for key in INDEX_KEYS:
+        t = tensors[key]
+        if t.dim() != 2 or t.dtype != torch.int64:
+            raise ContractError(
+                f"{key!r} must be int64 patch indices [B, N] (a fixed count per sample), got "
+                f"{_describe(t)}" + ("; this looks like a voxel mask [D, H, W]: masks are patch "
+                                     "indices, never volumes" if t.dim() >= 4 else ""))
+    if num_patches is not None:
+        both = torch.cat([tensors["context_idx"], tensors["target_idx"]], dim=1)
+        if both.min() < 0 or both.max() >= num_patches:
+            raise ContractError(f"patch indices must lie in [0, {num_patches}), got "
+                                f"[{int(both.min())}, {int(both.max())}]")
+
+
+def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print, *,
+                 processes: int = 1, devices_per_process: int = 1, device_kind: str | None = None,
+                 device_bytes: int | None = None) -> dict[str, Any]:
+    """Build, run one batch forward and backward on the CPU, and report each boundary.
+
+    ``processes`` and ``devices_per_process`` describe the run to check (a TPU
+    v4-32: 4 hosts x 4 devices); the global batch and the schedule's length
+    follow from them. ``device_kind`` (default: the recipe's ``run.device``)
+    and ``device_bytes`` (default: what :func:`device_memory` finds) size
+    the memory estimate for the device the run is meant for.
+    """
+    from octfw.schedules import effective_lr
+
+    from octfw.engine.backend import refuse_compile_on_xla, resolve_device
+
+    kind = device_kind or resolve_device(recipe.run.device)  # the device the run is meant for
+    refuse_compile_on_xla(recipe.engine.compile, kind)  # the Trainer's rule, before an accelerator hour
+    torch.manual_seed(recipe.run.seed)
+    layout = BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
+                         processes=processes, devices_per_process=devices_per_process)
+    parts = build_components(recipe, registry, run_dir=None, layout=layout, with_loggers=False)
+    ctx = parts.ctx
+    counts = domain_counts(parts.dataset)
+    report(f"dataset   {recipe.dataset.name}: {listed(parts.dataset)}; domains "
+           + ", ".join(f"{d} {n}" for d, n in counts.items()))
+
+    source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
+    items = [source[(0, i % len(parts.dataset))] for i in range(recipe.engine.per_device_batch)]
+    first = items[0]
+    for url, reason in (q for item in items for q in item["quarantined"]):
+        report(f"quarantine {url}: {reason}")
+    volume_shape = first["provenance"].original_shape
+    report(f"sample    volume {list(volume_shape)} spacing {list(first['provenance'].spacing)} mm "
+           f"domain {first['provenance'].domain}")
+    arrays = first["arrays"]
+    missing = [k for k in BATCH_KEYS if k not in arrays]
+    if missing:
+        raise ContractError(f"transform {recipe.transform.name!r} output lacks {', '.join(missing)}; "
+                            f"it must return {', '.join(BATCH_KEYS)}")
+    report(f"transform {recipe.transform.name}: " + ", ".join(f"{k} {_describe(arrays[k])}" for k in BATCH_KEYS))
+    batch = collate(items)["tensors"]
+    num_patches = None
+    if ctx.image_size and ctx.patch_size:
+        num_patches = int(np.prod([s // p for s, p in zip(ctx.image_size, ctx.patch_size)]))
+    check_batch_contract(batch, num_patches)
+    report("batch     " + ", ".join(f"{k} {_describe(batch[k])}" for k in BATCH_KEYS))
+
+    model = parts.model
+    out = model(batch)
+    if not isinstance(out, ModelOutput):
+        raise ContractError(f"model {recipe.model.name!r} returned {type(out).__name__}; "
+                            "it must return octfw.types.ModelOutput")
+    if out.loss.dim() != 0 or not torch.isfinite(out.loss):
+        raise ContractError(f"model loss must be a finite scalar, got {_describe(out.loss)} = {out.loss}")
+    out.loss.backward()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    norm = float(grad_norm(parameters))
+    if not norm > 0:
+        raise ContractError(f"gradient norm after one backward is {norm}; no gradient reaches the parameters")
+    counts_fn = getattr(model, "count_parameters", None)
+    params = counts_fn() if counts_fn else {"trainable": sum(p.numel() for p in parameters)}
+    report(f"model     {recipe.model.name}: loss {float(out.loss.detach()):.4f}, grad norm {norm:.4g}, "
+           + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
+
+    # --- memory (octfw.diagnostics.memory): estimated per device, warned before the run ---
+    from octfw.diagnostics.memory import batch_advice, device_memory, estimate_memory, memory_report
+
+    estimate = estimate_memory(model, batch, device=kind)
+    memory = (device_bytes, "--device-memory") if device_bytes else device_memory(kind)
+    memory_line, memory_warning = memory_report(estimate, *memory)
+    report(memory_line)
+    if memory[0]:
+        report(batch_advice(model, batch, memory[0], kind))
+    if memory_warning:
+        report(f"warning: {memory_warning}")
+
+    # FLOPs per sample, counted by FlopCounterMode on shape-only tensors (octfw.models.flops).
+    from octfw.models.flops import forward_flops_per_sample, training_flops_per_sample
+
+    flops = {"forward": forward_flops_per_sample(model, batch),
+             "training_step": training_flops_per_sample(model, batch)}
+    report(f"flops     forward {flops['forward'] / 1e9:.4g} GFLOP/sample, "
+           f"training step {flops['training_step'] / 1e9:.4g} GFLOP/sample")
+
+    report(f"layout    {layout.describe()}")
+    total = ctx.total_update_steps
+    check_schedule(recipe, parts)
+    steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
+    report(f"schedule  {recipe.scheduler.name}: {total} update steps ({parts.steps_per_epoch} per epoch); lr "
+           + ", ".join(f"step {s}: {effective_lr(parts.scheduler, s, recipe.engine.base_lr):.3g}" for s in steps))
+    return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach()),
+            "flops": flops, "memory": {**estimate.parts, "total": estimate.total},
+            "global_batch": layout.global_batch, "process_micro_batch": layout.process_micro_batch}

@@ -1,0 +1,378 @@
+"""Per-device memory of a training step, estimated before the run.
+
+The seeds' smoke test died with ``BrokenProcessPool`` after workers ran out
+of memory on a batch and volume size nobody had sized beforehand. ``octfw
+check`` calls :func:`estimate_memory` on the model and one per-device batch,
+:func:`memory_report` compares the total with the device's memory and
+:func:`batch_advice` names the largest per-device batch that fits.
+
+What is counted, in bytes, for one device:
+
+- ``parameters``: trainable parameters (fp32 master weights, also under bf16
+  autocast) and ``ema``: the frozen (EMA target encoder) parameters;
+- ``buffers``: position embeddings and other buffers;
+- ``gradients``: one fp32 gradient per trainable parameter;
+- ``optimizer``: AdamW's two moments per trainable parameter;
+- ``batch``: the input tensors of one micro-batch;
+- ``activations``: the tensors autograd saves for the backward pass of one
+  micro-batch, measured by running the forward on ``meta`` tensors (shapes
+  only: nothing is computed or allocated) with ``saved_tensors_hooks``, with
+  attention saved as the device's kernel saves it (:data:`ATTENTION_BY_DEVICE`)
+  and checkpointed blocks counted by what they keep (:class:`SavedTensors`).
+  They are counted at the dtype the meta forward produces (fp32), an upper
+  bound under bf16 autocast;
+- ``update_buffers``: the temporaries of the optimizer step and the EMA
+  update (:data:`OPTIMIZER_TEMPORARIES_BY_DEVICE`). They come after the
+  backward pass has freed the activations, so the peak holds the larger of
+  the two, not both.
+
+On the CPU the total is within 20 % of the measured peak of the engine's
+update step for ``tiny`` and ``small`` (``tests/test_memory.py``); allocator
+fragmentation and compiler workspaces on accelerators come on top, so a total
+near the device's memory is already a risk. A guard's veto costs no memory:
+it goes into the update itself (:mod:`octfw.engine.optim`).
+
+Device memory: the CPU's available RAM (``MemAvailable``), a CUDA device's
+total memory, a TPU chip's HBM by generation (from ``TPU_ACCELERATOR_TYPE``,
+set on TPU VMs). ``OCTFW_DEVICE_MEMORY_GIB`` or ``octfw check
+--device-memory`` overrides it, to size a run for another machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+from octfw import fields
+
+__all__ = [
+    "ATTENTION_BY_DEVICE", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
+    "batch_advice", "device_memory", "estimate_memory", "largest_batch", "largest_fitting",
+    "memory_report", "device_memory_bytes", "peak_rss_growth", "resized_batch", "saved_tensors",
+]
+
+GIB = 1024**3
+
+#: HBM per torch_xla device (a chip from v4 on, a core on v2 and v3), GiB.
+TPU_HBM_GIB: dict[str, float] = {
+    "v2": 8.0, "v3": 16.0, "v4": 32.0, "v5litepod": 16.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0,
+}
+
+#: AdamW keeps exp_avg and exp_avg_sq per parameter, at the parameter's dtype.
+ADAMW_STATES = 2
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """Bytes per part for one device; :attr:`total` is the peak they add up to."""
+
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        # The activations are freed during the backward pass, before the
+        # optimizer step and the EMA update make their temporaries: the two
+        # never peak at the same time.
+        together = sum(n for name, n in self.parts.items() if name not in ("activations", "update_buffers"))
+        return together + max(self.parts.get("activations", 0), self.parts.get("update_buffers", 0))
+
+    def describe(self) -> str:
+        together = [f"{name} {_gib(n)}" for name, n in self.parts.items()
+                    if n and name not in ("activations", "update_buffers")]
+        alternatives = " and ".join(f"{name.replace('_', ' ')} {_gib(self.parts[name])}"
+                                    for name in ("activations", "update_buffers") if self.parts.get(name))
+        return ", ".join(together) + (f", then the larger of {alternatives}" if alternatives else "")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3g} GiB" if n >= 0.1 * GIB else f"{n / 1024**2:.3g} MiB"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+
+
+def resized_batch(batch: Mapping[str, Any], size: int) -> dict[str, Any]:
+    """``batch`` with ``size`` samples, as shape-only (meta) tensors."""
+    return {k: torch.empty((size, *v.shape[1:]), dtype=v.dtype, device="meta") if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
+#: How ``F.scaled_dot_product_attention`` keeps what its backward needs, by
+#: device kind. The fused kernels (flash / memory-efficient; on the CPU and on
+#: CUDA for these shapes, see :mod:`octfw.diagnostics.attention`) keep q, k, v, the
+#: output and a log-sum-exp per row; torch_xla lowers it to matmul, softmax,
+#: matmul and keeps the ``[B, heads, N, N]`` probabilities, which at 9,216
+#: tokens are most of the activations.
+ATTENTION_BY_DEVICE = {"cpu": "fused", "cuda": "fused", "xla": "math"}
+
+#: Temporaries of the optimizer step, in trainable-parameter sizes, by device
+#: kind: torch's foreach AdamW on the CPU keeps one (a square root) beside its
+#: in-place updates; octfw's out-of-place GatedAdamW (cuda) holds up to six at
+#: once in eager mode; on xla the step is one fused graph, counted like the
+#: CPU's. The EMA update holds two EMA-sized temporaries; the larger counts.
+OPTIMIZER_TEMPORARIES_BY_DEVICE = {"cpu": 1, "cuda": 6, "xla": 1}
+EMA_TEMPORARIES = 2
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """Meta tensors run attention on the math path; this swaps in the fused
+    kernel's op (its meta function gives the shapes it saves)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
+            query, key, value = args[:3]
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+@attrs.frozen
+class SavedTensors:
+    """What autograd saves in one forward, by where it was saved (storage sizes, bytes).
+
+    A *checkpointable* module has a ``checkpoint_activations`` attribute
+    (:class:`octfw.models.vit3d.Block`); each of its calls is measured apart.
+    """
+
+    sizes: dict[int, int]  #: bytes of each saved storage, by id
+    outside: frozenset[int]  #: saved outside every checkpointable module
+    calls: tuple[tuple[bool, frozenset[int], frozenset[int]], ...]  #: (checkpointed, input, saved inside)
+
+    def total(self) -> int:
+        """Bytes alive at the start of backward plus, for checkpointed modules,
+        the largest one's recomputed activations (recomputed one at a time)."""
+        kept = set(self.outside)
+        for checkpointed, inputs, inside in self.calls:
+            kept |= inputs if checkpointed else inside
+        recomputed = [sum(self.sizes[i] for i in inside - kept) for checkpointed, _, inside in self.calls
+                      if checkpointed]
+        return sum(self.sizes[i] for i in kept) + max(recomputed, default=0)
+
+
+def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
+                  checkpointing: bool | None = None) -> SavedTensors:
+    """Run ``model(batch)`` on meta tensors (shapes only) and record what autograd saves.
+
+    ``checkpointing``: None measures the model as configured; True or False as
+    if every checkpointable module had ``checkpoint_activations`` set so.
+    """
+    state = {name: _meta(p) for name, p in model.named_parameters()}
+    state.update({name: _meta(b) for name, b in model.named_buffers()})
+    meta_batch = {k: _meta(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+    # Parameters, buffers and the batch are counted in parts of their own (the
+    # patch embedding saves the batch itself for its weight gradient).
+    frozen = {id(t) for t in state.values()} | {id(t) for t in meta_batch.values() if torch.is_tensor(t)}
+    keep_alive: dict[int, torch.Tensor] = {}  # so that ids are not reused during the forward
+    outside: set[int] = set()
+    calls: list[tuple[bool, set[int], set[int]]] = []
+    current: list[set[int]] = []  # the saved set of the outermost checkpointable call running
+
+    def storage_id(t: torch.Tensor) -> int:
+        base = t._base if t._base is not None else t  # a view shares its base's storage
+        keep_alive.setdefault(id(base), base)
+        return id(base)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_id(t)
+        if key not in frozen:
+            (current[-1] if current else outside).add(key)
+        return t
+
+    checkpointable = [m for m in model.modules() if hasattr(m, "checkpoint_activations")]
+    configured = {id(m): m.checkpoint_activations for m in checkpointable}
+    handles = []
+
+    def before(module, args):
+        if not current:
+            inputs = {storage_id(a) for a in args if torch.is_tensor(a)}
+            wanted = configured[id(module)] if checkpointing is None else checkpointing
+            calls.append((bool(wanted), inputs, set()))
+            current.append(calls[-1][2])
+        else:
+            current.append(current[-1])  # nested: counted with the outermost call
+
+    def after(module, args, output):
+        current.pop()
+
+    try:
+        for m in checkpointable:
+            m.checkpoint_activations = False  # run plainly, so every saved tensor is seen
+            handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+        mode = _FusedAttention() if attention == "fused" else contextlib.nullcontext()
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.func.functional_call(model, state, (meta_batch,))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m in checkpointable:
+            m.checkpoint_activations = configured[id(m)]
+    sizes = {key: _nbytes(t) for key, t in keep_alive.items()}
+    return SavedTensors(sizes, frozenset(outside),
+                        tuple((c, frozenset(i), frozenset(s)) for c, i, s in calls))
+
+
+def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
+                     checkpointing: bool | None = None) -> int:
+    """Bytes autograd keeps for backward in one ``model(batch)`` (see :func:`saved_tensors`)."""
+    return saved_tensors(model, batch, attention=attention, checkpointing=checkpointing).total()
+
+
+def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device: str = "cpu",
+                    checkpointing: bool | None = None) -> MemoryEstimate:
+    """Estimate the peak per-device bytes of training ``model`` on micro-batches like ``batch``
+    on a device of kind ``device`` (cpu, cuda, xla); ``checkpointing``: see :func:`saved_tensors`."""
+    trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
+    frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad)
+    parts = {
+        "parameters": trainable,
+        "ema": frozen,
+        "buffers": sum(_nbytes(b) for b in model.buffers()),
+        "gradients": trainable,
+        "optimizer": ADAMW_STATES * trainable,
+        "batch": sum(_nbytes(v) for v in batch.values() if torch.is_tensor(v)),
+        "activations": activation_bytes(model, batch, attention=ATTENTION_BY_DEVICE[device],
+                                        checkpointing=checkpointing),
+        "update_buffers": max(OPTIMIZER_TEMPORARIES_BY_DEVICE[device] * trainable, EMA_TEMPORARIES * frozen),
+    }
+    return MemoryEstimate(parts)
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
+    """The largest size in ``[1, limit]`` for which ``fits(size)``, 0 when not even 1 fits;
+    ``fits`` must be monotone (true up to some size, false above it). Doubles, then bisects."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2  # fits(low); the first doubling that does not fit bounds the search
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, *,
+                  device: str = "cpu", checkpointing: bool | None = None, limit: int = 1 << 16) -> int:
+    """The largest per-device batch of samples like ``batch``'s whose estimate
+    fits in ``device_bytes``; 0 when one sample does not fit."""
+
+    def fits(size: int) -> bool:
+        estimate = estimate_memory(model, resized_batch(batch, size), device=device,
+                                   checkpointing=checkpointing)
+        return estimate.total <= device_bytes
+
+    return largest_fitting(fits, limit)
+
+
+def device_memory_bytes(text: str) -> int:
+    """A device's memory: ``"32GiB"``, ``"16 GB"``, ``"80g"``, ``"1.5TiB"`` -> bytes, more than 0
+    (:func:`octfw.fields.parse_bytes`, which also reads 0); ValueError otherwise."""
+    try:
+        size = fields.parse_bytes(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a memory size; write it like 32GiB, 16GB or 80G")
+    return size
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def peak_rss_growth(function: Callable[[], Any]) -> int:
+    """How far above its resident size at the call the process's peak resident
+    size went while ``function()`` ran, in bytes (Linux: /proc/self).
+
+    Measures CPU tensors the way the kernel sees them. Start the process with
+    ``MALLOC_MMAP_THRESHOLD_`` fixed (e.g. 65536): glibc then serves every
+    large tensor with its own mapping and unmaps it when freed, instead of
+    keeping freed memory resident under a threshold it raises as it goes.
+    """
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # resets VmHWM (the peak) to the current resident size
+    before = _proc_status("VmRSS")
+    function()
+    return _proc_status("VmHWM") - before
+
+
+def _available_ram() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _tpu_hbm() -> tuple[int | None, str]:
+    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")
+    generation = accelerator.split("-")[0].lower()
+    if generation in TPU_HBM_GIB:
+        return int(TPU_HBM_GIB[generation] * GIB), f"TPU {generation} HBM per device"
+    return None, f"TPU of unknown generation ({accelerator or 'TPU_ACCELERATOR_TYPE unset'})"
+
+
+def device_memory(kind: str) -> tuple[int | None, str]:
+    """(bytes one device of ``kind`` offers or None, what that figure is)."""
+    override = os.environ.get("OCTFW_DEVICE_MEMORY_GIB")
+    if override:
+        return int(float(override) * GIB), "OCTFW_DEVICE_MEMORY_GIB"
+    if kind == "cuda":
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return int(props.total_memory), f"{props.name} total memory"
+        return None, "CUDA device not visible here"
+    if kind == "xla" and os.environ.get("PJRT_DEVICE", "TPU").upper() != "CPU":
+        return _tpu_hbm()
+    return _available_ram(), "available RAM"
+
+
+def memory_report(estimate: MemoryEstimate, device_bytes: int | None, device_desc: str) -> tuple[str, str | None]:
+    """(the report line, a warning line when the estimate exceeds the device's memory, else None)."""
+    line = f"memory    ~{_gib(estimate.total)} per device ({estimate.describe()})"
+    if device_bytes is None:
+        return line + f"; device memory unknown: {device_desc}", None
+    line += f" of {_gib(device_bytes)} {device_desc}"
+    if estimate.total <= device_bytes:
+        return line, None
+    biggest = max(estimate.parts, key=estimate.parts.__getitem__)
+    warning = (f"estimated memory per device {_gib(estimate.total)} exceeds {_gib(device_bytes)} "
+               f"({device_desc}); the largest part is {biggest.replace('_', ' ')} "
+               f"({_gib(estimate.parts[biggest])}): lower engine.per_device_batch (and raise "
+               "engine.grad_accum_steps to keep the global batch), turn on model.activation_checkpointing, "
+               "or lower transform.image_size or model.preset")
+    return line, warning
+
+
+def batch_advice(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, device: str) -> str:
+    """The largest per-device batch that fits, as configured and, where the
+    model can checkpoint activations but does not, with checkpointing."""
+    fitting = largest_batch(model, batch, device_bytes, device=device)
+    line = f"fits      per-device batch up to {fitting}" if fitting else "fits      not even 1 sample per device"
+    configured = [m.checkpoint_activations for m in model.modules() if hasattr(m, "checkpoint_activations")]
+    if configured and not any(configured):
+        with_checkpointing = largest_batch(model, batch, device_bytes, device=device, checkpointing=True)
+        line += f"; {with_checkpointing} with model.activation_checkpointing = true"
+    return line + f" (estimated for {device}, {_gib(device_bytes)})"

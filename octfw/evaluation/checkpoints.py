@@ -1,0 +1,181 @@
+"""``octfw eval RUN_DIR --recipe EVAL.toml --checkpoints all|latest|STEP,STEP``.
+
+Probes several saved checkpoints of one run with the same evaluators (the
+labelled volumes are decoded, prepared and split once) and the randomly
+initialised baseline once, then plots one metric against the update step: a
+checkpoint can be chosen by its downstream value rather than by its loss,
+which may keep falling while the representation collapses.
+
+Choosing a checkpoint by its test-split value makes that value optimistic;
+to report a number, choose on one split and measure on another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+
+from octfw.errors import UserError
+from octfw.evaluation.target import (
+    INTERVAL_LEGEND,
+    EvalRecipe,
+    Progress,
+    build_evaluators,
+    checkpoint_model,
+    eval_device,
+    format_value,
+    main_metric,
+    run_evaluators,
+)
+from octfw.registry import Registry
+from octfw.tables import render_table
+
+__all__ = ["CheckpointsReport", "run_checkpoints", "select_checkpoints", "compare_checkpoints",
+           "format_checkpoints", "plot_checkpoints"]
+
+#: Columns of the printed table, where an evaluator reports them (every metric goes to JSON).
+TABLE_METRICS = ("accuracy", "balanced_accuracy", "auroc", "auprc")
+
+
+@attrs.frozen
+class CheckpointsReport:
+    run_dir: str
+    seed: int
+    device: str
+    steps: list[int]  #: update steps of the probed checkpoints, ascending
+    locations: list[str]
+    pretrained: list[dict[str, float]]  #: one "<evaluator>/<metric>" -> value mapping per step
+    random_init: dict[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def run_checkpoints(run_dir: Path, registry: Registry) -> tuple[Any, list[tuple[int, str]]]:
+    """(checkpointer, every complete checkpoint as (update step, location), oldest first)
+    of a run folder, through the checkpointer its recorded recipe names."""
+    from octfw.recipe import load_recipe
+
+    recorded = run_dir / "recipe.toml"
+    if not run_dir.is_dir() or not recorded.is_file():
+        raise UserError(f"{run_dir}: not a run folder (no recipe.toml); --checkpoints compares the "
+                        "checkpoints of a run folder")
+    recipe = load_recipe(recorded, (), registry)
+    checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
+    listing = getattr(checkpointer, "checkpoints", None)
+    found = list(listing()) if listing is not None else []
+    if not found:
+        # A checkpointer that cannot list still names its newest checkpoint.
+        latest = checkpointer.latest()
+        if latest is not None:
+            found = [(int(checkpointer.load(latest)["update_step"]), latest)]
+    if not found:
+        raise UserError(f"{run_dir}: no complete checkpoint found (checkpointer {recipe.checkpointer.name!r})")
+    return checkpointer, sorted(found)
+
+
+def select_checkpoints(available: Sequence[tuple[int, str]], spec: str) -> list[tuple[int, str]]:
+    """The checkpoints ``spec`` names: ``all``, ``latest``, or update steps ``STEP,STEP``.
+
+    Raises UserError (one line) for a malformed spec or a step with no
+    saved checkpoint, listing the steps there are.
+    """
+    available = sorted(available)
+    word = spec.strip().lower()
+    if word == "all":
+        return available
+    if word == "latest":
+        return available[-1:]
+    by_step = dict(available)
+    steps_text = ", ".join(str(step) for step, _ in available)
+    chosen = []
+    for part in spec.split(","):
+        try:
+            step = int(part.strip())
+        except ValueError:
+            raise UserError(f"--checkpoints: {part.strip()!r} is not an update step; give all, latest or "
+                            f"steps such as {available[-1][0]} (saved: {steps_text})") from None
+        if step not in by_step:
+            raise UserError(f"--checkpoints: no saved checkpoint at update step {step} (saved: {steps_text})")
+        if (step, by_step[step]) not in chosen:
+            chosen.append((step, by_step[step]))
+    return sorted(chosen)
+
+
+def compare_checkpoints(run_dir: str | Path, recipe: EvalRecipe, registry: Registry, spec: str,
+                        progress: Progress | None = None) -> CheckpointsReport:
+    """Every evaluator of ``recipe`` on each chosen checkpoint and once on the random baseline."""
+    run_dir = Path(run_dir)
+    checkpointer, available = run_checkpoints(run_dir, registry)
+    chosen = select_checkpoints(available, spec)
+    device = eval_device(recipe)
+    seed = recipe.run.seed
+
+    # The newest chosen checkpoint fixes the geometry and the training recipe the evaluators use;
+    # it also gives the baseline, seeded like the run.
+    step, location = chosen[-1]
+    newest = checkpoint_model(location, checkpointer.load(location), seed, registry)
+    evaluators = build_evaluators(newest, recipe, registry)
+    total, done = (len(chosen) + 1) * len(evaluators), 0
+
+    def advance(text: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, text)
+
+    random_init = run_evaluators(newest.random_init, evaluators, device, step,
+                                 lambda name: advance(f"random init: {name}"))
+    results = []
+    for step, location in chosen:
+        target = newest if location == newest.location else checkpoint_model(
+            location, checkpointer.load(location), seed, registry, random_init=False)
+        if (target.image_size, target.patch_size) != (newest.image_size, newest.patch_size):
+            raise UserError(f"{location}: image or patch size differs from {newest.location}; "
+                            "compare checkpoints of one geometry")
+        results.append(run_evaluators(target.pretrained, evaluators, device, step,
+                                      lambda name, step=step: advance(f"step {step}: {name}")))
+    return CheckpointsReport(str(run_dir), seed, str(device), [s for s, _ in chosen],
+                             [loc for _, loc in chosen], results, random_init)
+
+
+def _evaluators(report: CheckpointsReport) -> list[str]:
+    keys = list(report.random_init) + [k for scores in report.pretrained for k in scores]
+    return list(dict.fromkeys(k.partition("/")[0] for k in keys))
+
+
+def format_checkpoints(report: CheckpointsReport) -> str:
+    """One table per evaluator: a row per checkpoint and one for the random baseline."""
+    lines = [f"run       {report.run_dir}",
+             f"baseline  same architecture, randomly initialised (seed {report.seed})",
+             f"device    {report.device}", ""]
+    for evaluator in _evaluators(report):
+        metrics = [m for m in TABLE_METRICS if f"{evaluator}/{m}" in report.random_init]
+        table = [["update step"] + metrics]
+        for step, scores in zip(report.steps, report.pretrained):
+            table.append([str(step)] + [format_value(scores, f"{evaluator}/{m}") for m in metrics])
+        table.append(["random init"] + [format_value(report.random_init, f"{evaluator}/{m}") for m in metrics])
+        lines.append(f"{evaluator}:")
+        lines += [render_table(table[0], table[1:], right=range(len(table[0])), indent=2), ""]
+    if any("_ci_low" in k for k in report.random_init):
+        lines.append(INTERVAL_LEGEND)
+    return "\n".join(lines).rstrip()
+
+
+def plot_checkpoints(report: CheckpointsReport, png: str | Path, metric: str | None = None) -> Path:
+    """``metric`` (default: AUROC where reported, else balanced accuracy) against the update step."""
+    from octfw.evaluation.curves import plot_checkpoint_curves
+
+    curves, baselines = {}, {}
+    for evaluator in _evaluators(report):
+        reported = [k.partition("/")[2] for k in report.random_init if k.startswith(f"{evaluator}/")]
+        chosen = main_metric(reported, metric)
+        key = f"{evaluator}/{chosen}"
+        low_key, high_key = f"{evaluator}/{chosen}_ci_low", f"{evaluator}/{chosen}_ci_high"
+        curves[evaluator] = (chosen, [(step, scores[key], scores.get(low_key), scores.get(high_key))
+                                      for step, scores in zip(report.steps, report.pretrained) if key in scores])
+        baselines[evaluator] = report.random_init.get(key)
+    return plot_checkpoint_curves(curves, baselines, png, title=f"{Path(report.run_dir).name}: "
+                                  f"{len(report.steps)} checkpoints")

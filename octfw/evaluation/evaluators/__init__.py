@@ -1,0 +1,10 @@
+"""Evaluators (recipe tables ``[[evaluator]]``): measure the frozen encoder on labelled data.
+
+Each fits a classifier on target-encoder features of a labelled dataset,
+prepared exactly as training prepares its volumes: mean-pooled features
+(``linear-probe``, ``knn``) or patch tokens (``attentive-probe``). Each
+reports accuracy, balanced accuracy, AUROC and AUPRC (with bootstrap 95 %
+intervals) on held-out volumes, overall and per domain.
+
+One module per evaluator holds its config and registration; the code they
+share is :mod:`octfw.evaluation.evaluator`."""

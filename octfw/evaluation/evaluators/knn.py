@@ -1,0 +1,49 @@
+"""The ``knn`` evaluator: k-nearest neighbours on frozen encoder features.
+
+Config and factory only; the implementation is :mod:`octfw.evaluation`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from octfw.evaluation.config import FeatureEvaluatorConfig
+from octfw.fields import choices, doc, positive
+from octfw.hookspecs import Register, hookimpl
+
+__all__ = ["KNNConfig", "build"]
+
+
+@attrs.frozen
+class KNNConfig(FeatureEvaluatorConfig):
+    """k-nearest neighbours by cosine similarity of centred, mean-pooled target-encoder features."""
+
+    k: int = doc(
+        "neighbours that vote (capped at the size of the train split)", default=10, validator=positive,
+    )
+    weighting: str = doc(
+        "'uniform' (majority vote) or 'similarity' (each vote weighted exp(cosine / temperature))",
+        default="similarity", validator=choices("uniform", "similarity"),
+    )
+    temperature: float = doc(
+        "temperature of the similarity weighting", default=0.07, validator=positive,
+    )
+
+
+def build(config: KNNConfig, ctx: Any):
+    from octfw.evaluation.evaluator import KNNEvaluator
+
+    return KNNEvaluator.from_config(config, ctx)
+
+
+@hookimpl
+def octfw_register_evaluators(register: Register) -> None:
+    register(
+        "knn",
+        KNNConfig,
+        build,
+        "k-nearest neighbours (cosine) on frozen, mean-pooled encoder features of a labelled "
+        "dataset.",
+    )

@@ -1,0 +1,47 @@
+"""The ``linear-probe`` evaluator: logistic regression on frozen encoder features.
+
+Config and factory only; the implementation is :mod:`octfw.evaluation`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from octfw.evaluation.config import FeatureEvaluatorConfig
+from octfw.fields import doc, non_negative, positive
+from octfw.hookspecs import Register, hookimpl
+
+__all__ = ["LinearProbeConfig", "build"]
+
+
+@attrs.frozen
+class LinearProbeConfig(FeatureEvaluatorConfig):
+    """Multinomial logistic regression on standardised, mean-pooled target-encoder features."""
+
+    l2: float = doc(
+        "L2 penalty on the weights, added to the mean cross-entropy as l2 / 2 x |W|^2 "
+        "(features are standardised on the train split first)",
+        default=1e-2, validator=non_negative,
+    )
+    max_iter: int = doc(
+        "LBFGS iterations (full batch, strong Wolfe line search, from zero weights: deterministic)",
+        default=200, validator=positive,
+    )
+
+
+def build(config: LinearProbeConfig, ctx: Any):
+    from octfw.evaluation.evaluator import LinearProbeEvaluator
+
+    return LinearProbeEvaluator.from_config(config, ctx)
+
+
+@hookimpl
+def octfw_register_evaluators(register: Register) -> None:
+    register(
+        "linear-probe",
+        LinearProbeConfig,
+        build,
+        "Logistic regression on frozen, mean-pooled encoder features of a labelled dataset.",
+    )

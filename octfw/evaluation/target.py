@@ -1,0 +1,301 @@
+"""``octfw eval``: evaluate a checkpoint or an exported encoder against a random one.
+
+The evaluation recipe is a TOML file with ``[[evaluator]]`` tables and
+optionally ``[run]`` ``seed`` / ``device`` / ``cache_dir``. A training recipe
+with ``[[evaluator]]`` tables works as it is: its other tables are not used,
+because the encoder must see volumes prepared as *its* training prepared them
+(the ``[transform]`` recorded in the checkpoint or the export).
+
+The baseline is the same architecture, randomly initialised with the
+recipe's seed: a metric is only informative next to it.
+
+Beside this module, :mod:`octfw.evaluation.label_efficiency` (``--shots``: label
+efficiency) and :mod:`octfw.evaluation.checkpoints` (``--checkpoints``:
+every saved checkpoint of a run) reuse its recipe, targets and evaluators.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import torch
+
+from octfw.errors import RecipeError, UserError
+from octfw.fields import Location, choices, doc, non_negative
+from octfw.recipe import cache_dir_for
+from octfw.registry import Registry
+from octfw.tables import render_table
+from octfw.types import BuildContext
+
+__all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress", "load_eval_recipe",
+           "load_target", "checkpoint_model", "eval_device", "build_evaluators", "evaluate_target",
+           "run_evaluators", "format_report", "format_value", "is_interval_key", "main_metric"]
+
+#: The line under a table whose values carry a bootstrap interval.
+INTERVAL_LEGEND = "[low, high]: bootstrap 95 % interval over test volumes (whole patients when known)"
+
+#: ``progress(done, total, text)``: called as units of work finish (a progress bar's update).
+Progress = Callable[[int, int, str], None]
+
+
+@attrs.frozen
+class EvalRunConfig:
+    """The ``[run]`` keys ``octfw eval`` uses; the other ``[run]`` keys are accepted and ignored."""
+
+    seed: int = doc("seed of the randomly initialised baseline encoder and of synthetic datasets",
+                    default=0, validator=non_negative)
+    device: str = doc("auto, cpu, cuda or xla", default="auto", validator=choices("auto", "cpu", "cuda", "xla"))
+    cache_dir: Location | None = doc("cache for synthetic cohorts; default $OCTFW_CACHE_DIR or ~/.cache/octfw",
+                                     default=None)
+
+
+@attrs.frozen
+class EvalRecipe:
+    source: Path
+    run: EvalRunConfig
+    evaluators: tuple[Any, ...]  #: octfw.recipe.StageSpec, one per [[evaluator]]
+
+
+def load_eval_recipe(path: str | Path, overrides: Sequence[str], registry: Registry) -> EvalRecipe:
+    """Read and validate an evaluation recipe; every problem is reported at once."""
+    from octfw.config import RunConfig
+    from octfw.recipe import TOP_LEVEL_KEYS, apply_overrides, read_with_extends, structure_config
+    from octfw.recipe.structuring import structure_stage_array
+    from octfw.registry import did_you_mean
+
+    source = Path(path)
+    if source.is_dir():
+        raise UserError(f"{source}: is a folder; give an evaluation recipe file (.toml)")
+    data = apply_overrides(read_with_extends(source), overrides)
+    problems: list[tuple[str, str]] = []
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            problems.append((key, f"unknown table{did_you_mean(key, TOP_LEVEL_KEYS)}; "
+                                  "octfw eval reads [run] and [[evaluator]]"))
+
+    run_table = data.get("run", {})
+    run = None
+    if not isinstance(run_table, dict):
+        problems.append(("run", "expected a table"))
+    else:
+        known = [f.name for f in attrs.fields(RunConfig)]
+        for key in run_table:
+            if key not in known:
+                problems.append((f"run.{key}", f"unknown key{did_you_mean(key, known)}; "
+                                               f"valid keys: {', '.join(known)}"))
+        used = {k: v for k, v in run_table.items() if k in attrs.fields_dict(EvalRunConfig)}
+        run, found = structure_config(EvalRunConfig, used, "run", registry)
+        problems += found
+
+    specs: tuple[Any, ...] = ()
+    raw = data.get("evaluator")
+    if not raw or not isinstance(raw, (list, dict)):
+        choices_ = ", ".join(registry.names("evaluator")) or "none installed"
+        problems.append(("evaluator", f"add one or more [[evaluator]] tables ({choices_})"))
+    else:
+        specs, found = structure_stage_array(registry, "evaluator", raw, "evaluator")
+        problems += found
+    if problems:
+        raise RecipeError(str(source), problems)
+    return EvalRecipe(source.resolve(), run, specs)
+
+
+# --------------------------------------------------------------------------
+# what is evaluated
+
+
+@attrs.frozen(eq=False)
+class EvalTarget:
+    """A pretrained network, a randomly initialised one of the same architecture,
+    and the training recipe data they need (``transform`` at least)."""
+
+    location: str  #: the checkpoint or encoder file
+    update_step: int | None
+    pretrained: torch.nn.Module  #: ``.embed(volume)`` or ``module(volume)`` -> ``[B, N, E]``
+    random_init: torch.nn.Module | None  #: None when not asked for (another checkpoint of a compared run)
+    recipe: Mapping[str, Any]  #: the training recipe as plain data (``transform``, ``model``, ...)
+    image_size: tuple[int, int, int] | None
+    patch_size: tuple[int, int, int] | None
+
+
+def _geometry(recipe: Mapping[str, Any], model_config: Any = None) -> dict[str, Any]:
+    # The engine's convention (octfw.engine.build): the transform's image_size
+    # and the model's patch_size fix the patch grid.
+    image_size = recipe.get("transform", {}).get("image_size")
+    patch_size = getattr(model_config, "patch_size", None)
+    return {"image_size": tuple(image_size) if image_size is not None else None,
+            "patch_size": tuple(patch_size) if patch_size is not None else None}
+
+
+def checkpoint_model(location: str, state: Mapping[str, Any], seed: int, registry: Registry,
+                     random_init: bool = True) -> EvalTarget:
+    """The network a checkpoint's ``state`` holds, and (``random_init``) the seeded baseline."""
+    from octfw.encoder import rebuild_model, recorded_recipe
+
+    recipe = recorded_recipe(state, location, registry)
+    pretrained = rebuild_model(state, location, registry)
+    baseline = None
+    if random_init:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            baseline = recipe.model.build(recipe.build_context(registry=registry))
+    geometry = _geometry(state["recipe"], recipe.model.config)
+    return EvalTarget(location, int(state.get("update_step", 0)), pretrained, baseline, state["recipe"],
+                      **geometry)
+
+
+def _model_from_export(path: Path, seed: int) -> EvalTarget:
+    from octfw.encoder import PretrainedEncoder, load_encoder
+    from octfw.models.vit3d import ViT3DEncoder
+
+    pretrained = load_encoder(path)
+    config = pretrained.info["config"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = ViT3DEncoder(tuple(config["image_size"]), tuple(config["patch_size"]), config["in_channels"],
+                               config["embed_dim"], config["depth"], config["num_heads"], config["mlp_ratio"])
+    random_init = PretrainedEncoder(encoder, pretrained.info).eval()
+    recipe = {"transform": pretrained.info["transform"], "model": pretrained.info.get("model", {})}
+    return EvalTarget(str(path), pretrained.info.get("update_step"), pretrained, random_init, recipe,
+                      tuple(pretrained.image_size), tuple(pretrained.patch_size))
+
+
+def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget:
+    """A run folder (its latest checkpoint), a checkpoint file, or an exported encoder file."""
+    from octfw.encoder import FORMAT, find_checkpoint
+
+    path = Path(source)
+    if path.is_file():
+        from octfw.storage.checkpoints import load_checkpoint
+
+        head = load_checkpoint(str(path))  # checked against its SHA-256 where it has one
+        if isinstance(head, Mapping) and head.get("format") == FORMAT:
+            return _model_from_export(path, seed)
+        if not isinstance(head, Mapping) or "model" not in head:
+            raise UserError(f"{path}: neither an octfw checkpoint nor an exported encoder")
+        return checkpoint_model(str(path), head, seed, registry)
+    location, state = find_checkpoint(path, registry)
+    return checkpoint_model(location, state, seed, registry)
+
+
+# --------------------------------------------------------------------------
+# evaluating
+
+
+@attrs.frozen
+class EvalReport:
+    location: str
+    update_step: int | None
+    seed: int
+    device: str
+    pretrained: dict[str, float]  #: "<evaluator>/<metric>" -> value
+    random_init: dict[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def eval_device(recipe: EvalRecipe) -> torch.device:
+    from octfw.engine.backend import select_backend
+
+    return select_backend(recipe.run.device, "fp32").device
+
+
+def build_evaluators(target: EvalTarget, recipe: EvalRecipe, registry: Registry) -> list[tuple[str, Any]]:
+    """``[(name, evaluator)]`` of every ``[[evaluator]]`` table, built for ``target``'s geometry."""
+    # Not Recipe.build_context: an evaluation recipe has no model or transform;
+    # the encoder's geometry and training recipe come from the target.
+    ctx = BuildContext(recipe_dir=recipe.source.parent, cache_dir=cache_dir_for(recipe.run, writable=True),
+                       run_dir=None, seed=recipe.run.seed, image_size=target.image_size,
+                       patch_size=target.patch_size, recipe=target.recipe, registry=registry)
+    return [(spec.name, spec.build(ctx)) for spec in recipe.evaluators]
+
+
+def run_evaluators(model: torch.nn.Module, evaluators: Sequence[tuple[str, Any]], device: torch.device,
+                   update_step: int, on_done: Callable[[str], None] | None = None) -> dict[str, float]:
+    """``{"<evaluator>/<metric>": value}`` of ``model``, moved to ``device`` for the time it takes."""
+    model = model.to(device)
+    scores: dict[str, float] = {}
+    try:
+        with torch.no_grad():
+            for name, evaluator in evaluators:
+                for key, value in evaluator.evaluate(model, device, update_step).items():
+                    scores[f"{name}/{key}"] = float(value)
+                if on_done is not None:
+                    on_done(name)
+    finally:
+        model.to("cpu")
+    return scores
+
+
+def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
+                    progress: Progress | None = None) -> EvalReport:
+    """Run every evaluator of ``recipe`` on the pretrained and the random network."""
+    device = eval_device(recipe)
+    evaluators = build_evaluators(target, recipe, registry)
+    total, done = 2 * len(evaluators), 0
+    results: dict[str, dict[str, float]] = {}
+    for label, model in (("pretrained", target.pretrained), ("random_init", target.random_init)):
+        def advance(name: str, label: str = label) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{label.replace('_', ' ')}: {name}")
+
+        results[label] = run_evaluators(model, evaluators, device, target.update_step or 0, advance)
+    return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),
+                      results["pretrained"], results["random_init"])
+
+
+def main_metric(metrics: Sequence[str], asked: str | None) -> str:
+    """The metric to plot: ``asked``, else ``auroc`` where reported, else ``balanced_accuracy``."""
+    if asked is not None:
+        if asked not in metrics:
+            shown = ", ".join(m for m in dict.fromkeys(metrics) if "/" not in m)
+            raise UserError(f"--metric {asked}: not reported by every evaluator (reported: {shown})")
+        return asked
+    return "auroc" if "auroc" in metrics else "balanced_accuracy"
+
+
+CI_SUFFIXES = ("_ci_low", "_ci_high")
+
+
+def _interval_keys(key: str) -> tuple[str, str]:
+    metric, _, domain = key.partition("/")
+    tail = f"/{domain}" if domain else ""
+    return f"{metric}_ci_low{tail}", f"{metric}_ci_high{tail}"
+
+
+def is_interval_key(key: str) -> bool:
+    return key.partition("/")[0].endswith(CI_SUFFIXES)
+
+
+def format_value(scores: Mapping[str, float], key: str) -> str:
+    """``0.813`` or, with its bootstrap interval, ``0.813 [0.70, 0.91]``; ``-`` when missing."""
+    evaluator, _, metric = key.partition("/")
+    value = scores.get(key)
+    if value is None:
+        return "-"
+    low, high = (scores.get(f"{evaluator}/{k}") for k in _interval_keys(metric))
+    text = f"{value:.3f}"
+    return text if low is None or high is None else f"{text} [{low:.2f}, {high:.2f}]"
+
+
+def format_report(report: EvalReport) -> str:
+    """A plain-text table: one row per metric, pretrained next to random init;
+    an AUROC or AUPRC carries its bootstrap 95 % interval in brackets."""
+    step = "" if report.update_step is None else f" (update step {report.update_step})"
+    lines = [f"encoder   {report.location}{step}",
+             f"baseline  same architecture, randomly initialised (seed {report.seed})",
+             f"device    {report.device}", ""]
+    keys = list(report.pretrained) + [k for k in report.random_init if k not in report.pretrained]
+    keys = [k for k in keys if not is_interval_key(k.partition("/")[2])]
+    lines.append(render_table(
+        ["metric", "pretrained", "random init"],
+        [[key, format_value(report.pretrained, key), format_value(report.random_init, key)] for key in keys],
+        right=(1, 2)))
+    if any(is_interval_key(k.partition("/")[2]) for k in report.pretrained):
+        lines += ["", INTERVAL_LEGEND]
+    return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""``wandb``: one Weights & Biases run per training job, continued on resume.
+
+- Rank 0 only: the engine builds loggers on rank 0, and this logger also does
+  nothing on any other rank, so a 16-worker job makes one run, not sixteen.
+- One run per job: the run id is part of :meth:`WandbLogger.state_dict`, which
+  the engine stores in every checkpoint; ``octfw run --resume`` restores it
+  before :meth:`WandbLogger.start`, which then continues that run
+  (``wandb.init(id=..., resume="allow")``). A second W&B run active in the
+  same process is refused rather than silently started.
+- Offline without network: ``mode = "offline"`` (or ``WANDB_MODE=offline``)
+  writes ``<dir>/wandb/offline-run-<time>-<id>/``, to upload later with
+  ``wandb sync``. An offline resume writes a second folder with the same run
+  id; ``wandb sync`` merges them into the one run.
+- ``log`` sends exactly the host floats the engine hands over, at
+  ``step = update_step``; ``finish`` writes the run summary (failed saves,
+  first and last loss, ...) into the W&B summary and closes the run.
+
+When the run is resumed from a checkpoint older than the last logged step,
+W&B ignores (with a warning) the steps it already has; the values it keeps
+are those of the first attempt.
+
+``mode`` left out follows ``WANDB_MODE``, and W&B's own default (online,
+which needs ``wandb login`` or ``WANDB_API_KEY``) when that is unset: the
+choice stays with the machine's environment, as W&B users expect.
+
+W&B prints its own ``wandb: ...`` lines on the console; the records of its
+``wandb`` logger go to the run's ``octfw.log`` (see :mod:`octfw.logs`), with
+the id and folder of the W&B run this job logs to.
+
+Needs the ``wandb`` extra: ``pip install 'octfw[wandb]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from octfw.errors import UserError
+from octfw.fields import Location, choices, doc
+from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext
+
+__all__ = ["WandbConfig", "WandbLogger", "build", "import_wandb"]
+
+MODES = ("online", "offline", "disabled")
+
+logger = logging.getLogger(__name__)
+
+
+def _mode(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None:
+        choices(*MODES)(instance, attribute, value)
+
+
+@attrs.frozen
+class WandbConfig:
+    """Config of the ``wandb`` logger."""
+
+    project: str = doc("W&B project", default="octfw")
+    entity: str | None = doc("W&B entity (user or team); leave out for your default entity", default=None)
+    name: str | None = doc(
+        "display name of the run; leave out for <recipe name>-<run folder name>", default=None
+    )
+    tags: tuple[str, ...] = doc("tags of the run", default=())
+    mode: str | None = doc(
+        "'online', 'offline' (no network; upload later with `wandb sync`) or 'disabled'; "
+        "leave out to follow WANDB_MODE (W&B's default: online)",
+        default=None,
+        validator=_mode,
+    )
+    dir: Location | None = doc(
+        "local folder that receives W&B's files (a wandb/ folder inside it); leave out for the run folder",
+        default=None,
+    )
+
+
+def import_wandb() -> Any:
+    """The wandb module, or a UserError naming the extra that installs it."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("the 'wandb' logger needs the wandb package: pip install 'octfw[wandb]'") from None
+    return wandb
+
+
+class WandbLogger:
+    """Logs to one W&B run; its id travels in the checkpoint so a resume continues the run."""
+
+    def __init__(self, config: WandbConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.run_id: str | None = None  #: set by start(), or by load_state_dict() on resume
+        self._run: Any = None
+
+    # --- checkpointed state ---------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.run_id = state["run_id"]
+
+    # --- the Logger protocol ------------------------------------------------
+
+    def start(self, total_update_steps: int, run_dir: Path, recipe: Mapping[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        wandb = import_wandb()
+        if wandb.run is not None:
+            raise UserError(
+                f"wandb logger: W&B run {wandb.run.id} is already active in this process; one training "
+                "job is one W&B run (is [[logger]] name = \"wandb\" listed twice?)"
+            )
+        c = self.config
+        run_dir = Path(run_dir)
+        folder = Path(c.dir.local_path) if c.dir is not None else run_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        options: dict[str, Any] = {
+            "project": c.project,
+            "entity": c.entity,
+            "name": c.name or f"{run_dir.parent.name}-{run_dir.name}",
+            "tags": list(c.tags),
+            "dir": str(folder),
+            "config": dict(recipe),
+        }
+        if c.mode is not None:
+            options["mode"] = c.mode
+        if self.run_id is not None:  # resumed from a checkpoint: continue that run
+            options.update(id=self.run_id, resume="allow")
+        try:
+            self._run = wandb.init(**options)
+        except Exception as exc:  # noqa: BLE001 - re-raised as a message the user can act on
+            raise UserError(
+                f"wandb logger: wandb.init failed ({type(exc).__name__}: {exc}); log in with `wandb login`, "
+                "or set mode = \"offline\" in the [[logger]] table (or WANDB_MODE=offline) to log without network"
+            ) from exc
+        self.run_id = self._run.id
+        logger.debug("W&B run %s (%s) in %s", self.run_id,
+                     "continued" if "resume" in options else "new", folder)
+
+    def log(self, update_step: int, metrics: Mapping[str, float]) -> None:
+        if self._run is not None:
+            self._run.log(dict(metrics), step=int(update_step))
+
+    def finish(self, summary: Mapping[str, Any]) -> None:
+        if self._run is None:
+            return
+        for key, value in summary.items():
+            if value is not None:  # never turn a missing value into the string "None"
+                self._run.summary[key] = value
+        self._run.finish(exit_code=1 if summary.get("stopped") else 0)
+        self._run = None
+
+
+def build(config: WandbConfig, ctx: BuildContext) -> WandbLogger:
+    if config.dir is not None and config.dir.is_remote:
+        raise UserError(f"logger wandb: dir = {str(config.dir)!r} must be a local folder")
+    if ctx.is_main_process:
+        import_wandb()  # a missing package fails at build time, before training starts
+    return WandbLogger(config, rank=ctx.rank)
+
+
+@hookimpl
+def octfw_register_loggers(register: Register) -> None:
+    register(
+        "wandb",
+        WandbConfig,
+        build,
+        "Weights & Biases, rank 0 only: one run per job, its id kept in checkpoints to "
+        "continue on resume.",
+    )

@@ -1,0 +1,107 @@
+"""Config of the ``vjepa3d`` component (light: attrs only).
+
+Validating a recipe imports it and nothing heavier; the implementation
+reads it, and the package's ``__init__`` (:mod:`octfw.models.vjepa3d`) registers it
+and holds the factory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from octfw.fields import choices, doc, length, positive
+
+__all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
+
+#: Network sizes by preset name. ``small`` is the seeds' V-JEPA3D: with one
+#: input channel and patch (4, 16, 16) it has 29,333,120 trainable parameters
+#: (context encoder + predictor), within 0.3% of the seeds' 29.4M.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(embed_dim=96, depth=4, num_heads=3,
+                 predictor_embed_dim=64, predictor_depth=2, predictor_num_heads=2, mlp_ratio=4.0),
+    "small": dict(embed_dim=384, depth=12, num_heads=6,
+                  predictor_embed_dim=320, predictor_depth=6, predictor_num_heads=5, mlp_ratio=4.0),
+    "base": dict(embed_dim=768, depth=12, num_heads=12,
+                 predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, mlp_ratio=4.0),
+}
+
+LOSS_CHOICES = ("l1", "mse", "nmse")
+
+
+def _positive_each(instance: Any, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if any(v <= 0 for v in value):
+        raise ValueError(f"every value must be > 0, got {list(value)!r}")
+
+
+def _optional_int(text: str) -> Any:
+    return doc(f"{text} (default: from preset)", default=None, validator=positive)
+
+
+@attrs.frozen
+class Architecture:
+    """The resolved network sizes: the preset with explicit fields applied."""
+
+    embed_dim: int
+    depth: int
+    num_heads: int
+    predictor_embed_dim: int
+    predictor_depth: int
+    predictor_num_heads: int
+    mlp_ratio: float
+
+
+@attrs.frozen
+class VJEPA3DConfig:
+    """V-JEPA with a 3D ViT: context encoder, narrower predictor, EMA target encoder."""
+
+    preset: str = doc(
+        "network size: 'tiny' (CPU quickstart), 'small' (the seeds' 29.4M model), 'base'",
+        default="small", validator=choices(*PRESETS),
+    )
+    patch_size: tuple[int, int, int] = doc(
+        "patch size [pd, ph, pw] in voxels; image_size must be divisible by it",
+        default=(4, 16, 16), converter=tuple, validator=[length(3), _positive_each],
+    )
+    loss: str = doc(
+        "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
+        default="l1", validator=choices(*LOSS_CHOICES),
+    )
+    embed_dim: int | None = _optional_int("encoder width")
+    depth: int | None = _optional_int("encoder blocks")
+    num_heads: int | None = _optional_int("encoder attention heads")
+    predictor_embed_dim: int | None = _optional_int("predictor width")
+    predictor_depth: int | None = _optional_int("predictor blocks")
+    predictor_num_heads: int | None = _optional_int("predictor attention heads")
+    mlp_ratio: float | None = doc(
+        "MLP hidden width / embedding width (default: from preset)", default=None, validator=positive,
+    )
+    activation_checkpointing: bool = doc(
+        "recompute each transformer block's activations in the backward pass instead of keeping "
+        "them: much less activation memory (octfw check shows how much, and the largest batch that "
+        "fits) for about one more forward pass of the context encoder and predictor",
+        default=False,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # Checked here so that recipe validation catches a bad combination
+        # without building (or importing) anything.
+        self.architecture()
+
+    def architecture(self) -> Architecture:
+        """The preset overridden by every explicit field; raises ValueError
+        for widths that heads or the sin-cos position embedding cannot split."""
+        sizes = dict(PRESETS[self.preset])
+        for key in sizes:
+            value = getattr(self, key)
+            if value is not None:
+                sizes[key] = value
+        arch = Architecture(**sizes)
+        for width, heads in (("embed_dim", "num_heads"), ("predictor_embed_dim", "predictor_num_heads")):
+            w, h = getattr(arch, width), getattr(arch, heads)
+            if w % h:
+                raise ValueError(f"{width} = {w} is not divisible by {heads} = {h}")
+            if w % 2:
+                raise ValueError(f"{width} = {w} must be even (sin-cos position embedding)")
+        return arch
