@@ -248,6 +248,9 @@ def load_registry(
                          _dist=dist, _version=version, _out=registered):
                 if not attrs.has(config):
                     raise TypeError(f"config for {_stage} {name!r} must be an attrs class")
+                if "name" in attrs.fields_dict(config):  # `name` selects the component in a recipe
+                    raise TypeError(f"config for {_stage} {name!r} has a field 'name', the key that selects "
+                                    "the component in a recipe table; call the option something else")
                 _out.append(Component(_stage, name, config, factory, summary.strip(),
                                       _dist, _version, _impl.plugin_name))
 

@@ -88,6 +88,17 @@ def test_registration_that_raises_drops_only_that_plugin(site):
     assert "bad" not in registry.names("scheduler")
 
 
+def test_a_config_with_a_name_field_is_refused_at_registration(site):
+    """`name` selects the component in a recipe table: an option of that name could never be set
+    (the W&B logger's display name was one) and would vanish from the saved recipe."""
+    code = SCHEDULER_PLUGIN.format(name="clash").replace("    steps: int = 3", "    name: str = 'x'")
+    make_dist(site, "octfw-clash", "plug_clash", code)
+    registry = load_registry()
+    assert [f.distribution for f in registry.failures] == ["octfw-clash"]
+    assert "has a field 'name'" in registry.failures[0].error
+    assert "clash" not in registry.names("scheduler")
+
+
 def test_disable_env_blocks_plugins_by_entry_point_or_distribution(site, monkeypatch):
     make_dist(site, "octfw-dup", "plug_dup", SCHEDULER_PLUGIN.format(name="constant"))
     monkeypatch.setenv("OCTFW_DISABLE_PLUGINS", "plug_dup, octfw.guards.collapse")

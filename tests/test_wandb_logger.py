@@ -134,3 +134,26 @@ def test_missing_wandb_package_names_the_extra(monkeypatch, tmp_path):
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="'online', 'offline', 'disabled'"):
         WandbConfig(mode="sometimes")
+
+
+def test_display_name_group_job_type_and_notes_reach_wandb_and_the_saved_recipe_runs_again(
+        offline, tiny_recipe, capsys):
+    """The saved recipe.toml of a run is a recipe: `octfw show` validates it and `octfw run` trains it."""
+    options = ('run_name = "baseline-seed0"\ngroup = "baselines"\njob_type = "pretrain"\n'
+               'notes = "first try"\n')
+    tiny_recipe.write_text(tiny_recipe.read_text() + WANDB_LOGGER + options)
+    assert main(["run", str(tiny_recipe), "--set", "run.max_steps=2"]) == 0
+    run_dir, [folder] = run_folders(tiny_recipe)
+    [wandb_file] = folder.glob("run-*.wandb")
+    read_run(folder)  # waits for the run's exit record
+    [run] = [r.run for r in records(wandb_file) if r.WhichOneof("record_type") == "run"][:1]
+    assert (run.display_name, run.run_group, run.job_type, run.notes) == (
+        "baseline-seed0", "baselines", "pretrain", "first try")
+
+    saved = run_dir / "recipe.toml"
+    text = saved.read_text()
+    assert 'name = "wandb"' in text and 'run_name = "baseline-seed0"' in text
+    capsys.readouterr()
+    assert main(["show", str(saved)]) == 0
+    assert 'group = "baselines"' in capsys.readouterr().out
+    assert main(["run", str(saved), "--set", "run.max_steps=1"]) == 0

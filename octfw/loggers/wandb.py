@@ -61,9 +61,12 @@ class WandbConfig:
 
     project: str = doc("W&B project", default="octfw")
     entity: str | None = doc("W&B entity (user or team); leave out for your default entity", default=None)
-    name: str | None = doc(
-        "display name of the run; leave out for <recipe name>-<run folder name>", default=None
+    run_name: str | None = doc(
+        "display name of the W&B run; leave out for <recipe name>-<run folder name>", default=None
     )
+    group: str | None = doc("W&B group: runs of one experiment shown together (seeds, a sweep)", default=None)
+    job_type: str | None = doc("W&B job type, e.g. 'pretrain'; leave out for W&B's default", default=None)
+    notes: str | None = doc("a longer description of the run, shown on its W&B page", default=None)
     tags: tuple[str, ...] = doc("tags of the run", default=())
     mode: str | None = doc(
         "'online', 'offline' (no network; upload later with `wandb sync`) or 'disabled'; "
@@ -121,7 +124,10 @@ class WandbLogger:
         options: dict[str, Any] = {
             "project": c.project,
             "entity": c.entity,
-            "name": c.name or f"{run_dir.parent.name}-{run_dir.name}",
+            "name": c.run_name or f"{run_dir.parent.name}-{run_dir.name}",
+            "group": c.group,
+            "job_type": c.job_type,
+            "notes": c.notes,
             "tags": list(c.tags),
             "dir": str(folder),
             "config": dict(recipe),
