@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 __all__ = ["UserError", "RecipeError", "ContractError", "CorruptFile", "PluginError", "OctfwWarning",
+           "RunNotFinished",
            "one_line"]
 
 # Control characters (and Unicode line breaks) as the escapes repr() writes.
@@ -82,3 +83,18 @@ class OctfwWarning(UserWarning):
     one ``octfw: warning:`` line and kept in the run's ``octfw.log``, like
     every other octfw warning, which modules log through ``logging``.
     """
+
+
+class RunNotFinished(Exception):
+    """:func:`octfw.train` ended before its last update step.
+
+    ``reason`` is ``"stopped"`` (a guard stopped it), ``"preempted"``,
+    ``"interrupted"`` (a second signal: no final save) or
+    ``"final_save_failed"``; ``result`` (an :class:`octfw.api.TrainResult`)
+    holds the run folder, its summary and the newest checkpoint. The message
+    says how to continue. (``octfw run`` exits 1, 75, 130 or 74 for these.)
+    """
+
+    def __init__(self, result: object, reason: str, message: str):
+        self.result, self.reason = result, reason
+        super().__init__(one_line(message))

@@ -179,7 +179,11 @@ class OctfwSpecs:
         device tensor (apply the update or not) or None, and must not force a
         sync: decide with ``torch.where`` on the device. ``at_log_step`` runs
         at log steps only with host values and may raise
-        :class:`octfw.types.StopTraining`. All guards' verdicts are combined
+        :class:`octfw.types.StopTraining` (a problem: the run stops, exit 1) or
+        :class:`octfw.types.TrainingDone` (a target reached: the run is done,
+        exit 0). The metric keys it receives are those of ``metrics.jsonl``
+        (``loss``, ``grad_norm``, ``lr``, ``skipped_updates``, the model's
+        ``metric/...``). All guards' verdicts are combined
         with a logical AND; on every rank the same verdict is taken.
 
         :return: None; components are announced through ``register``.

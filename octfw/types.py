@@ -33,6 +33,7 @@ __all__ = [
     "Checkpointer",
     "Evaluator",
     "StopTraining",
+    "TrainingDone",
     "BATCH_KEYS",
 ]
 
@@ -122,7 +123,21 @@ class BuildContext:
 
 
 class StopTraining(Exception):
-    """Raised by a guard or logger at a log step to end the run cleanly."""
+    """Raised by a guard or logger at a log step to end the run because something is wrong.
+
+    The final checkpoint is written; the summary's ``stopped`` holds the
+    message and ``octfw run`` exits 1 (``octfw.train`` raises
+    :class:`octfw.errors.RunNotFinished`).
+    """
+
+
+class TrainingDone(StopTraining):
+    """Raised by a guard or logger at a log step to end the run as finished (a target reached).
+
+    The final checkpoint is written; the summary's ``finished_early`` holds
+    the message, ``stopped`` stays empty, and the run counts as done: exit 0,
+    and ``--resume auto`` does not train it again.
+    """
 
 
 @runtime_checkable
@@ -244,8 +259,9 @@ class Guard(Protocol):
     ``before_step`` runs in the hot path on every update step and must not
     force a host sync: it returns a boolean device tensor (True = apply) or
     None (no opinion), and may rescale gradients in place (``grad-clip``).
-    ``at_log_step`` runs at log steps with host values and may warn or raise
-    :class:`StopTraining`.
+    ``at_log_step`` runs at log steps with host values and may warn, raise
+    :class:`StopTraining` (something is wrong: exit 1) or raise
+    :class:`TrainingDone` (a target reached: the run is done, exit 0).
     """
 
     def before_step(self, inputs: GuardInputs) -> "torch.Tensor | None": ...

@@ -127,3 +127,13 @@ def test_check_reports_the_global_batch_of_a_pod_layout(tiny_recipe, capsys):
             "2 processes x 2 devices: each process loads 2 samples per micro-step") in out
     assert main(["check", str(tiny_recipe), "--processes", "0"]) == 2
     assert "--processes 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_list_name_finds_the_component_without_its_stage(capsys):
+    from octfw.cli import main
+
+    assert main(["list", "--name", "nan-skip"]) == 0
+    assert capsys.readouterr().out.startswith("guard nan-skip (octfw ")
+    assert main(["list", "--name", "nan-skp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "octfw: error: --name 'nan-skp': no such component (did you mean 'nan-skip'?); octfw list shows them all"

@@ -169,7 +169,7 @@ def test_bad_shot_counts_are_one_line_user_errors(short_run, eval_recipe, capsys
 
 
 def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):
-    from octfw.commands._common import progress_bar
+    from octfw.progress import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -72,7 +72,8 @@ def _default_png(source: str, name: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.commands._common import load_registry_once, progress_bar
+    from octfw.commands._common import load_registry_once
+    from octfw.progress import progress_bar
     from octfw.evaluation.shots import parse_shots
     from octfw.evaluation.target import evaluate_target, format_report, load_eval_recipe, load_target
 

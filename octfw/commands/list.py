@@ -19,7 +19,7 @@ HELP = "List installed components (built-in and from plugins)."
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("list", help=HELP, description=HELP)
     parser.add_argument("--stage", help=f"only this stage: {', '.join(STAGES)}")
-    parser.add_argument("--name", help="with --stage: show this component's options")
+    parser.add_argument("--name", help="show this component's options (--stage when two stages share the name)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=run)
 
@@ -32,9 +32,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--stage {args.stage!r}: unknown stage{did_you_mean(args.stage, STAGES)}; "
                         f"stages: {', '.join(STAGES)}")
     if args.name:
-        if not args.stage:
-            raise UserError("--name needs --stage, e.g. octfw list --stage model --name vjepa3d")
-        return _show_component(registry.get(args.stage, args.name), as_json=args.json)
+        if args.stage:
+            return _show_component(registry.get(args.stage, args.name), as_json=args.json)
+        found = [c for c in registry.by_stage() if c.name == args.name]
+        if len(found) != 1:
+            names = sorted({c.name for c in registry.by_stage()})
+            raise UserError(f"--name {args.name!r}: " + (
+                f"a {' and a '.join(c.stage for c in found)} component; add --stage" if found
+                else f"no such component{did_you_mean(args.name, names)}; octfw list shows them all"))
+        return _show_component(found[0], as_json=args.json)
     components = registry.by_stage(args.stage)
     rows = [{"stage": c.stage, "name": c.name, "distribution": c.distribution,
              "version": c.version, "summary": c.summary} for c in components]

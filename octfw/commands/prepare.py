@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from octfw.commands._common import add_recipe_arguments, load_recipe_from_args, progress_bar
+from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.progress import progress_bar
 
 __all__ = ["add_parser"]
 

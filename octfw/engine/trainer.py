@@ -43,7 +43,7 @@ from octfw.schedules import effective_lr
 from octfw.registry import Registry
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.failures import storage_cause
-from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining
+from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining, TrainingDone
 
 __all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR"]
 
@@ -70,7 +70,8 @@ class RunSummary:
     checkpoint: str | None
     failed_saves: list[str]
     quarantined: int
-    stopped: str | None = None
+    stopped: str | None = None  #: why a guard or logger stopped the run (a problem)
+    finished_early: str | None = None  #: why a guard or logger ended it as done (a target reached)
     device: str = ""
     mfu: float | str | None = None  #: model FLOPs utilisation, or "unknown peak"
     skipped_saves: int = 0  #: checkpoints skipped because the previous save was still being written
@@ -201,6 +202,7 @@ class Trainer:
             # From the update step, not the checkpoint's per-process count: the global batch is the
             # checkpoint's (restore refuses another), so this is exact with any number of hosts.
             self.samples_done = self.start_step * self.local_samples_per_update
+        self.resumed_from = location  #: the checkpoint this run continues (None: from the start)
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
         loader = make_loader(source, recipe.engine.per_device_batch * backend.local_devices,
@@ -416,11 +418,17 @@ class Trainer:
 
         engine, total = self.recipe.engine, self.total
         if self.backend.is_main_process:
+            # Where the run is and what it trains, before the first step: a long run is watched
+            # from another terminal, and the resolved recipe is what --set made of the file.
+            log.info("run folder: %s (resolved recipe: %s)", self.run_dir, self.run_dir / "recipe.toml")
+            if self.resumed_from is not None:
+                log.info("resuming at update step %d of %d from %s", self.start_step, total, self.resumed_from)
             log.info(domain_report(self.parts.dataset, engine.domain_sampling))
             log.info(self.layout.describe())
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
         started, done, stopped, preempted = time.perf_counter(), self.start_step, None, False
+        finished_early = None
         with self.heartbeat, self.stop_requests:
             try:
                 for update_step in range(self.start_step, total):
@@ -440,6 +448,9 @@ class Trainer:
                     every = engine.checkpoint_every_steps
                     if every and done % every == 0 and done != total:
                         self.save_checkpoint(done)
+            except TrainingDone as reason:  # a target reached: done, not a failure
+                finished_early = str(reason)
+                self.guard_log.write(done, finished_early)
             except StopTraining as reason:
                 stopped = str(reason)
                 self.guard_log.write(done, stopped)
@@ -459,7 +470,8 @@ class Trainer:
             skipped_saves=len(self.saver.skipped), preempted=preempted,
             interrupted=self.stop_requests.stop_now, final_save_failed=final_save_failed,
             fallback_checkpoint=fallback,
-            quarantined=len(self.quarantine), stopped=stopped, device=self.device_name,
+            quarantined=len(self.quarantine), stopped=stopped, finished_early=finished_early,
+            device=self.device_name,
             mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),
         )
         if self.backend.is_main_process:

@@ -53,7 +53,7 @@ class ConsoleConfig:
 
     mode: str = doc(
         "'bar': a rich progress bar with live metrics; 'plain': one line per log step; "
-        "'auto': the bar when stdout is a terminal, else plain",
+        "'auto': the bar when stdout is a terminal or a Jupyter notebook, else plain",
         default="auto",
         validator=choices("auto", "bar", "plain"),
     )
@@ -143,13 +143,15 @@ def format_summary(summary: Mapping[str, Any], total_update_steps: int | None = 
         resume = "; resume with --resume auto" if get("preempted") else ""
         at_once = " (at once: no final save)" if get("interrupted") else ""
         rows.append(("stopped", [str(get("stopped")) + at_once + resume]))
+    if get("finished_early") is not None:
+        rows.append(("finished early", [str(get("finished_early"))]))
     if get("final_save_failed"):  # said only when it happened: the run failed, its state is here
         rows.append(("final save", [f"FAILED; the final state is in {get('fallback_checkpoint')}"
                                     if get("fallback_checkpoint") else "FAILED; no fallback copy could be written"]))
 
     known = {"update_steps", "total_update_steps", "first_loss", "last_loss", "skipped_updates",
              "samples_per_s", "elapsed_s", "checkpoint", "failed_saves", "skipped_saves", "quarantined",
-             "stopped", "preempted", "interrupted", "final_save_failed", "fallback_checkpoint"}
+             "stopped", "finished_early", "preempted", "interrupted", "final_save_failed", "fallback_checkpoint"}
     for key, value in summary.items():
         if key not in known and isinstance(value, (int, float, str, bool)):
             rows.append((str(key), [str(value)]))
@@ -180,8 +182,9 @@ class ConsoleLogger:
 
     def _use_bar(self) -> bool:
         if self.mode == "auto":
-            isatty = getattr(self.stream, "isatty", None)
-            return bool(isatty and isatty())
+            from octfw.progress import watched
+
+            return watched(self.stream)
         return self.mode == "bar"
 
     def start(self, total_update_steps: int, run_dir: Path, recipe: Mapping[str, Any]) -> None:
