@@ -28,7 +28,8 @@ import attrs
 
 from octfw.errors import UserError
 
-__all__ = ["Panel", "read_metrics", "plan_panels", "collapse_thresholds", "plot_run", "step_axis", "step_label"]
+__all__ = ["Panel", "read_metrics", "plan_panels", "none_skipped", "collapse_thresholds", "plot_run",
+           "plain_numbers", "step_axis", "step_label"]
 
 #: Panels of every plot: (title, metric keys; a trailing "/" means every key
 #: with that prefix). A panel whose keys were not logged says so.
@@ -136,7 +137,8 @@ def plan_panels(series: Mapping[str, Any], thresholds: Mapping[str, float] | Non
 
     Loss first; then target std, effective rank and the evaluators' scores
     when the log has them; then learning rate, gradient norm and skipped
-    updates (shown as "not logged" when absent).
+    updates (shown as "not logged" when absent; left out when none was
+    skipped, which the figure's title says instead).
     """
     thresholds = thresholds or {}
     (loss_title, loss_keys), *rest = PANELS
@@ -149,8 +151,15 @@ def plan_panels(series: Mapping[str, Any], thresholds: Mapping[str, float] | Non
     scores = _eval_keys(series)
     if scores:
         panels.append(Panel("evaluation (held-out, higher is better)", scores))
-    panels += [Panel(title, _matching(series, keys)) for title, keys in rest]
+    panels += [Panel(title, _matching(series, keys)) for title, keys in rest
+               if not (keys == ("skipped_updates",) and none_skipped(series))]
     return panels
+
+
+def none_skipped(series: Mapping[str, Any]) -> bool:
+    """The log has ``skipped_updates`` and it never left 0: a panel of zeros says nothing."""
+    values = series.get("skipped_updates", ((), ()))[1]
+    return bool(values) and all(v == 0 or math.isnan(v) for v in values)
 
 
 def _label(key: str) -> str:
@@ -179,10 +188,26 @@ def step_axis(axis: Any) -> None:
     axis.set_major_formatter(FuncFormatter(lambda value, _: step_label(value)))
 
 
-def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
+def plain_numbers(axis: Any) -> None:
+    """Tick labels of a log axis as numbers (0.3, 0.05), not powers of ten (3x10^-1)."""
+    from matplotlib.ticker import FuncFormatter
+
+    def minor(value: float, _: Any) -> str:  # 2 and 5 times a power of ten: enough, never crowded
+        mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9) if value > 0 else 0
+        return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))
+
+
+def plot_run(metrics_path: str | Path, png_path: str | Path,
+             lr_per_step: tuple[list[int], list[float]] | None = None) -> Path:
     """Draw the panels of :func:`plan_panels` for the log at ``metrics_path`` into ``png_path``.
 
     The collapse guard's thresholds come from ``recipe.toml`` beside the log.
+    ``lr_per_step``: the schedule at every update step (the logged LR is
+    sampled at log steps only, which can hide a short warmup), drawn as the
+    line with the logged values as points on it.
     """
     from matplotlib.figure import Figure  # heavy imports: only when a plot is drawn
 
@@ -195,6 +220,8 @@ def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
     fig = Figure(figsize=(8.0, 2.25 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True)
     for ax, panel in zip(axes, panels):
+        if panel.keys == ("lr",) and lr_per_step is not None:
+            ax.plot(*lr_per_step, label="schedule (every update step)", linewidth=1.2)
         for key in panel.keys:
             steps, values = series[key]
             overall = key == "loss"
@@ -202,22 +229,32 @@ def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
                 values = [math.nan if v == 0.0 else v for v in values]
             # Evaluations are few points far apart: always marked.
             marked = len(steps) < 50 or key.startswith("eval/")
+            if key == "lr" and lr_per_step is not None:
+                ax.plot(steps, values, ".", label="logged", markersize=4)
+                continue
             ax.plot(steps, values, label=_label(key), linewidth=2.0 if overall else 1.2,
                     marker="." if marked else None)
         for limit in panel.thresholds:
             ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1.0, label=f"collapse guard {limit:g}")
         if not panel.keys:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-        if len(panel.keys) + len(panel.thresholds) > 1:
+        if len(panel.keys) + len(panel.thresholds) + (panel.keys == ("lr",) and lr_per_step is not None) > 1:
             ax.legend(fontsize="small", loc="best")
         ax.set_ylabel(panel.title.split(" (")[0])
         ax.set_title(panel.title, fontsize="medium")
         ax.grid(True, alpha=0.3)
-    if "loss" in series and all(v > 0 for v in series["loss"][1] if not math.isnan(v)):
-        axes[0].set_yscale("log")  # losses span decades early in training
+        if panel.keys and panel.keys[0] in _GUARD_OPTIONS:
+            # From 0: noise in a healthy std of 0.05 must not look like a collapse.
+            ax.set_ylim(bottom=0.0)
+    losses = [v for v in series["loss"][1] if not math.isnan(v)]
+    if losses and min(losses) > 0 and max(losses) / min(losses) > 10:
+        axes[0].set_yscale("log")  # losses that span decades (early in training); linear otherwise
+        plain_numbers(axes[0].yaxis)
     axes[-1].set_xlabel("update step")
     step_axis(axes[-1].xaxis)
-    fig.suptitle(f"{metrics_path.parent.name}: {series['loss'][0][-1]} update steps logged")
+    run = metrics_path.parent  # runs/<recipe name>/<timestamp>
+    skipped = "; no update skipped" if none_skipped(series) else ""
+    fig.suptitle(f"{run.parent.name} run {run.name}: {series['loss'][0][-1]:,} update steps logged{skipped}")
 
     path = Path(png_path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Text tables for the command line, laid out by rich.
+"""Text for people: tables laid out by rich, and counted nouns.
 
 Every table octfw prints (``octfw list``, ``octfw bench``, ``octfw eval``'s
 reports) goes through :func:`render_table`, so they share one look: a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 from typing import Iterable, Sequence
 
-__all__ = ["render_table"]
+__all__ = ["render_table", "counted"]
 
 
 def render_table(header: Sequence[str], rows: Iterable[Sequence[str]], *, right: Iterable[int] = (),
@@ -39,3 +39,8 @@ def render_table(header: Sequence[str], rows: Iterable[Sequence[str]], *, right:
                       emoji=False, legacy_windows=False)
     console.print(Padding(table, (0, 0, 0, indent)) if indent else table)
     return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").split("\n"))
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 file``, ``2 files``, ``0 files``: a count with its noun in the right number."""
+    return f"{count} {noun if count == 1 else (plural or noun + 's')}"

@@ -157,6 +157,8 @@ def test_label_efficiency_prints_a_table_and_writes_a_png_and_a_csv(short_run, e
     assert main(["eval", *args]) == 0
     table = capsys.readouterr().out
     assert "attentive-probe:" in table and " ± " in table and f"png       {png}" in table
+    all_rows = [line for line in table.splitlines() if line.strip().startswith("all ")]
+    assert all_rows and not any("±" in line for line in all_rows)  # one draw: its value, no spread
     # Written again by the second run: seeded draws and deterministic probes give the same numbers.
     assert png.with_suffix(".csv").read_text(encoding="utf-8") == first_csv
 

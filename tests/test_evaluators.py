@@ -280,6 +280,13 @@ def test_octfw_eval_compares_a_checkpoint_with_a_seeded_random_encoder(paired_ru
     assert main(["eval", str(paired_runs["plain"]), "--recipe", str(recipe)]) == 0
     table = capsys.readouterr().out
     assert "random init" in table and "knn/accuracy/heidelberg" in table
+    row = next(line.split() for line in table.splitlines() if line.startswith("knn/accuracy "))
+    assert float(row[3]) == pytest.approx(float(row[1]) - float(row[2]), abs=1.5e-3)  # the difference column
+
+    # Evaluating a run folder keeps the results in it: the JSON and the table printed.
+    kept = paired_runs["plain"] / "eval" / f"target-{recipe.stem}"
+    assert json.loads(kept.with_suffix(".json").read_text())["pretrained"] == report["pretrained"]
+    assert kept.with_suffix(".txt").read_text().strip() == table.split("\njson ")[0].strip()
 
 
 def test_octfw_eval_reports_every_recipe_problem(tmp_path, capsys):

@@ -113,8 +113,9 @@ def test_plot_puts_collapse_signals_and_evaluations_next_to_the_loss(tmp_path):
         'guard = [{ name = "nan-skip" }, { name = "collapse", min_std = 0.01, min_effective_rank = 2.0 }]\n')
     series = read_metrics(tmp_path / "metrics.jsonl")
     panels = plan_panels(series, collapse_thresholds(tmp_path))
+    # No update was skipped: a panel of zeros would say nothing (the title says it instead).
     assert [p.title.split(" (")[0] for p in panels] == [
-        "loss", "target std", "effective rank", "evaluation", "learning rate", "gradient norm", "skipped updates"]
+        "loss", "target std", "effective rank", "evaluation", "learning rate", "gradient norm"]
     loss, std, rank, evaluation = panels[:4]
     assert std.keys == ("metric/target_std",) and std.thresholds == (0.01,)
     assert rank.keys == ("metric/effective_rank",) and rank.thresholds == (2.0,)
@@ -209,3 +210,20 @@ def test_lr_refuses_warm_restarts_with_the_step_and_values_after_drawing_them(
     assert "rises after warmup at update step 5: 2.5e-04 -> 5.0e-04" in captured.err
     assert "warm-restarts" in captured.err and "refused" in captured.err
     assert png.stat().st_size > MIN_PNG_BYTES  # drawn first, to see what was refused
+
+
+def test_the_plot_draws_the_lr_schedule_at_every_step_through_the_logged_values(tiny_recipe, capsys):
+    """The log samples the LR at log steps; the plot rebuilds the run's schedule for every step,
+    and it passes through every logged value (same step numbering as metrics.jsonl)."""
+    from octfw.commands.plot import _schedule
+
+    assert main(["run", str(tiny_recipe), "--set", "run.max_steps=6", "--set", "engine.log_every_steps=2",
+                 "--set", "scheduler.warmup=3"]) == 0
+    [run_dir] = (tiny_recipe.parent / "runs" / tiny_recipe.stem).iterdir()
+    steps, lr = _schedule(run_dir)
+    assert steps == [1, 2, 3, 4, 5, 6]
+    logged_steps, logged_lr = read_metrics(run_dir / "metrics.jsonl")["lr"]
+    assert logged_steps == [2, 4, 6]
+    assert [lr[s - 1] for s in logged_steps] == pytest.approx(logged_lr, rel=1e-6)
+    assert lr[0] < lr[1] < lr[2]  # the warmup, between log steps
+    assert main(["plot", str(run_dir)]) == 0 and (run_dir / "run.png").stat().st_size > MIN_PNG_BYTES

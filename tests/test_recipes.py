@@ -122,6 +122,31 @@ def test_extends_with_another_component_drops_the_parents_options(write_recipe, 
     assert load_recipe(child, (), registry).scheduler.name == "constant"
 
 
+GUARDED = TINY_RECIPE + '\n[[guard]]\nname = "nan-skip"\n\n[[guard]]\nname = "grad-clip"\nmax_norm = 1.0\n'
+
+
+def test_extends_replaces_an_array_of_tables_unless_the_child_appends(write_recipe, registry):
+    write_recipe(GUARDED, "base.toml")
+    replaced = write_recipe('extends = "base.toml"\n[[guard]]\nname = "lr-positive"\n', "replaced.toml")
+    assert [g.name for g in load_recipe(replaced, (), registry).guards] == ["lr-positive"]
+
+    appended = write_recipe('extends = "base.toml"\nappend = ["guard"]\n[[guard]]\nname = "lr-positive"\n'
+                            '[[guard]]\nname = "grad-clip"\nmax_norm = 0.5\n', "appended.toml")
+    guards = load_recipe(appended, (), registry).guards
+    assert [g.name for g in guards] == ["nan-skip", "grad-clip", "lr-positive"]
+    assert guards[1].config.max_norm == 0.5  # the child's options for a guard the parent lists
+
+
+def test_append_mistakes_name_the_file_and_the_array(write_recipe, registry):
+    write_recipe(GUARDED, "base.toml")
+    nothing = write_recipe('extends = "base.toml"\nappend = ["logger"]\n', "nothing.toml")
+    with pytest.raises(UserError, match=r"append = \['logger'\]: this file has no \[\[logger\]\] tables"):
+        load_recipe(nothing, (), registry)
+    alone = write_recipe(GUARDED.replace("[run]", 'append = ["guard"]\n[run]', 1), "alone.toml")
+    with pytest.raises(UserError, match="only a recipe that extends another can append"):
+        load_recipe(alone, (), registry)
+
+
 def test_extends_cycle_is_refused(write_recipe, registry):
     write_recipe('extends = "b.toml"\n', "a.toml")
     b = write_recipe('extends = "a.toml"\n', "b.toml")

@@ -429,3 +429,14 @@ def test_effective_rank_compiles_without_a_graph_break():
     assert torch.allclose(compiled(features), effective_rank(features))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compiled(features).dtype == torch.float32
+
+
+def test_the_preset_sizes_octfw_list_shows_are_the_models_parameter_counts():
+    from octfw.models.vjepa3d.config import PRESET_PARAMETERS, PRESETS
+    from octfw.models.vjepa3d.model import VJEPA3D
+
+    for name, sizes in PRESETS.items():
+        model = VJEPA3D(image_size=(16, 64, 64), patch_size=(4, 16, 16), in_channels=1, **sizes)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        encoder = sum(p.numel() for p in model.encoder.parameters())
+        assert (trainable, encoder) == PRESET_PARAMETERS[name], name

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             report = compare_checkpoints(args.source, recipe, registry, args.checkpoints, progress)
         png = plot_checkpoints(report, args.png or _default_png(args.source, "eval_checkpoints.png"),
                                args.metric)
-        _print(args, report, format_checkpoints, {"png": str(png)})
+        _print(args, report, format_checkpoints, {"png": str(png)}, "checkpoints")
         return 0
 
     target = load_target(args.source, recipe.run.seed, registry)
@@ -100,20 +100,36 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar("eval", text="loading volumes") as progress:
             report = evaluate_shots(target, recipe, registry, shots, draws, progress)
         png, table = write_shots(report, args.png or _default_png(args.source, "eval_shots.png"), args.metric)
-        _print(args, report, format_shots, {"png": str(png), "csv": str(table)})
+        _print(args, report, format_shots, {"png": str(png), "csv": str(table)}, "shots")
         return 0
 
     with progress_bar("eval", text="loading volumes") as progress:
         report = evaluate_target(target, recipe, registry, progress)
-    _print(args, report, format_report, {})
+    _print(args, report, format_report, {}, "target")
     return 0
 
 
-def _print(args: argparse.Namespace, report: Any, formatter: Any, files: dict[str, str]) -> None:
+def _print(args: argparse.Namespace, report: Any, formatter: Any, files: dict[str, str], kind: str) -> None:
+    """The report on stdout (a table, or JSON with --json); for a run folder, also kept in it."""
+    text = formatter(report)
+    if Path(args.source).is_dir():  # a run folder: the results stay with the run
+        files = {**files, **_keep(Path(args.source), f"{kind}-{Path(args.recipe).stem}", report, text)}
     if args.json:
         json.dump({**report.as_dict(), **files}, sys.stdout, indent=2)
         print()
         return
-    print(formatter(report))
-    for kind, path in files.items():
-        print(f"{kind.ljust(9)} {path}")
+    print(text)
+    for name, path in files.items():
+        print(f"{name.ljust(9)} {path}")
+
+
+def _keep(run_dir: Path, name: str, report: Any, text: str) -> dict[str, str]:
+    """``<run_dir>/eval/<name>.json`` and ``.txt`` (written atomically; a later eval replaces them)."""
+    from octfw.storage.files import write_atomically
+
+    folder = run_dir / "eval"
+    folder.mkdir(exist_ok=True)
+    kept = {"json": folder / f"{name}.json", "table": folder / f"{name}.txt"}
+    write_atomically(str(kept["json"]), (json.dumps(report.as_dict(), indent=2) + "\n").encode("utf-8"))
+    write_atomically(str(kept["table"]), (text + "\n").encode("utf-8"))
+    return {key: str(path) for key, path in kept.items()}

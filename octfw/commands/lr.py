@@ -48,7 +48,13 @@ def schedule_for(recipe: Any, registry: Any, devices: int = 1) -> tuple[Any, int
     steps_per_epoch = None
     total = recipe.run.max_steps
     if by_epochs:
-        dataset = recipe.dataset.build(ctx)
+        try:
+            dataset = recipe.dataset.build(ctx)
+        except UserError as exc:  # say why the data is read at all, and how to do without it
+            raise UserError(f"run.epochs = {recipe.run.epochs} counts update steps from the dataset's size, "
+                            f"and [dataset] {recipe.dataset.name!r} could not be read: {exc}. Point it at "
+                            "your data (e.g. --set dataset.path=...), or give the length in steps: "
+                            "--set run.max_steps=N with run.epochs left out of the recipe") from None
         if len(dataset) == 0:
             raise UserError(f"dataset {recipe.dataset.name!r} lists no files")
         layout = BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,

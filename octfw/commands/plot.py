@@ -30,5 +30,30 @@ def run(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a folder; give a run folder, e.g. runs/quickstart/20260101-120000")
     png = Path(args.png) if args.png else run_dir / "run.png"
-    print(f"plot      {plot_run(run_dir / args.metrics, png)}")
+    print(f"plot      {plot_run(run_dir / args.metrics, png, _schedule(run_dir))}")
     return 0
+
+
+def _schedule(run_dir: Path) -> tuple[list[int], list[float]] | None:
+    """The run's LR at every update step, from its saved recipe's scheduler (the log samples
+    it at log steps only); None when that cannot be rebuilt here (a plugin not installed)."""
+    import json
+    import logging
+
+    import attrs
+
+    from octfw.commands._common import load_registry_once
+    from octfw.errors import UserError
+    from octfw.recipe import load_recipe
+    from octfw.schedules import simulate
+
+    try:
+        total = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["total_update_steps"]
+        registry = load_registry_once()
+        recipe = load_recipe(run_dir / "recipe.toml", (), registry)
+        ctx = attrs.evolve(recipe.build_context(registry=registry), total_update_steps=int(total))
+        lr = simulate(recipe.scheduler.build(ctx), int(total), recipe.engine.base_lr)["lr"]
+    except (OSError, KeyError, ValueError, UserError) as exc:  # the logged LR is still drawn
+        logging.getLogger(__name__).debug("LR schedule not rebuilt for the plot: %s", exc)
+        return None
+    return [step + 1 for step in range(len(lr))], [float(v) for v in lr]

@@ -6,6 +6,8 @@ import argparse
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
 from octfw.progress import progress_bar
+from octfw.storage.failures import format_bytes
+from octfw.tables import counted
 
 __all__ = ["add_parser"]
 
@@ -55,24 +57,23 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers}: must be at least 1")
-    with progress_bar("prepare", unit="volumes") as progress:
+    with progress_bar("prepare", unit="volumes", text="starting the Dask cluster") as progress:
         summary = prepare_dataset(recipe, registry, args.out, scheduler=args.scheduler, workers=args.workers,
                                   dtype=args.dtype, add=args.add, replace=args.replace, prune=args.prune,
                                   progress=progress)
-    per_volume = summary.stored_bytes / max(summary.volumes, 1) / 2**20
-    print(f"prepared  {summary.location}: {summary.volumes} volumes ({summary.prepared} sources read now, "
+    per_volume = format_bytes(summary.stored_bytes / max(summary.volumes, 1))
+    print(f"prepared  {summary.location}: {counted(summary.volumes, 'volume')} ({summary.prepared} sources read now, "
           f"{summary.reused} done before), {summary.quarantined} quarantined, {summary.removed} removed; "
-          f"{summary.stored_bytes / 2**30:.2f} GiB stored ({per_volume:.2f} MiB per volume) "
-          f"in {summary.seconds:.0f} s")
+          f"{format_bytes(summary.stored_bytes)} stored ({per_volume} per volume) in {summary.seconds:.0f} s")
     if summary.kept:
         print(f"          {summary.kept} of the volumes are other datasets' (added before)")
     if summary.removed:
         named = ", ".join(summary.removed_sources[:_NAMED])
         more = len(summary.removed_sources) - _NAMED
-        print(f"          removed {summary.removed} volumes no longer listed: {named}"
+        print(f"          removed {counted(summary.removed, 'volume')} no longer listed: {named}"
               + (f" and {more} more" if more > 0 else ""))
     if summary.stale:
-        print(f"          {summary.stale} volumes no longer listed (files removed or rewritten) are kept for "
+        print(f"          {counted(summary.stale, 'volume')} no longer listed (files removed or rewritten) kept for "
               "trainers still reading the previous snapshot; run again with --prune to remove them")
     if summary.quarantined:
         print(f"          the files that could not be used and why: {summary.quarantine_file}")

@@ -20,6 +20,8 @@ from typing import Any
 import attrs
 import torch
 
+from octfw.tables import counted
+
 __all__ = ["BatchLayout", "init_process_group", "is_ddp", "broadcast_object", "all_reduce_",
            "min_across_ranks"]
 
@@ -67,14 +69,12 @@ class BatchLayout:
         """One line, e.g. for a TPU v4-32: ``global batch 32 = per_device_batch 1 x 16
         devices x grad_accum_steps 2; 4 processes x 4 devices: each process loads 4
         samples per micro-step, 8 per update step``."""
-        devices = "device" if self.devices == 1 else "devices"
-        per_process = "device" if self.devices_per_process == 1 else "devices"
-        split = (f"{self.processes} process loads" if self.processes == 1 else
-                 f"{self.processes} processes x {self.devices_per_process} {per_process}: "
+        split = ("1 process loads" if self.processes == 1 else
+                 f"{self.processes} processes x {counted(self.devices_per_process, 'device')}: "
                  "each process loads")
         return (f"global batch {self.global_batch} = per_device_batch {self.per_device_batch} x "
-                f"{self.devices} {devices} x grad_accum_steps {self.grad_accum_steps}; {split} "
-                f"{self.process_micro_batch} samples per micro-step, "
+                f"{counted(self.devices, 'device')} x grad_accum_steps {self.grad_accum_steps}; {split} "
+                f"{counted(self.process_micro_batch, 'sample')} per micro-step, "
                 f"{self.process_batch} per update step")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
@@ -123,6 +123,11 @@ def _lookup(report: ShotsReport) -> dict[tuple[str, str, str, str], dict[str, An
     return {(r["encoder"], r["evaluator"], r["shots"], r["metric"]): r for r in report.rows}
 
 
+def _mean_spread(row: Mapping[str, Any]) -> str:
+    """``0.812 ± 0.031`` over several draws; ``0.812`` for one (a spread of one draw is not 0)."""
+    return f"{row['mean']:.3f}" if row["draws"] < 2 else f"{row['mean']:.3f} ± {row['std']:.3f}"
+
+
 def format_shots(report: ShotsReport) -> str:
     """One table per evaluator: rows = shot counts, columns = balanced accuracy and AUROC
     (mean ± std over draws) of the pretrained and the random encoder."""
@@ -130,7 +135,8 @@ def format_shots(report: ShotsReport) -> str:
     lines = [f"encoder   {report.location}{step}",
              f"baseline  same architecture, randomly initialised (seed {report.seed})",
              f"device    {report.device}",
-             f"draws     {report.draws} per shot count ('all': 1); mean ± std over draws", ""]
+             f"draws     {report.draws} per shot count ('all': 1); mean ± std over draws (a single "
+             "draw: its value)", ""]
     rows = _lookup(report)
     for evaluator in dict.fromkeys(r["evaluator"] for r in report.rows):
         metrics = [m for m in TABLE_METRICS if ("pretrained", evaluator, report.shots[0], m) in rows]
@@ -142,7 +148,7 @@ def format_shots(report: ShotsReport) -> str:
             for metric in metrics:
                 for encoder in ("pretrained", "random_init"):
                     row = rows.get((encoder, evaluator, shots, metric))
-                    cells.append("-" if row is None else f"{row['mean']:.3f} ± {row['std']:.3f}")
+                    cells.append("-" if row is None else _mean_spread(row))
             table.append(cells)
         lines.append(f"{evaluator}:")
         lines += [render_table(header, table[1:], right=range(len(header)), indent=2), ""]

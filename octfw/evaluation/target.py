@@ -283,6 +283,14 @@ def format_value(scores: Mapping[str, float], key: str) -> str:
     return text if low is None or high is None else f"{text} [{low:.2f}, {high:.2f}]"
 
 
+def _difference(report: EvalReport, key: str) -> str:
+    """``+0.125``: pretrained minus random init (the gain pretraining bought); ``-`` when one is missing."""
+    pretrained, random_init = report.pretrained.get(key), report.random_init.get(key)
+    if pretrained is None or random_init is None:
+        return "-"
+    return f"{pretrained - random_init:+.3f}"
+
+
 def format_report(report: EvalReport) -> str:
     """A plain-text table: one row per metric, pretrained next to random init;
     an AUROC or AUPRC carries its bootstrap 95 % interval in brackets."""
@@ -293,9 +301,10 @@ def format_report(report: EvalReport) -> str:
     keys = list(report.pretrained) + [k for k in report.random_init if k not in report.pretrained]
     keys = [k for k in keys if not is_interval_key(k.partition("/")[2])]
     lines.append(render_table(
-        ["metric", "pretrained", "random init"],
-        [[key, format_value(report.pretrained, key), format_value(report.random_init, key)] for key in keys],
-        right=(1, 2)))
+        ["metric", "pretrained", "random init", "difference"],
+        [[key, format_value(report.pretrained, key), format_value(report.random_init, key),
+          _difference(report, key)] for key in keys],
+        right=(1, 2, 3)))
     if any(is_interval_key(k.partition("/")[2]) for k in report.pretrained):
         lines += ["", INTERVAL_LEGEND]
     return "\n".join(lines)

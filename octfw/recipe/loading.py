@@ -74,18 +74,31 @@ def read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]
         raise UserError(f"{path}: recipes extend each other in a cycle: {chain}")
     data = _read_toml(path)
     parent_ref = data.pop("extends", None)
+    append = data.pop("append", [])
     if parent_ref is None:
+        if append:
+            raise UserError(f"{path}: append: only a recipe that extends another can append to its arrays")
         return data
     if not isinstance(parent_ref, str):
         raise UserError(f"{path}: extends: expected a file name, got {parent_ref!r}")
     parent_path = path.parent / parent_ref
     if not parent_path.exists():
         raise UserError(f"{path}: extends: {parent_ref!r} not found (looked for {parent_path})")
-    return merge(read_with_extends(parent_path, (*seen, path)), data)
+    parent = read_with_extends(parent_path, (*seen, path))
+    if not isinstance(append, list) or not all(isinstance(key, str) for key in append):
+        raise UserError(f"{path}: append: expected a list of array names, e.g. append = [\"guard\"]")
+    for key in append:
+        if not isinstance(data.get(key), list):
+            raise UserError(f"{path}: append = [{key!r}]: this file has no [[{key}]] tables to append")
+        if not isinstance(parent.get(key, []), list):
+            raise UserError(f"{path}: append = [{key!r}]: {parent_ref} has no array {key!r} to append to")
+    return merge(parent, data, append=tuple(append))
 
 
-def merge(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
-    """Child values win; tables merge key by key; arrays (of tables) replace.
+def merge(base: Mapping[str, Any], child: Mapping[str, Any], append: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Child values win; tables merge key by key; arrays (of tables) replace, unless
+    their key is in ``append``: then the child's tables are added after the parent's,
+    and a child table naming a component the parent lists takes that one's place.
 
     A stage table whose ``name`` changes drops the parent's options, which
     belonged to the other component.
@@ -93,13 +106,29 @@ def merge(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in child.items():
         old = out.get(key)
-        if isinstance(old, dict) and isinstance(value, dict):
+        if key in append:
+            out[key] = _appended(list(old or []), value)
+        elif isinstance(old, dict) and isinstance(value, dict):
             if "name" in value and "name" in old and value["name"] != old["name"]:
                 out[key] = dict(value)
             else:
                 out[key] = merge(old, value)
         else:
             out[key] = value
+    return out
+
+
+def _appended(parent: list[Any], child: list[Any]) -> list[Any]:
+    def name(table: Any) -> Any:
+        return table.get("name") if isinstance(table, dict) else None
+
+    out = list(parent)
+    for table in child:
+        same = [i for i, kept in enumerate(out) if name(kept) is not None and name(kept) == name(table)]
+        if same:
+            out[same[0]] = table  # the child's options for a component the parent lists
+        else:
+            out.append(table)
     return out
 
 

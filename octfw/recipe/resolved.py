@@ -42,7 +42,7 @@ DEFAULT_STAGES: dict[str, Any] = {
     "evaluator": [],
 }
 CORE_TABLES = {"run": RunConfig, "engine": EngineConfig}
-TOP_LEVEL_KEYS = ["extends", *CORE_TABLES, *(table for _hook, table, _many in STAGES.values())]
+TOP_LEVEL_KEYS = ["extends", "append", *CORE_TABLES, *(table for _hook, table, _many in STAGES.values())]
 
 
 def stage_attribute(stage: str) -> str:

@@ -107,7 +107,7 @@ def read_manifest(url: str) -> list[ManifestRow]:
         with open_file(url) as f:
             text = f.read().decode("utf-8-sig")
     except FileNotFoundError:
-        raise UserError(f"manifest not found: {url}") from None
+        raise UserError(f"dataset.path: manifest not found: {url}") from None
     except UnicodeDecodeError:
         raise UserError(f"{url}: not UTF-8 text") from None
 

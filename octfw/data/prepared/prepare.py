@@ -72,6 +72,7 @@ from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.storage.files import open_filesystem, write_atomically
 from octfw.storage.owner import FolderOwner
+from octfw.tables import counted
 
 __all__ = ["PrepareSummary", "prepare_dataset", "check_out", "LEASE_S"]
 
@@ -405,7 +406,8 @@ def prepare_dataset(recipe: Recipe, registry: Registry, location: str, *, schedu
         if previous is None or not previous.complete:
             # No snapshot to keep: mark the location partly written before any work.
             write_atomically(join(location, HEADER_FILE), header.to_bytes())
-        report(f"prepare   {len(dataset)} volumes of {dataset!r} -> {location}{plan.note}")
+        report(f"prepare   {counted(len(dataset), 'source')} of [dataset] {recipe.dataset.name!r} -> "
+               f"{location}{plan.note}")
         summary = _prepare(dataset, transform, location, fs, root, header, previous, plan, this=dataset_id(table),
                            scheduler=scheduler, workers=workers, dtype=dtype, progress=progress, report=report)
     return attrs.evolve(summary, seconds=time.perf_counter() - started)

@@ -27,6 +27,23 @@ PRESETS: dict[str, dict[str, Any]] = {
                  predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, mlp_ratio=4.0),
 }
 
+#: Parameters of each preset with one input channel and patch (4, 16, 16) (they do not
+#: depend on the image size: position embeddings are fixed sin-cos): trainable (context
+#: encoder + predictor) and the exported encoder's. tests/test_vjepa3d.py checks them.
+PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
+    "tiny": (658_560, 545_952),
+    "small": (29_333_120, 21_687_936),
+    "base": (107_728_896, 85_843_200),
+}
+
+
+def _preset_sizes() -> str:
+    return "; ".join(
+        f"'{name}': width {p['embed_dim']}, depth {p['depth']}, {p['num_heads']} heads, "
+        f"{PRESET_PARAMETERS[name][0] / 1e6:.1f}M trainable, encoder {PRESET_PARAMETERS[name][1] / 1e6:.1f}M"
+        for name, p in PRESETS.items())
+
+
 LOSS_CHOICES = ("l1", "mse", "nmse")
 
 
@@ -57,7 +74,8 @@ class VJEPA3DConfig:
     """V-JEPA with a 3D ViT: context encoder, narrower predictor, EMA target encoder."""
 
     preset: str = doc(
-        "network size: 'tiny' (CPU quickstart), 'small' (the seeds' 29.4M model), 'base'",
+        "network size: 'tiny' (CPU quickstart), 'small' (the seeds' 29.4M model), 'base'. "
+        f"{_preset_sizes()} (patch 4x16x16, one channel)",
         default="small", validator=choices(*PRESETS),
     )
     patch_size: tuple[int, int, int] = doc(
