@@ -23,19 +23,21 @@ a plain dict that ``torch.load(weights_only=True)`` reads:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-from octfw.errors import UserError
+from octfw.errors import CorruptFile, UserError
 from octfw.models.vit3d import ViT3DEncoder
-from octfw.recipe import Recipe
+from octfw.recipe import Recipe, build_component
 from octfw.registry import Registry
 from octfw.storage.files import write_atomically
+from octfw.types import BuildContext, Provenance, Sample
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "export_encoder", "find_checkpoint",
-           "load_encoder"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
+           "embed_to_csv", "find_checkpoint", "load_encoder", "open_volumes"]
 
 FORMAT = "octfw-encoder"
 FORMAT_VERSION = 1
@@ -54,6 +56,7 @@ class PretrainedEncoder(nn.Module):
         super().__init__()
         self.encoder = encoder
         self.info = dict(info)
+        self._transform: Any = None  # built on the first embed()
 
     @property
     def image_size(self) -> tuple[int, int, int]:
@@ -88,8 +91,166 @@ class PretrainedEncoder(nn.Module):
         """One embedding per volume: the mean of its patch tokens, ``[B, E]``."""
         return self(volume).mean(dim=1)
 
+    # --- volumes as users have them ----------------------------------------
+
+    def embed(self, data: Any, spacing: Sequence[float] | None = None, *, tokens: bool = False,
+              batch_size: int = 4, registry: Registry | None = None) -> torch.Tensor:
+        """Embed volumes as you have them, prepared as this encoder's training prepared its own.
+
+        ``data``: a DICOM file, a raw vendor file (.e2e, .fds, .fda, .img, .OCT),
+        a folder, glob or manifest of DICOM files, a numpy array or tensor
+        ``[D, H, W]`` of raw intensities with its ``spacing`` (dz, dy, dx) in mm,
+        or a list of these. The exported ``[transform]`` resamples, normalises
+        and fits each volume (``info['transform']``). Returns ``[N, E]`` (the mean
+        of the patch tokens) or, with ``tokens``, ``[N, T, E]``; one row per
+        volume, in order. A file that cannot be used raises UserError naming it.
+        """
+        prepared = [self.prepare(sample, registry) for sample in self.samples(data, spacing, registry)]
+        if not prepared:
+            raise UserError("embed: no volume given")
+        device = next(self.parameters()).device
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(prepared), batch_size):
+                batch = torch.from_numpy(np.stack(prepared[start:start + batch_size])).to(device)
+                out.append(self(batch) if tokens else self.pool(batch))
+        return torch.cat(out)
+
+    def samples(self, data: Any, spacing: Sequence[float] | None = None,
+                registry: Registry | None = None) -> Iterator[Sample]:
+        """The raw volumes of ``data`` (see :meth:`embed`), one :class:`~octfw.types.Sample` each."""
+        items = data if isinstance(data, (list, tuple)) else [data]
+        for item in items:
+            if isinstance(item, (str, Path)):
+                dataset = open_volumes(item, registry or self._registry())
+                for index in range(len(dataset)):
+                    try:
+                        yield dataset.load(index)
+                    except CorruptFile as bad:
+                        raise UserError(f"embed: {bad.url}: {bad.reason}") from None
+            else:
+                yield array_sample(item, spacing)
+
+    def prepare(self, sample: Sample, registry: Registry | None = None) -> np.ndarray:
+        """``[C, D, H, W]`` float32: ``sample`` as the encoder's training transform prepared volumes."""
+        if self._transform is None:
+            self._transform = self._build_transform(registry or self._registry())
+        volume = np.asarray(self._transform.prepare(sample), dtype=np.float32)
+        return volume[None] if volume.ndim == 3 else volume
+
+    def _registry(self) -> Registry:
+        from octfw.registry import load_registry
+
+        return load_registry()
+
+    def _build_transform(self, registry: Registry) -> Any:
+        table = dict(self.info.get("transform") or {})
+        if not table:
+            raise UserError("embed: this export records no [transform]; prepare volumes yourself and call "
+                            "the encoder on [B, C, D, H, W] tensors")
+        table["cache"] = False  # one-off embedding: nothing to keep on disk
+        ctx = BuildContext(recipe_dir=Path.cwd(), cache_dir=Path.cwd(), run_dir=None, seed=0,
+                           image_size=self.image_size, patch_size=self.patch_size,
+                           in_channels=self.in_channels, registry=registry)
+        transform = build_component(registry, "transform", table, ctx, "the exported [transform]")
+        if not callable(getattr(transform, "prepare", None)):
+            raise UserError(f"embed: transform {table.get('name')!r} has no deterministic prepare()")
+        return transform
+
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, patch_size={self.patch_size}, embed_dim={self.embed_dim}"
+
+
+#: Suffixes of the raw vendor formats oct-converter reads (the ``oct-vendor`` dataset).
+VENDOR_SUFFIXES = (".e2e", ".fds", ".fda", ".img", ".oct")
+#: The file that marks a store written by ``octfw prepare`` (its header).
+PREPARED_HEADER = "prepared.json"
+
+
+def open_volumes(location: str | Path, registry: Registry) -> Any:
+    """The volumes at ``location`` as a dataset, built through the registry like a recipe's:
+    a store written by ``octfw prepare`` (``prepared``), a raw vendor file (``oct-vendor``),
+    else DICOM files, a folder, glob or manifest of them (``dicom``)."""
+    from octfw.storage.files import open_filesystem
+
+    text = str(location)
+    fs, root = open_filesystem(text, setting="embed")
+    if fs.exists(f"{root.rstrip('/')}/{PREPARED_HEADER}"):
+        name = "prepared"
+    elif Path(text).suffix.lower() in VENDOR_SUFFIXES:
+        name = "oct-vendor"
+    else:
+        name = "dicom"
+    local = text if "://" in text else str(Path(text).absolute())
+    ctx = BuildContext(recipe_dir=Path.cwd(), cache_dir=Path.cwd(), run_dir=None, seed=0, registry=registry)
+    return build_component(registry, "dataset", {"name": name, "path": local}, ctx, str(location))
+
+
+def array_sample(volume: Any, spacing: Sequence[float] | None) -> Sample:
+    """A raw ``[D, H, W]`` array or tensor as a Sample; its spacing in mm is required."""
+    array = volume.detach().cpu().numpy() if isinstance(volume, torch.Tensor) else np.asarray(volume)
+    if array.ndim != 3:
+        raise UserError(f"embed: expected a volume [D, H, W], got an array of shape {list(array.shape)} "
+                        "(a prepared [B, C, D, H, W] tensor goes to encoder(tensor) directly)")
+    if spacing is None or len(spacing) != 3 or not all(float(s) > 0 for s in spacing):
+        raise UserError(f"embed: an array needs spacing=(dz, dy, dx) in mm (> 0), got {spacing!r}")
+    provenance = Provenance("array", "unknown", tuple(float(s) for s in spacing), tuple(array.shape))
+    return Sample(array.astype(np.float32, copy=False), provenance)
+
+
+def embed_to_csv(encoder: PretrainedEncoder, location: str | Path, out: str | Path, *,
+                 registry: Registry, batch_size: int = 4,
+                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """``octfw embed``: one CSV row per usable volume at ``location`` (source, domain, label,
+    e0 ... e{E-1}: the pooled embedding), written atomically; a file that cannot be used is
+    skipped and listed in ``<out>.quarantine.jsonl`` with the reason. Returns a summary."""
+    import csv
+    import io
+    import json
+
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: the folder {out.parent} does not exist")
+    dataset = open_volumes(location, registry)
+    rows: list[list[Any]] = []
+    quarantined: list[dict[str, str]] = []
+    pending: list[tuple[Sample, np.ndarray]] = []
+
+    def flush() -> None:
+        batch = torch.from_numpy(np.stack([volume for _, volume in pending]))
+        with torch.no_grad():
+            pooled = encoder.pool(batch.to(next(encoder.parameters()).device)).cpu().numpy()
+        for (sample, _), vector in zip(pending, pooled):
+            provenance = sample.provenance
+            rows.append([provenance.source, provenance.domain,
+                         "" if provenance.label is None else provenance.label, *map(float, vector)])
+        pending.clear()
+
+    for index in range(len(dataset)):
+        try:
+            sample = dataset.load(index)
+            pending.append((sample, encoder.prepare(sample, registry)))
+        except CorruptFile as bad:
+            quarantined.append({"source": bad.url, "reason": bad.reason})
+        if len(pending) == batch_size:
+            flush()
+        if progress is not None:
+            progress(index + 1, len(dataset))
+    if pending:
+        flush()
+    if not rows:
+        raise UserError(f"{location}: none of its {len(dataset)} volumes could be used"
+                        + (f" (first: {quarantined[0]['source']}: {quarantined[0]['reason']})" if quarantined else ""))
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["source", "domain", "label", *(f"e{i}" for i in range(encoder.embed_dim))])
+    writer.writerows(rows)
+    write_atomically(str(out), text.getvalue().encode("utf-8"))
+    quarantine_file = out.with_name(out.name + ".quarantine.jsonl")
+    if quarantined:
+        write_atomically(str(quarantine_file), "".join(json.dumps(q) + "\n" for q in quarantined).encode("utf-8"))
+    return {"out": str(out), "volumes": len(rows), "quarantined": len(quarantined),
+            "quarantine_file": str(quarantine_file) if quarantined else None, "embed_dim": encoder.embed_dim}
 
 
 # --------------------------------------------------------------------------

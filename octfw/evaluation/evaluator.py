@@ -47,15 +47,11 @@ __all__ = ["Encoded", "FeatureEvaluator", "PooledFeatureEvaluator", "LinearProbe
 def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str) -> Any:
     """Build the ``stage`` component a ``{ name = ..., options }`` table names,
     with the command's registry (``ctx.registry``)."""
-    from octfw.recipe import structure_stage
+    from octfw.recipe import build_component
 
     if ctx.registry is None:
         raise TypeError(f"{where}: the build context carries no registry to build a {stage} with")
-    spec, problems = structure_stage(ctx.registry, stage, table, "")
-    if spec is None or problems:
-        raise UserError(f"{where}: " + "; ".join(f"{path}: {message}" if path else message
-                                                 for path, message in problems))
-    return spec.build(ctx)
+    return build_component(ctx.registry, stage, table, ctx, where)
 
 
 def _check_labels_early(dataset: Any, where: str) -> None:

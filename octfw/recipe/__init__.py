@@ -21,10 +21,10 @@ from octfw.recipe.resolved import (
     CORE_TABLES, DEFAULT_STAGES, TOP_LEVEL_KEYS, Recipe, cache_dir_for, load_recipe, stage_attribute,
     to_toml, validate,
 )
-from octfw.recipe.structuring import Problem, StageSpec, structure_config, structure_stage
+from octfw.recipe.structuring import Problem, StageSpec, build_component, structure_config, structure_stage
 
 __all__ = [
     "Recipe", "StageSpec", "Problem", "load_recipe", "validate", "to_toml", "parse_override",
     "apply_overrides", "read_with_extends", "structure_config", "structure_stage", "stage_attribute",
-    "cache_dir_for", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS",
+    "cache_dir_for", "build_component", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS",
 ]

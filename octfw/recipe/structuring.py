@@ -19,7 +19,7 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
-from octfw.errors import PluginError
+from octfw.errors import PluginError, UserError
 from octfw.fields import Location, NULL_WORDS, STAGE_METADATA
 from octfw.registry import Component, Registry, did_you_mean
 
@@ -308,3 +308,14 @@ def structure_stage_array(registry: Registry, stage: str, raw: Any, table_name: 
     for dup in sorted({n for n in names if names.count(n) > 1}):
         problems.append((table_name, f"component {dup!r} is listed more than once"))
     return tuple(specs), problems
+
+
+def build_component(registry: Registry, stage: str, table: Mapping[str, Any], ctx: Any, where: str) -> Any:
+    """The ``stage`` component a ``{ name = ..., options }`` table names, validated and built as a
+    recipe's would be (an evaluator's labelled dataset, an exported encoder's transform).
+    UserError naming ``where`` and every problem of the table."""
+    spec, problems = structure_stage(registry, stage, table, "")
+    if spec is None or problems:
+        raise UserError(f"{where}: " + "; ".join(f"{path}: {message}" if path else message
+                                                 for path, message in problems))
+    return spec.build(ctx)
