@@ -123,9 +123,12 @@ def evaluate(source: str | Path, recipe: str | Path, overrides: Sequence[str] = 
         return evaluate_target(target, eval_recipe, registry, progress)
 
 
-def export(source: str | Path, out: str | Path, *, registry: Registry | None = None) -> Path:
-    """``octfw export SOURCE --out OUT``: write the target encoder of a run's latest checkpoint
-    (or of a checkpoint file); returns ``out``, which :func:`octfw.load_encoder` reads."""
+def export(source: str | Path, out: str | Path, *, format: str = "octfw",
+           registry: Registry | None = None) -> Path:
+    """``octfw export SOURCE --out OUT [--format F]``: write the target encoder of a run's latest
+    checkpoint (or of a checkpoint file); returns ``out``. ``format``: ``octfw`` and
+    ``safetensors`` (a folder) are read by :func:`octfw.load_encoder`; ``torchscript`` by
+    ``torch.jit.load`` without octfw."""
     from octfw.encoder import export_encoder
 
-    return Path(export_encoder(source, out, _registry(registry))["out"])
+    return Path(export_encoder(source, out, _registry(registry), format)["out"])

@@ -326,16 +326,33 @@ def _table(recipe: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
 # export and load
 
 
-def export_encoder(source: str | Path, out: str | Path, registry: Registry) -> dict[str, Any]:
+#: What ``octfw export --format`` writes.
+EXPORT_FORMATS = ("octfw", "safetensors", "torchscript")
+#: The files of a safetensors export folder (the layout Hugging Face models use).
+WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+
+
+def export_encoder(source: str | Path, out: str | Path, registry: Registry, export_format: str = "octfw",
+                   ) -> dict[str, Any]:
     """Write the target encoder of the checkpoint ``source`` names to ``out``.
 
-    Returns a summary: ``out``, ``checkpoint``, ``update_step``, ``config``
-    and ``parameters`` (the encoder's parameter count).
+    ``export_format``: ``octfw`` (one file :func:`load_encoder` reads),
+    ``safetensors`` (a folder: ``model.safetensors`` and ``config.json``, the
+    Hugging Face layout; :func:`load_encoder` reads it too, and the weights
+    open without octfw) or ``torchscript`` (one file ``torch.jit.load`` runs
+    without octfw: ``[B, C, D, H, W]`` -> patch tokens ``[B, N, E]``; the
+    config rides along as its ``config.json`` extra file). Returns a summary:
+    ``out``, ``checkpoint``, ``update_step``, ``config`` and ``parameters``.
     """
     from octfw.version import __version__
 
+    if export_format not in EXPORT_FORMATS:
+        raise UserError(f"--format {export_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
-    if out.is_dir():
+    if export_format == "safetensors":
+        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+            raise UserError(f"--out {out}: give a new or empty folder for a safetensors export")
+    elif out.is_dir():
         raise UserError(f"--out {out}: is a folder; give a file name such as encoder.pt")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: the folder {out.parent} does not exist")
@@ -347,44 +364,76 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry) -> d
     if not isinstance(encoder, ViT3DEncoder):
         raise UserError(f"checkpoint {location}: model {state['recipe']['model']['name']!r} has no "
                         "ViT3D target encoder (.encoder) to export")
-    exported = {
+    info = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "octfw_version": __version__,
         "architecture": "vit3d",
         "config": encoder.architecture(),
-        "state_dict": {k: v.detach().cpu().clone() for k, v in encoder.state_dict().items()},
         "transform": _table(state["recipe"], "transform", location),
         "model": _table(state["recipe"], "model", location),
         "checkpoint": str(location),
         "update_step": int(state.get("update_step", 0)),
         "versions": state.get("versions"),
     }
-    write_atomically(out, lambda f: torch.save(exported, f))
+    weights = {k: v.detach().cpu().contiguous().clone() for k, v in encoder.state_dict().items()}
+    if export_format == "octfw":
+        write_atomically(out, lambda f: torch.save({**info, "state_dict": weights}, f))
+    elif export_format == "safetensors":
+        _write_safetensors(out, weights, info)
+    else:
+        _write_torchscript(out, PretrainedEncoder(encoder, info).eval(), info)
     return {
         "out": str(out),
+        "format": export_format,
         "checkpoint": str(location),
-        "update_step": exported["update_step"],
-        "config": exported["config"],
+        "update_step": info["update_step"],
+        "config": info["config"],
         "parameters": sum(p.numel() for p in encoder.parameters()),
     }
+
+
+def _write_safetensors(folder: Path, weights: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> None:
+    import json
+
+    from safetensors.torch import save
+
+    folder.mkdir(exist_ok=True)
+    # The config last: a folder without it is not an export, so a crash leaves nothing loadable half-written.
+    write_atomically(folder / WEIGHTS_FILE, save(dict(weights), metadata={"format": FORMAT}))
+    write_atomically(folder / CONFIG_FILE, (json.dumps(info, indent=2, default=str) + "\n").encode("utf-8"))
+
+
+def _write_torchscript(out: Path, encoder: "PretrainedEncoder", info: Mapping[str, Any]) -> None:
+    import json
+
+    example = torch.zeros(1, encoder.in_channels, *encoder.image_size)
+    with torch.no_grad():
+        traced = torch.jit.trace(encoder.encoder, example)
+    extra = {CONFIG_FILE: json.dumps(info, default=str)}
+    write_atomically(out, lambda f: torch.jit.save(traced, f, _extra_files=extra))
 
 
 def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> PretrainedEncoder:
     """Rebuild an exported encoder: a :class:`PretrainedEncoder` in eval mode.
 
-    ``encoder(volume)`` -> ``[B, N, E]`` patch tokens; ``encoder.pool(volume)``
-    -> ``[B, E]``. Raises UserError for a missing file or one that is not an
-    octfw encoder export.
+    ``path``: a file written by ``octfw export`` or a folder written by
+    ``octfw export --format safetensors``. ``encoder(volume)`` -> ``[B, N, E]``
+    patch tokens; ``encoder.pool(volume)`` -> ``[B, E]``; ``encoder.embed(...)``
+    takes volumes as users have them. Raises UserError for a missing path or
+    one that is not an octfw encoder export.
     """
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such encoder file")
-    from octfw.storage.checkpoints import safe_load
+    if path.is_dir():
+        data = _read_safetensors(path)
+    elif path.is_file():
+        from octfw.storage.checkpoints import safe_load
 
-    data = safe_load(str(path), str(path), what="encoder file")  # on the CPU; moved below
-    if data.get("format") != FORMAT:
-        raise UserError(f"{path}: not an octfw encoder file (write one with `octfw export`)")
+        data = safe_load(str(path), str(path), what="encoder file")  # on the CPU; moved below
+    else:
+        raise UserError(f"{path}: no such encoder file or folder")
+    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+        raise UserError(f"{path}: not an octfw encoder file or folder (write one with `octfw export`)")
     if data.get("format_version") != FORMAT_VERSION or data.get("architecture") != "vit3d":
         raise UserError(f"{path}: encoder format {data.get('format_version')!r} / architecture "
                         f"{data.get('architecture')!r} is not supported by this octfw "
@@ -397,3 +446,21 @@ def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> 
     encoder.load_state_dict(data["state_dict"])
     info = {k: v for k, v in data.items() if k != "state_dict"}
     return PretrainedEncoder(encoder, info).to(map_location).eval()
+
+
+def _read_safetensors(folder: Path) -> dict[str, Any]:
+    import json
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not config.is_file() or not weights.is_file():
+        raise UserError(f"{folder}: not an encoder folder (it needs {CONFIG_FILE} and {WEIGHTS_FILE}; "
+                        "write one with `octfw export --format safetensors`)")
+    try:
+        info = json.loads(config.read_text(encoding="utf-8"))
+        state_dict = load_file(str(weights))
+    except (ValueError, SafetensorError) as exc:
+        raise UserError(f"{folder}: cannot be read ({type(exc).__name__}: {exc})") from None
+    return {**info, "state_dict": state_dict} if isinstance(info, dict) else {}

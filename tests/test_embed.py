@@ -102,3 +102,45 @@ def test_octfw_embed_writes_a_table_and_lists_the_files_it_could_not_use(exporte
     quarantine = [json.loads(line) for line in Path(str(out) + ".quarantine.jsonl").read_text().splitlines()]
     assert len(quarantine) == 2 and all(q["reason"] for q in quarantine)
     assert "embedded  4 volumes" in capsys.readouterr().out
+
+
+def test_every_export_format_loads_in_a_fresh_process_and_embeds_like_the_eager_encoder(exported, tmp_path):
+    """safetensors (a folder octfw and the safetensors library read) and TorchScript (run without
+    octfw): each gives the eager encoder's patch tokens within 1e-5."""
+    import subprocess
+    import sys
+
+    run_dir = next((exported.parent / "runs" / "tiny").iterdir())
+    folder, script = tmp_path / "encoder-st", tmp_path / "encoder.ts"
+    assert main(["export", str(run_dir), "--out", str(folder), "--format", "safetensors"]) == 0
+    assert main(["export", str(run_dir), "--out", str(script), "--format", "torchscript"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+
+    eager = load_encoder(exported)
+    volume = torch.randn(2, 1, *eager.image_size, generator=torch.Generator().manual_seed(0))
+    torch.save(volume, tmp_path / "volume.pt")
+    with torch.no_grad():
+        torch.save(eager(volume), tmp_path / "eager.pt")
+    code = f"""
+import sys, torch
+volume, eager = torch.load({str(tmp_path / 'volume.pt')!r}), torch.load({str(tmp_path / 'eager.pt')!r})
+script = torch.jit.load({str(script)!r})
+torch.testing.assert_close(script(volume), eager, atol=1e-5, rtol=1e-5)
+from safetensors.torch import load_file
+assert len(load_file({str(folder / 'model.safetensors')!r})) > 0
+assert "octfw" not in sys.modules, "TorchScript and safetensors load without octfw"
+import octfw
+with torch.no_grad():
+    torch.testing.assert_close(octfw.load_encoder({str(folder)!r})(volume), eager, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+    with pytest.raises(UserError, match="give a new or empty folder"):
+        from octfw.api import export
+
+        export(run_dir, folder, format="safetensors")
+    (folder / "config.json").unlink()
+    with pytest.raises(UserError, match="needs config.json and model.safetensors"):
+        load_encoder(folder)

@@ -14,7 +14,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("export", help=HELP, description=HELP)
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run folder (its latest checkpoint is used) or a checkpoint file (.pt)")
-    parser.add_argument("--out", required=True, metavar="FILE", help="encoder file to write, e.g. encoder.pt")
+    parser.add_argument("--out", required=True, metavar="PATH",
+                        help="encoder file to write, e.g. encoder.pt (a new folder with --format safetensors)")
+    parser.add_argument("--format", default="octfw", choices=("octfw", "safetensors", "torchscript"),
+                        help="octfw: one file octfw.load_encoder reads (default); safetensors: a folder with "
+                             "model.safetensors and config.json (the Hugging Face layout; octfw.load_encoder "
+                             "reads it too); torchscript: one file torch.jit.load runs without octfw")
     parser.set_defaults(func=run)
 
 
@@ -22,9 +27,9 @@ def run(args: argparse.Namespace) -> int:
     from octfw.commands._common import load_registry_once
     from octfw.encoder import export_encoder  # imports torch: only when the command runs
 
-    summary = export_encoder(args.source, args.out, load_registry_once())
+    summary = export_encoder(args.source, args.out, load_registry_once(), args.format)
     config = summary["config"]
-    print(f"exported the target encoder of {summary['checkpoint']} (update step {summary['update_step']}) "
+    print(f"exported the target encoder ({summary['format']}) of {summary['checkpoint']} (update step {summary['update_step']}) "
           f"to {summary['out']}: {summary['parameters']:,} parameters, embed_dim {config['embed_dim']}, "
           f"image_size {config['image_size']}, patch_size {config['patch_size']}")
     return 0
