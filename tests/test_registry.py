@@ -142,3 +142,32 @@ def test_example_plugin_package_installs_and_its_component_runs(tmp_path, tiny_r
     assert run.returncode == 0, run.stderr
     metrics = [json.loads(line) for line in next((tmp_path / "runs" / "tiny").glob("*/metrics.jsonl")).read_text().splitlines()]
     assert [round(m["lr"], 6) for m in metrics[:2]] == [0.0005, 0.001]
+
+    # Its dataset and guard, written as the plugin guide says: train on .npy volumes (one of them
+    # broken: quarantined, the run goes on) until the loss target ends the run as done (exit 0).
+    import numpy as np
+
+    volumes = tmp_path / "volumes"
+    volumes.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(6):
+        np.save(volumes / f"v{index}.npy", rng.normal(100.0, 20.0, (8, 40, 40)).astype(np.float32))
+    (volumes / "broken.npy").write_bytes(b"not numpy")
+    (volumes / "spacing.json").write_text("[0.2, 0.01, 0.01]")
+    npy = tiny_recipe.parent / "npy.toml"
+    npy.write_text(tiny_recipe.read_text().replace(
+        'name = "synthetic-oct"\nn_volumes = 8', f'name = "npy-folder"\npath = "{volumes}"')
+        + '\n[[guard]]\nname = "loss-target"\nbelow = 1e9\npatience = 2\n')
+    listed = subprocess.run([sys.executable, "-m", "octfw.cli", "list", "--name", "npy-folder"],
+                            capture_output=True, text=True, env=env, check=True)
+    assert "Folder of .npy volumes" in listed.stdout
+    run = subprocess.run([sys.executable, "-m", "octfw.cli", "run", str(npy), "--set", "run.max_steps=8",
+                          "--set", "engine.per_device_batch=4"],  # 2 steps read all 7 files
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    [run_dir] = (tiny_recipe.parent / "runs" / "npy").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["update_steps"] == 2 and summary["stopped"] is None
+    assert summary["finished_early"].startswith("loss ") and summary["quarantined"] == 1
+    [bad] = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
+    assert bad["url"].endswith("broken.npy") and bad["reason"].startswith("not a numpy volume")
