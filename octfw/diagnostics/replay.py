@@ -20,6 +20,7 @@ import torch
 from octfw.errors import UserError
 from octfw.recipe import load_recipe
 from octfw.registry import Registry
+from octfw.tables import render_table
 from octfw.types import GuardInputs
 
 __all__ = ["replay"]
@@ -59,14 +60,16 @@ class _GradStats:
         return None
 
 
-def _tensor_stats(name: str, t: torch.Tensor) -> str:
+def _tensor_row(micro_step: int, name: str, t: torch.Tensor) -> list[str]:
+    """One row of the inputs table: micro-step, key, shape, dtype, min, max, mean, non-finite."""
     t = t.detach()
-    if t.is_floating_point():
-        finite = torch.isfinite(t)
-        shown = t[finite] if finite.any() else torch.zeros(1)
-        return (f"{name:<12} {list(t.shape)} {str(t.dtype).replace('torch.', '')} min {float(shown.min()):.4g} "
-                f"max {float(shown.max()):.4g} mean {float(shown.mean()):.4g} non-finite {int((~finite).sum())}")
-    return f"{name:<12} {list(t.shape)} {str(t.dtype).replace('torch.', '')} min {int(t.min())} max {int(t.max())}"
+    head = [str(micro_step), name, str(list(t.shape)), str(t.dtype).replace("torch.", "")]
+    if not t.is_floating_point():
+        return head + [str(int(t.min())), str(int(t.max())), "", ""]
+    finite = torch.isfinite(t)
+    shown = t[finite] if finite.any() else torch.zeros(1)
+    return head + [f"{float(shown.min()):.4g}", f"{float(shown.max()):.4g}", f"{float(shown.mean()):.4g}",
+                   str(int((~finite).sum()))]
 
 
 def replay(run_dir: Path, step: int, registry: Registry, report: Callable[[str], None] = print) -> dict[str, Any]:
@@ -99,9 +102,10 @@ def replay(run_dir: Path, step: int, registry: Registry, report: Callable[[str],
     for p in samples:
         report(f"  {p.source} (domain {p.domain}, spacing {list(p.spacing)} mm)")
     report("inputs")
-    for i, batch in enumerate(batches):
-        for key, tensor in batch["tensors"].items():
-            report(f"  micro-step {i + 1} " + _tensor_stats(key, tensor))
+    rows = [_tensor_row(i + 1, key, tensor) for i, batch in enumerate(batches)
+            for key, tensor in batch["tensors"].items()]
+    report(render_table(["micro-step", "input", "shape", "dtype", "min", "max", "mean", "non-finite"], rows,
+                        right=(0, 4, 5, 6, 7), indent=2))
     seen = probe.seen
     report(f"loss         {seen['loss']:.6g} (last micro-step per sample: "
            + ", ".join(f"{v:.4g}" for v in out.per_sample_loss.detach().tolist()) + ")")
