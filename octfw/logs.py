@@ -41,7 +41,9 @@ be able to catch by class (a volume's spacing defaulted:
 :func:`warnings.warn` as an :class:`octfw.errors.OctfwWarning`;
 :func:`setup_console_logging` routes those into the same logger
 (``octfw.warnings``), and leaves every other package's warnings as Python
-shows them. ``print("warning: ...")`` is not used.
+shows them. (A report a command prints on purpose, such as ``octfw check``'s
+memory verdict before "check passed", is that command's output, not a
+warning.)
 
 Without :func:`setup_console_logging` (octfw used as a library), octfw's
 records follow the embedding program's logging configuration.

@@ -4,7 +4,6 @@ is spent."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import numpy as np
@@ -127,8 +126,8 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     report(memory_line)
     if memory[0]:
         report(batch_advice(model, batch, memory[0], kind))
-    if memory_warning:  # the one warnings channel (octfw.logs): stderr and, in a run, octfw.log
-        logging.getLogger(__name__).warning("%s", memory_warning)
+    if memory_warning:  # a verdict of the report (stdout, before "check passed"), not a log record
+        report(f"warning: {memory_warning}")
 
     # FLOPs per sample, counted by FlopCounterMode on shape-only tensors (octfw.models.flops).
     from octfw.models.flops import forward_flops_per_sample, training_flops_per_sample
