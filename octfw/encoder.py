@@ -93,7 +93,7 @@ class PretrainedEncoder(nn.Module):
 
     # --- volumes as users have them ----------------------------------------
 
-    def embed(self, data: Any, spacing: Sequence[float] | None = None, *, tokens: bool = False,
+    def embed(self, data: Any, spacing: Sequence[float] | None = None, *, pooled: bool = False,
               batch_size: int = 4, registry: Registry | None = None) -> torch.Tensor:
         """Embed volumes as you have them, prepared as this encoder's training prepared its own.
 
@@ -101,10 +101,15 @@ class PretrainedEncoder(nn.Module):
         a folder, glob or manifest of DICOM files, a numpy array or tensor
         ``[D, H, W]`` of raw intensities with its ``spacing`` (dz, dy, dx) in mm,
         or a list of these. The exported ``[transform]`` resamples, normalises
-        and fits each volume (``info['transform']``). Returns ``[N, E]`` (the mean
-        of the patch tokens) or, with ``tokens``, ``[N, T, E]``; one row per
-        volume, in order. A file that cannot be used raises UserError naming it.
+        and fits each volume (``info['transform']``). A tensor ``[B, C, D, H, W]``
+        at the encoder's size is taken as prepared already. Returns the patch
+        tokens ``[N, T, E]`` (as a pretraining model's ``embed`` does, so the
+        evaluators take either) or, with ``pooled``, their mean ``[N, E]``; one
+        row per volume, in order. A file that cannot be used raises UserError.
         """
+        if isinstance(data, torch.Tensor) and data.dim() == 5:  # prepared: [B, C, D, H, W]
+            with torch.no_grad():
+                return self.pool(data) if pooled else self(data)
         prepared = [self.prepare(sample, registry) for sample in self.samples(data, spacing, registry)]
         if not prepared:
             raise UserError("embed: no volume given")
@@ -113,7 +118,7 @@ class PretrainedEncoder(nn.Module):
         with torch.no_grad():
             for start in range(0, len(prepared), batch_size):
                 batch = torch.from_numpy(np.stack(prepared[start:start + batch_size])).to(device)
-                out.append(self(batch) if tokens else self.pool(batch))
+                out.append(self.pool(batch) if pooled else self(batch))
         return torch.cat(out)
 
     def samples(self, data: Any, spacing: Sequence[float] | None = None,
@@ -191,7 +196,7 @@ def array_sample(volume: Any, spacing: Sequence[float] | None) -> Sample:
     array = volume.detach().cpu().numpy() if isinstance(volume, torch.Tensor) else np.asarray(volume)
     if array.ndim != 3:
         raise UserError(f"embed: expected a volume [D, H, W], got an array of shape {list(array.shape)} "
-                        "(a prepared [B, C, D, H, W] tensor goes to encoder(tensor) directly)")
+                        "(a prepared [B, C, D, H, W] tensor is taken as it is)")
     if spacing is None or len(spacing) != 3 or not all(float(s) > 0 for s in spacing):
         raise UserError(f"embed: an array needs spacing=(dz, dy, dx) in mm (> 0), got {spacing!r}")
     provenance = Provenance("array", "unknown", tuple(float(s) for s in spacing), tuple(array.shape))

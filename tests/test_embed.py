@@ -58,20 +58,23 @@ def good_files(cohort: Path) -> list[Path]:
 def test_a_dicom_file_and_the_same_array_with_its_spacing_embed_alike(exported, cohort):
     encoder = load_encoder(exported)
     path = good_files(cohort)[0]
-    from_file = encoder.embed(path)
+    from_file = encoder.embed(path, pooled=True)
     assert from_file.shape == (1, encoder.embed_dim)
 
     sample = read_oct_volume(str(path))
-    from_array = encoder.embed(sample.volume, spacing=sample.provenance.spacing)
+    from_array = encoder.embed(sample.volume, spacing=sample.provenance.spacing, pooled=True)
     torch.testing.assert_close(from_array, from_file)
     # The same as preparing by hand with the exported transform and pooling the tokens.
     by_hand = encoder.pool(torch.from_numpy(encoder.prepare(sample))[None])
     torch.testing.assert_close(by_hand.detach(), from_file)
 
-    both = encoder.embed([path, torch.from_numpy(sample.volume)], spacing=sample.provenance.spacing)
+    both = encoder.embed([path, torch.from_numpy(sample.volume)], spacing=sample.provenance.spacing, pooled=True)
     torch.testing.assert_close(both[0], both[1])
-    tokens = encoder.embed(path, tokens=True)
+    tokens = encoder.embed(path)
     assert tokens.shape == (1, int(np.prod(encoder.grid_size)), encoder.embed_dim)
+    # A prepared [B, C, D, H, W] batch is taken as it is: the tokens a pretraining model's embed gives.
+    prepared = torch.from_numpy(encoder.prepare(sample))[None]
+    torch.testing.assert_close(encoder.embed(prepared), tokens)
 
 
 def test_what_cannot_be_embedded_is_one_clear_error(exported, cohort, tmp_path):
@@ -98,7 +101,7 @@ def test_octfw_embed_writes_a_table_and_lists_the_files_it_could_not_use(exporte
     assert list(rows[0])[:4] == ["source", "domain", "label", "e0"] and f"e{encoder.embed_dim - 1}" in rows[0]
     assert {row["label"] for row in rows} <= {"0", "1"}
     first = np.array([float(rows[0][f"e{i}"]) for i in range(encoder.embed_dim)], dtype=np.float32)
-    np.testing.assert_allclose(first, encoder.embed(rows[0]["source"])[0].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(first, encoder.embed(rows[0]["source"], pooled=True)[0].numpy(), rtol=1e-5, atol=1e-6)
     quarantine = [json.loads(line) for line in Path(str(out) + ".quarantine.jsonl").read_text().splitlines()]
     assert len(quarantine) == 2 and all(q["reason"] for q in quarantine)
     assert "embedded  4 volumes" in capsys.readouterr().out

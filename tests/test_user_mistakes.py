@@ -385,7 +385,7 @@ def test_a_path_with_a_newline_stays_on_the_error_line(tmp_path):
     recipe = write(tmp_path / "nl.toml", TINY_RECIPE.replace(
         'name = "synthetic-oct"\nn_volumes = 8', f'name = "dicom"\npath = "{tmp_path}/new\\nline"'))
     line = refused(octfw("check", str(recipe), cwd=tmp_path))
-    assert line == f"octfw: error: dataset.path: {tmp_path}/new\\nline does not exist"
+    assert line == f"octfw: error: dataset.path does not exist: {tmp_path}/new\\nline"
 
 
 def test_a_recipe_key_with_a_newline_stays_on_its_problem_line(tmp_path):

@@ -162,7 +162,7 @@ def list_dicom_files(path: str, extensions: Sequence[str] = (".dcm", "")) -> lis
         return sorted(found)
     if fs.isfile(root):
         return [as_url(root)]
-    raise UserError(f"dataset.path: {path} does not exist")
+    raise UserError(f"dataset.path does not exist: {path}")
 
 
 class DicomDataset:
