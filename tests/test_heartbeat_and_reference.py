@@ -24,6 +24,20 @@ def test_heartbeat_warns_once_per_silence_and_names_the_phase():
     assert "since update step 3; waiting on the device (reading metrics)" in messages[1]
 
 
+def test_a_silence_that_moves_on_to_another_phase_is_named_again():
+    """A slow first device step, then a stalled loader, in one silence: both are named (the first
+    alone would send the user to the device while the data loader is what hangs)."""
+    messages: list[str] = []
+    with Heartbeat(0.2, report=messages.append) as heartbeat:
+        heartbeat.beat(1)
+        heartbeat.waiting_on("the device (reading metrics)")
+        time.sleep(0.5)
+        heartbeat.waiting_on("the data loader")
+        time.sleep(0.5)
+    assert [m.rsplit("waiting on ", 1)[1] for m in messages] == ["the device (reading metrics)", "the data loader"]
+    assert all("since update step 1" in m for m in messages)
+
+
 def test_heartbeat_is_quiet_while_steps_complete():
     messages: list[str] = []
     with Heartbeat(0.5, report=messages.append) as heartbeat:

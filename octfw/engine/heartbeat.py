@@ -3,7 +3,8 @@
 The seeds watched validation metrics arrive for minutes while training had
 silently stopped. A background thread warns when no update step completes
 within ``engine.heartbeat_s`` (from the start, or between two steps), naming
-what the loop is waiting on: a warning of the ``octfw.engine.heartbeat``
+what the loop is waiting on, and again if it is then waiting on something
+else: a warning of the ``octfw.engine.heartbeat``
 logger, shown on the console as ``octfw heartbeat: no update step completed
 ...`` (see :mod:`octfw.logs`).
 """
@@ -33,7 +34,9 @@ class Heartbeat:
         self.phase = "start-up"
         self.last_step: int | None = None
         self._last_beat = time.monotonic()
-        self._warned_for: float | None = None
+        #: (beat, phase) last warned about: one warning per silence and phase, so a silence that
+        #: moves on (from a slow first device step to a stalled data loader) is named again
+        self._warned_for: tuple[float, str] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="octfw-heartbeat", daemon=True)
 
@@ -55,10 +58,10 @@ class Heartbeat:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(self.timeout_s / 4, 5.0)):
-            beat = self._last_beat
+            beat, phase = self._last_beat, self.phase
             silent = time.monotonic() - beat
-            if silent >= self.timeout_s and self._warned_for != beat:
-                self._warned_for = beat
+            if silent >= self.timeout_s and self._warned_for != (beat, phase):
+                self._warned_for = (beat, phase)
                 since = "since start" if self.last_step is None else f"since update step {self.last_step}"
                 self.report(f"no update step completed in {silent:.0f} s {since}; "
-                            f"waiting on {self.phase}")
+                            f"waiting on {phase}")
