@@ -113,6 +113,11 @@ class PretrainedEncoder(nn.Module):
         prepared = [self.prepare(sample, registry) for sample in self.samples(data, spacing, registry)]
         if not prepared:
             raise UserError("embed: no volume given")
+        return self.encode_prepared(prepared, pooled=pooled, batch_size=batch_size)
+
+    def encode_prepared(self, prepared: Sequence[np.ndarray], *, pooled: bool, batch_size: int = 4) -> torch.Tensor:
+        """Tokens ``[N, T, E]`` (or, ``pooled``, ``[N, E]``) of volumes :meth:`prepare` returned,
+        ``batch_size`` at a time on the encoder's device."""
         device = next(self.parameters()).device
         out = []
         with torch.no_grad():
@@ -222,9 +227,8 @@ def embed_to_csv(encoder: PretrainedEncoder, location: str | Path, out: str | Pa
     pending: list[tuple[Sample, np.ndarray]] = []
 
     def flush() -> None:
-        batch = torch.from_numpy(np.stack([volume for _, volume in pending]))
-        with torch.no_grad():
-            pooled = encoder.pool(batch.to(next(encoder.parameters()).device)).cpu().numpy()
+        pooled = encoder.encode_prepared([volume for _, volume in pending], pooled=True,
+                                         batch_size=len(pending)).cpu().numpy()
         for (sample, _), vector in zip(pending, pooled):
             provenance = sample.provenance
             rows.append([provenance.source, provenance.domain,
