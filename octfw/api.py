@@ -127,8 +127,9 @@ def export(source: str | Path, out: str | Path, *, format: str = "octfw",
            registry: Registry | None = None) -> Path:
     """``octfw export SOURCE --out OUT [--format F]``: write the target encoder of a run's latest
     checkpoint (or of a checkpoint file); returns ``out``. ``format``: ``octfw`` and
-    ``safetensors`` (a folder) are read by :func:`octfw.load_encoder`; ``torchscript`` by
-    ``torch.jit.load`` without octfw."""
+    ``safetensors`` (a Hub-style folder) are read by :func:`octfw.load_encoder`; ``torchscript``
+    by ``torch.jit.load`` and ``monai-bundle`` by ``monai.bundle``, both without octfw
+    (:mod:`octfw.formats`)."""
     from octfw.encoder import export_encoder
 
     return Path(export_encoder(source, out, _registry(registry), format)["out"])

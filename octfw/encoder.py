@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from octfw.errors import CorruptFile, UserError
+from octfw.formats import (CONFIG_FILE, EXPORT_FORMATS, FOLDER_FORMATS, FORMAT, FORMAT_VERSION, WEIGHTS_FILE,
+                           write_export)
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import Recipe, build_component
 from octfw.registry import Registry
@@ -39,8 +41,6 @@ from octfw.types import BuildContext, Provenance, Sample
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
            "embed_to_csv", "find_checkpoint", "load_encoder", "open_volumes"]
 
-FORMAT = "octfw-encoder"
-FORMAT_VERSION = 1
 
 
 class PretrainedEncoder(nn.Module):
@@ -167,8 +167,50 @@ class PretrainedEncoder(nn.Module):
             raise UserError(f"embed: transform {table.get('name')!r} has no deterministic prepare()")
         return transform
 
+    # --- the Hugging Face Hub layout ----------------------------------------
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write this encoder as a Hub-style folder (``config.json``, ``model.safetensors``,
+        ``README.md``), as ``octfw export --format safetensors`` does; returns the folder.
+        Upload it with ``huggingface_hub.upload_folder``."""
+        folder = Path(folder)
+        if folder.exists() and not (folder.is_dir() and not any(folder.iterdir())):
+            raise UserError(f"save_pretrained: {folder}: give a new or empty folder")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        write_export("safetensors", folder, self.encoder, self.info)
+        return folder
+
+    @classmethod
+    def from_pretrained(cls, name_or_folder: str | Path, *, revision: str | None = None,
+                        map_location: str | torch.device = "cpu", **hub_options: Any) -> "PretrainedEncoder":
+        """Load a folder written by :meth:`save_pretrained` (or ``octfw export --format
+        safetensors``), or a Hugging Face Hub repository ``"org/name"`` holding one, downloaded
+        through ``huggingface_hub`` (the ``hub`` extra) and its cache: ``HF_HUB_OFFLINE=1`` or
+        ``local_files_only=True`` reads the cache only. ``hub_options`` go to
+        ``huggingface_hub.snapshot_download`` (``cache_dir``, ``token``, ...)."""
+        folder = Path(name_or_folder)
+        if not folder.is_dir():
+            folder = Path(_download(str(name_or_folder), revision, hub_options))
+        return load_encoder(folder, map_location)
+
     def extra_repr(self) -> str:
         return f"image_size={self.image_size}, patch_size={self.patch_size}, embed_dim={self.embed_dim}"
+
+
+def _download(repo_id: str, revision: str | None, options: Mapping[str, Any]) -> str:
+    """The local snapshot folder of a Hub repository (from the cache when it is there)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise UserError(f"from_pretrained: {repo_id}: no such folder; loading from the Hugging Face Hub needs "
+                        "the huggingface_hub package: pip install 'octfw[hub]'") from None
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, "README.md"],
+                                 library_name="octfw", **options)
+    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as exc:
+        raise UserError(f"from_pretrained: {repo_id}: no such folder, and not found on the Hugging Face Hub "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 #: Suffixes of the raw vendor formats oct-converter reads (the ``oct-vendor`` dataset).
@@ -335,32 +377,22 @@ def _table(recipe: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
 # export and load
 
 
-#: What ``octfw export --format`` writes.
-EXPORT_FORMATS = ("octfw", "safetensors", "torchscript")
-#: The files of a safetensors export folder (the layout Hugging Face models use).
-WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
-
-
 def export_encoder(source: str | Path, out: str | Path, registry: Registry, export_format: str = "octfw",
                    ) -> dict[str, Any]:
     """Write the target encoder of the checkpoint ``source`` names to ``out``.
 
-    ``export_format``: ``octfw`` (one file :func:`load_encoder` reads),
-    ``safetensors`` (a folder: ``model.safetensors`` and ``config.json``, the
-    Hugging Face layout; :func:`load_encoder` reads it too, and the weights
-    open without octfw) or ``torchscript`` (one file ``torch.jit.load`` runs
-    without octfw: ``[B, C, D, H, W]`` -> patch tokens ``[B, N, E]``; the
-    config rides along as its ``config.json`` extra file). Returns a summary:
-    ``out``, ``checkpoint``, ``update_step``, ``config`` and ``parameters``.
+    ``export_format``: one of :data:`octfw.formats.EXPORT_FORMATS`, whose
+    module says what each writes. Returns a summary: ``out``, ``format``,
+    ``checkpoint``, ``update_step``, ``config`` and ``parameters``.
     """
     from octfw.version import __version__
 
     if export_format not in EXPORT_FORMATS:
         raise UserError(f"--format {export_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
-    if export_format == "safetensors":
+    if export_format in FOLDER_FORMATS:
         if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-            raise UserError(f"--out {out}: give a new or empty folder for a safetensors export")
+            raise UserError(f"--out {out}: give a new or empty folder for a {export_format} export")
     elif out.is_dir():
         raise UserError(f"--out {out}: is a folder; give a file name such as encoder.pt")
     if not out.parent.is_dir():
@@ -385,13 +417,7 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
         "update_step": int(state.get("update_step", 0)),
         "versions": state.get("versions"),
     }
-    weights = {k: v.detach().cpu().contiguous().clone() for k, v in encoder.state_dict().items()}
-    if export_format == "octfw":
-        write_atomically(out, lambda f: torch.save({**info, "state_dict": weights}, f))
-    elif export_format == "safetensors":
-        _write_safetensors(out, weights, info)
-    else:
-        _write_torchscript(out, PretrainedEncoder(encoder, info).eval(), info)
+    write_export(export_format, out, encoder, info)
     return {
         "out": str(out),
         "format": export_format,
@@ -400,27 +426,6 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
         "config": info["config"],
         "parameters": sum(p.numel() for p in encoder.parameters()),
     }
-
-
-def _write_safetensors(folder: Path, weights: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> None:
-    import json
-
-    from safetensors.torch import save
-
-    folder.mkdir(exist_ok=True)
-    # The config last: a folder without it is not an export, so a crash leaves nothing loadable half-written.
-    write_atomically(folder / WEIGHTS_FILE, save(dict(weights), metadata={"format": FORMAT}))
-    write_atomically(folder / CONFIG_FILE, (json.dumps(info, indent=2, default=str) + "\n").encode("utf-8"))
-
-
-def _write_torchscript(out: Path, encoder: "PretrainedEncoder", info: Mapping[str, Any]) -> None:
-    import json
-
-    example = torch.zeros(1, encoder.in_channels, *encoder.image_size)
-    with torch.no_grad():
-        traced = torch.jit.trace(encoder.encoder, example)
-    extra = {CONFIG_FILE: json.dumps(info, default=str)}
-    write_atomically(out, lambda f: torch.jit.save(traced, f, _extra_files=extra))
 
 
 def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> PretrainedEncoder:

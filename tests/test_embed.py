@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -108,37 +109,64 @@ def test_octfw_embed_writes_a_table_and_lists_the_files_it_could_not_use(exporte
 
 
 def test_every_export_format_loads_in_a_fresh_process_and_embeds_like_the_eager_encoder(exported, tmp_path):
-    """safetensors (a folder octfw and the safetensors library read) and TorchScript (run without
-    octfw): each gives the eager encoder's patch tokens within 1e-5."""
+    """Each format, loaded in a fresh process, gives the eager encoder's patch tokens within 1e-5:
+    TorchScript (run without octfw), safetensors (the Hub layout: read by the safetensors library
+    without octfw, by octfw.load_encoder, and by PretrainedEncoder.from_pretrained from a Hugging
+    Face cache with HF_HUB_OFFLINE=1), and a MONAI bundle that monai.bundle runs without octfw on a
+    raw [D, H, W] volume, preparing it as octfw's transform does."""
     import subprocess
     import sys
 
     run_dir = next((exported.parent / "runs" / "tiny").iterdir())
-    folder, script = tmp_path / "encoder-st", tmp_path / "encoder.ts"
+    folder, script, bundle = tmp_path / "encoder-st", tmp_path / "encoder.ts", tmp_path / "bundle"
     assert main(["export", str(run_dir), "--out", str(folder), "--format", "safetensors"]) == 0
     assert main(["export", str(run_dir), "--out", str(script), "--format", "torchscript"]) == 0
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert main(["export", str(run_dir), "--out", str(bundle), "--format", "monai-bundle"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert "feature-extraction" in (folder / "README.md").read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
+    # The Hugging Face cache layout, as huggingface_hub.snapshot_download leaves a repository.
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf-cache" / "models--octfw--tiny-encoder"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
     eager = load_encoder(exported)
+    assert eager.save_pretrained(snapshot) == snapshot
+
     volume = torch.randn(2, 1, *eager.image_size, generator=torch.Generator().manual_seed(0))
+    raw = np.random.default_rng(0).gamma(2.0, 30.0, size=(10, 40, 36)).astype(np.float32)
+    np.save(tmp_path / "raw.npy", raw)
+    spacing = eager.info["transform"].get("target_spacing") or (0.1, 0.02, 0.02)
     torch.save(volume, tmp_path / "volume.pt")
     with torch.no_grad():
         torch.save(eager(volume), tmp_path / "eager.pt")
+    np.save(tmp_path / "eager_raw.npy", eager.embed(raw, spacing).numpy())
     code = f"""
-import sys, torch
+import sys, numpy, torch
 volume, eager = torch.load({str(tmp_path / 'volume.pt')!r}), torch.load({str(tmp_path / 'eager.pt')!r})
 script = torch.jit.load({str(script)!r})
 torch.testing.assert_close(script(volume), eager, atol=1e-5, rtol=1e-5)
 from safetensors.torch import load_file
 assert len(load_file({str(folder / 'model.safetensors')!r})) > 0
-assert "octfw" not in sys.modules, "TorchScript and safetensors load without octfw"
+from monai.bundle import run
+run(config_file={str(bundle / 'configs' / 'inference.json')!r}, meta_file={str(bundle / 'configs' / 'metadata.json')!r},
+    bundle_root={str(bundle)!r}, input_path={str(tmp_path / 'raw.npy')!r}, output_path={str(tmp_path / 'bundle.npy')!r})
+numpy.testing.assert_allclose(numpy.load({str(tmp_path / 'bundle.npy')!r}),
+                              numpy.load({str(tmp_path / 'eager_raw.npy')!r}), atol=1e-5, rtol=1e-5)
+assert "octfw" not in sys.modules, "TorchScript, safetensors and the MONAI bundle run without octfw"
 import octfw
+from octfw.encoder import PretrainedEncoder
 with torch.no_grad():
     torch.testing.assert_close(octfw.load_encoder({str(folder)!r})(volume), eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(PretrainedEncoder.from_pretrained("octfw/tiny-encoder")(volume), eager,
+                               atol=1e-5, rtol=1e-5)
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf-cache")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
     with pytest.raises(UserError, match="give a new or empty folder"):
         from octfw.api import export
@@ -147,3 +175,29 @@ print("ok")
     (folder / "config.json").unlink()
     with pytest.raises(UserError, match="needs config.json and model.safetensors"):
         load_encoder(folder)
+
+
+def test_a_failed_folder_export_leaves_nothing(exported, tmp_path, monkeypatch):
+    """The bundle is built beside --out and renamed when complete: a write that fails midway
+    (here the model card, after the TorchScript file) leaves neither --out nor a temporary folder."""
+    import octfw.formats
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(octfw.formats, "model_card", no_space)
+    run_dir = next((exported.parent / "runs" / "tiny").iterdir())
+    with pytest.raises(OSError, match="No space left"):
+        from octfw.api import export
+
+        export(run_dir, tmp_path / "bundle", format="monai-bundle")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_from_pretrained_names_a_repository_it_cannot_find(tmp_path, monkeypatch):
+    from octfw.encoder import PretrainedEncoder
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(UserError, match="octfw/missing: no such folder, and not found on the Hugging Face Hub"):
+        PretrainedEncoder.from_pretrained("octfw/missing")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from octfw.formats import EXPORT_FORMATS
+
 __all__ = ["add_parser"]
 
 HELP = ("Write the target (EMA) encoder of a run's latest checkpoint, or of a checkpoint file, "
@@ -15,11 +17,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run folder (its latest checkpoint is used) or a checkpoint file (.pt)")
     parser.add_argument("--out", required=True, metavar="PATH",
-                        help="encoder file to write, e.g. encoder.pt (a new folder with --format safetensors)")
-    parser.add_argument("--format", default="octfw", choices=("octfw", "safetensors", "torchscript"),
-                        help="octfw: one file octfw.load_encoder reads (default); safetensors: a folder with "
-                             "model.safetensors and config.json (the Hugging Face layout; octfw.load_encoder "
-                             "reads it too); torchscript: one file torch.jit.load runs without octfw")
+                        help="encoder file to write, e.g. encoder.pt (a new or empty folder with --format "
+                             "safetensors or monai-bundle)")
+    parser.add_argument("--format", default=EXPORT_FORMATS[0], choices=EXPORT_FORMATS,
+                        help="octfw: one file octfw.load_encoder reads (default); safetensors: a Hugging Face "
+                             "Hub-style folder (config.json, model.safetensors, README.md) that "
+                             "octfw.load_encoder and PretrainedEncoder.from_pretrained read; torchscript: one "
+                             "file torch.jit.load runs without octfw; monai-bundle: a MONAI bundle folder that "
+                             "`python -m monai.bundle run` runs without octfw")
     parser.set_defaults(func=run)
 
 
