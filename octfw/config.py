@@ -35,6 +35,11 @@ class RunConfig:
         "default $OCTFW_CACHE_DIR or ~/.cache/octfw.",
         default=None,
     )
+    export_encoder: bool = doc(
+        "When the run finishes, write its target encoder to RUN/encoder/ as a Hugging Face Hub-style "
+        "folder (what `octfw export --format safetensors` writes; loggers such as wandb can upload it).",
+        default=True,
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.max_steps is None and self.epochs is None:

@@ -31,7 +31,7 @@ from torch import nn
 
 from octfw.errors import CorruptFile, UserError
 from octfw.formats import (CONFIG_FILE, EXPORT_FORMATS, FOLDER_FORMATS, FORMAT, FORMAT_VERSION, WEIGHTS_FILE,
-                           write_export)
+                           encoder_info, write_export)
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import Recipe, build_component
 from octfw.registry import Registry
@@ -366,11 +366,10 @@ def rebuild_model(state: Mapping[str, Any], where: str, registry: Registry) -> n
     return model
 
 
-def _table(recipe: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+def _require_table(recipe: Mapping[str, Any], key: str, where: str) -> None:
     table = recipe.get(key)
     if not isinstance(table, Mapping) or "name" not in table:
         raise UserError(f"checkpoint {where}: its recorded recipe has no [{key}] table")
-    return dict(table)
 
 
 # --------------------------------------------------------------------------
@@ -385,8 +384,6 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
     module says what each writes. Returns a summary: ``out``, ``format``,
     ``checkpoint``, ``update_step``, ``config`` and ``parameters``.
     """
-    from octfw.version import __version__
-
     if export_format not in EXPORT_FORMATS:
         raise UserError(f"--format {export_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
@@ -405,18 +402,10 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
     if not isinstance(encoder, ViT3DEncoder):
         raise UserError(f"checkpoint {location}: model {state['recipe']['model']['name']!r} has no "
                         "ViT3D target encoder (.encoder) to export")
-    info = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "octfw_version": __version__,
-        "architecture": "vit3d",
-        "config": encoder.architecture(),
-        "transform": _table(state["recipe"], "transform", location),
-        "model": _table(state["recipe"], "model", location),
-        "checkpoint": str(location),
-        "update_step": int(state.get("update_step", 0)),
-        "versions": state.get("versions"),
-    }
+    for key in ("transform", "model"):
+        _require_table(state["recipe"], key, location)
+    info = encoder_info(encoder.architecture(), state["recipe"], location, int(state.get("update_step", 0)),
+                        state.get("versions"))
     write_export(export_format, out, encoder, info)
     return {
         "out": str(out),

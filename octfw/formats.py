@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the export command's --
     import torch
     from torch import nn
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "EXPORT_FORMATS", "FOLDER_FORMATS", "WEIGHTS_FILE", "CONFIG_FILE", "CARD_FILE", "write_export",
+__all__ = ["FORMAT", "FORMAT_VERSION", "EXPORT_FORMATS", "FOLDER_FORMATS", "WEIGHTS_FILE", "CONFIG_FILE", "CARD_FILE", "encoder_info", "write_export",
            "write_safetensors_folder", "model_card", "bundle_inference_config"]
 
 #: What an octfw encoder export says it is (``format`` in its ``info``), and its version.
@@ -50,6 +50,27 @@ EXPORT_FORMATS = ("octfw", "safetensors", "torchscript", "monai-bundle")
 FOLDER_FORMATS = ("safetensors", "monai-bundle")
 #: The files of a safetensors export folder (the layout Hugging Face models use).
 WEIGHTS_FILE, CONFIG_FILE, CARD_FILE = "model.safetensors", "config.json", "README.md"
+
+
+def encoder_info(architecture: Mapping[str, Any], recipe: Mapping[str, Any], checkpoint: str, update_step: int,
+                 versions: Any) -> dict[str, Any]:
+    """What every format records beside the weights: the architecture (the ViT3D encoder's
+    arguments), the recipe's ``[transform]`` (how inputs are prepared) and ``[model]``, and
+    where the weights come from."""
+    from octfw.version import __version__
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "octfw_version": __version__,
+        "architecture": "vit3d",
+        "config": dict(architecture),
+        "transform": dict(recipe["transform"]),
+        "model": dict(recipe["model"]),
+        "checkpoint": str(checkpoint),
+        "update_step": int(update_step),
+        "versions": versions,
+    }
 
 
 def write_export(export_format: str, out: Path, encoder: nn.Module, info: Mapping[str, Any]) -> None:
@@ -77,14 +98,19 @@ def write_export(export_format: str, out: Path, encoder: nn.Module, info: Mappin
 
 @contextlib.contextmanager
 def _folder_in_place(out: Path) -> Iterator[Path]:
-    """A temporary folder beside ``out``, renamed onto it if the block succeeds, else removed."""
-    temporary = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    """A temporary folder beside ``out``, renamed onto it if the block succeeds, else removed.
+    A non-empty ``out`` is replaced only then (kept, if the block fails)."""
+    token = uuid.uuid4().hex[:8]
+    temporary, previous = out.parent / f".tmp-{out.name}-{token}", out.parent / f".old-{out.name}-{token}"
     temporary.mkdir()
     try:
         yield temporary
+        if out.is_dir() and any(out.iterdir()):
+            os.replace(out, previous)
         os.replace(temporary, out)  # rename(2) replaces an empty folder
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def _json(value: Any) -> bytes:

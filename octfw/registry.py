@@ -57,6 +57,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "octfw.loggers.console",
     "octfw.loggers.jsonl",
     "octfw.loggers.wandb",
+    "octfw.loggers.tensorboard",
     "octfw.checkpointers.local",
     "octfw.checkpointers.gcs",
     "octfw.evaluation.evaluators.linear_probe",

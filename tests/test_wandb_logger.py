@@ -157,3 +157,40 @@ def test_display_name_group_job_type_and_notes_reach_wandb_and_the_saved_recipe_
     assert main(["show", str(saved)]) == 0
     assert 'group = "baselines"' in capsys.readouterr().out
     assert main(["run", str(saved), "--set", "run.max_steps=1"]) == 0
+
+
+def test_the_resolved_recipe_is_the_config_and_checkpoint_and_encoder_become_model_artifacts(
+        offline, tiny_recipe):
+    """log_artifacts = ["checkpoint", "encoder"]: the run's newest checkpoint and RUN/encoder are
+    logged as W&B model artifacts whose manifests list their files with the files' own digests."""
+    import base64
+    import hashlib
+
+    tiny_recipe.write_text(tiny_recipe.read_text() + WANDB_LOGGER + 'log_artifacts = ["checkpoint", "encoder"]\n')
+    assert main(["run", str(tiny_recipe), "--set", "run.max_steps=2"]) == 0
+    run_dir, [folder] = run_folders(tiny_recipe)
+    run = read_run(folder)
+    [wandb_file] = folder.glob("run-*.wandb")
+    found = list(records(wandb_file))
+    config = {item.key: json.loads(item.value_json)
+              for r in found if r.WhichOneof("record_type") == "run" for item in r.run.config.update}
+    assert config["model"]["name"] == "vjepa3d" and config["run"]["max_steps"] == 2
+    artifacts = {r.artifact.name: r.artifact for r in found if r.WhichOneof("record_type") == "artifact"}
+    assert set(artifacts) == {f"checkpoint-{run['id']}", f"encoder-{run['id']}"}
+
+    def digest(path: Path) -> str:
+        return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+    checkpoint = Path(json.loads((run_dir / "summary.json").read_text())["checkpoint"])
+    encoder = artifacts[f"encoder-{run['id']}"]
+    assert encoder.type == "model"
+    assert {e.path: e.digest for e in encoder.manifest.contents} == {
+        name: digest(run_dir / "encoder" / name) for name in ("README.md", "config.json", "model.safetensors")}
+    assert {e.path: e.digest for e in artifacts[f"checkpoint-{run['id']}"].manifest.contents} == {
+        checkpoint.name: digest(checkpoint)}
+
+
+def test_log_artifacts_takes_only_what_it_knows(tiny_recipe, capsys):
+    tiny_recipe.write_text(tiny_recipe.read_text() + WANDB_LOGGER + 'log_artifacts = ["weights"]\n')
+    assert main(["show", str(tiny_recipe)]) == 2
+    assert "log_artifacts" in capsys.readouterr().err

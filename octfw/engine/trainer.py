@@ -79,6 +79,7 @@ class RunSummary:
     interrupted: bool = False  #: stopped at once by a second signal, without the final save
     final_save_failed: bool = False  #: the checkpointer could not take the final state
     fallback_checkpoint: str | None = None  #: where the final state went instead (None: nowhere)
+    encoder: str | None = None  #: RUN/encoder, the exported target encoder of a finished run
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
@@ -400,6 +401,28 @@ class Trainer:
                     location)
         return True, location
 
+    def export_encoder(self, done: int) -> str | None:
+        """RUN/encoder: the target encoder of a finished run as a Hub-style folder (rank 0,
+        ``run.export_encoder``), or None. A model without a ViT3D ``encoder`` has nothing to
+        export; a failed write is said and leaves the checkpoint, which ``octfw export`` reads."""
+        from octfw.formats import encoder_info, write_export
+        from octfw.rundir import versions
+
+        encoder = getattr(self.model, "encoder", None)
+        if not (self.backend.is_main_process and self.recipe.run.export_encoder
+                and callable(getattr(encoder, "architecture", None))):
+            return None
+        folder = self.run_dir / "encoder"
+        info = encoder_info(encoder.architecture(), self.parts.ctx.recipe, self.saver.latest or "", done, versions())
+        try:
+            write_export("safetensors", folder, encoder, info)
+        except Exception as exc:  # noqa: BLE001 - the run's checkpoint is safe; say why the copy is not there
+            log.warning("the encoder could not be exported to %s (%s: %s); export it from the checkpoint with "
+                        "`octfw export %s --out encoder.pt`", folder, type(exc).__name__, exc, self.run_dir)
+            return None
+        log.info("encoder: %s (load it with octfw.load_encoder)", folder)
+        return str(folder)
+
     # --- the loop ----------------------------------------------------------
 
     def run(self) -> RunSummary:
@@ -458,6 +481,8 @@ class Trainer:
             final_save_failed, fallback = False, None
             if done > self.start_step or self.upload_fallback:
                 final_save_failed, fallback = self.save_final(done)
+            finished = done == total or finished_early is not None
+            encoder = self.export_encoder(done) if finished and not final_save_failed else None
 
         elapsed = time.perf_counter() - started
         samples_per_s = (done - self.start_step) * self.samples_per_update / max(elapsed, 1e-9)
@@ -469,7 +494,7 @@ class Trainer:
             checkpoint=self.saver.latest, failed_saves=self.saver.failed,
             skipped_saves=len(self.saver.skipped), preempted=preempted,
             interrupted=self.stop_requests.stop_now, final_save_failed=final_save_failed,
-            fallback_checkpoint=fallback,
+            fallback_checkpoint=fallback, encoder=encoder,
             quarantined=len(self.quarantine), stopped=stopped, finished_early=finished_early,
             device=self.device_name,
             mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),

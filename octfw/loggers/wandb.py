@@ -46,6 +46,8 @@ from octfw.types import BuildContext
 __all__ = ["WandbConfig", "WandbLogger", "build", "import_wandb"]
 
 MODES = ("online", "offline", "disabled")
+#: What ``log_artifacts`` may upload at the end of the run, and the summary key that says where it is.
+ARTIFACTS = {"checkpoint": "checkpoint", "encoder": "encoder"}
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,13 @@ class WandbConfig:
     dir: Location | None = doc(
         "local folder that receives W&B's files (a wandb/ folder inside it); leave out for the run folder",
         default=None,
+    )
+    log_artifacts: tuple[str, ...] = doc(
+        "what to upload as W&B model artifacts when the run ends: 'checkpoint' (the newest checkpoint; "
+        "one on gs:// is logged as a reference) and 'encoder' (RUN/encoder, written when "
+        "run.export_encoder is on); named <what>-<run id>, aliased 'latest' and 'step-<N>'",
+        default=(),
+        validator=attrs.validators.deep_iterable(choices(*ARTIFACTS)),
     )
 
 
@@ -154,11 +163,30 @@ class WandbLogger:
     def finish(self, summary: Mapping[str, Any]) -> None:
         if self._run is None:
             return
+        for what in self.config.log_artifacts:
+            self._log_artifact(what, summary.get(ARTIFACTS[what]), int(summary.get("update_steps") or 0))
         for key, value in summary.items():
             if value is not None:  # never turn a missing value into the string "None"
                 self._run.summary[key] = value
         self._run.finish(exit_code=1 if summary.get("stopped") else 0)
         self._run = None
+
+    def _log_artifact(self, what: str, location: str | None, update_step: int) -> None:
+        """One model artifact: a local file or folder uploaded, a remote object referenced."""
+        if location is None:
+            logger.warning("wandb logger: log_artifacts names %r, but this run has none to upload", what)
+            return
+        wandb = import_wandb()
+        artifact = wandb.Artifact(f"{what}-{self.run_id}", type="model",
+                                  metadata={"update_step": update_step, "location": location})
+        if "://" in location:
+            artifact.add_reference(location)
+        elif Path(location).is_dir():
+            artifact.add_dir(location)
+        else:
+            artifact.add_file(location)
+        self._run.log_artifact(artifact, aliases=["latest", f"step-{update_step}"])
+        logger.info("wandb logger: %s %s logged as artifact %s-%s", what, location, what, self.run_id)
 
 
 def build(config: WandbConfig, ctx: BuildContext) -> WandbLogger:
