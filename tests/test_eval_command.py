@@ -82,8 +82,9 @@ def _json(capsys, *args: str) -> dict:
 def _error(capsys, *args: str) -> str:
     assert main(["eval", *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1
-    return err
+    errors = [line for line in err.splitlines() if not line.startswith("octfw: warning:")]
+    assert "Traceback" not in err and len(errors) == 1, err
+    return errors[0]
 
 
 def test_the_attentive_probe_runs_as_an_evaluator_stage_during_training(short_run):
@@ -168,6 +169,44 @@ def test_bad_shot_counts_are_one_line_user_errors(short_run, eval_recipe, capsys
     assert "cannot train a classifier" in _error(capsys, str(short_run), "--recipe", recipe, "--shots", "0")
     assert "use at most" in _error(capsys, str(short_run), "--recipe", recipe, "--shots", "50")
     assert "--draws applies to --shots" in _error(capsys, str(short_run), "--recipe", recipe, "--draws", "2")
+
+
+def test_the_difference_carries_a_paired_interval_and_a_small_test_split_is_warned_about(
+        short_run, eval_recipe, capsys):
+    """Both encoders are scored on the same bootstrap resamples: the difference column is the gain
+    with its own interval, which holds the gain; 12 test volumes get a warning naming the counts."""
+    report = _json(capsys, str(short_run), "--recipe", str(eval_recipe))
+    for evaluator in ("knn", "attentive-probe"):
+        gain = report["pretrained"][f"{evaluator}/auroc"] - report["random_init"][f"{evaluator}/auroc"]
+        assert report["difference"][f"{evaluator}/auroc"] == pytest.approx(gain)
+        assert report["difference"][f"{evaluator}/auroc_ci_low"] <= gain <= report["difference"][f"{evaluator}/auroc_ci_high"]
+    assert main(["eval", str(short_run), "--recipe", str(eval_recipe)]) == 0
+    out, err = capsys.readouterr()
+    low, high = report["difference"]["knn/auroc_ci_low"], report["difference"]["knn/auroc_ci_high"]
+    assert f"[{low:+.2f}, {high:+.2f}]" in out and "paired bootstrap" in out
+    assert "octfw: warning: evaluator knn: the test split holds 7 volumes of class 0, 5 volumes of class 1" in err
+
+
+def test_the_paired_difference_is_narrower_than_two_separate_intervals():
+    """Two models that share most of their errors: the paired interval of the gain is far narrower
+    than the span of the two separate intervals (what comparing them by eye would suggest)."""
+    import numpy as np
+
+    from octfw.evaluation.metrics import classification_metrics, paired_difference
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat([0, 1], 40)
+    shared = rng.normal(size=80) + labels * 1.0  # the hard cases are hard for both
+    first = np.stack([-(shared + 0.3 * labels), shared + 0.3 * labels], axis=1)
+    second = np.stack([-shared, shared], axis=1)
+    classes = np.array([0, 1])
+    difference = paired_difference(labels, first, second, classes, bootstrap=500, seed=1)
+    separate = [classification_metrics(labels, p, classes, ["d"] * 80, bootstrap=500, seed=1)
+                for p in (first, second)]
+    assert difference["auroc"] == pytest.approx(separate[0]["auroc"] - separate[1]["auroc"])
+    assert difference["auroc_ci_low"] > 0  # a real gain, shown as one
+    paired_width = difference["auroc_ci_high"] - difference["auroc_ci_low"]
+    assert paired_width < 0.5 * (separate[0]["auroc_ci_high"] - separate[1]["auroc_ci_low"])
 
 
 def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):

@@ -20,6 +20,7 @@ its own this code uses no global random generator either.
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Any, Mapping
 
 import attrs
@@ -36,9 +37,12 @@ from octfw.evaluation.features import (
     stratified_split,
 )
 from octfw.evaluation.knn import knn_probabilities
-from octfw.evaluation.metrics import classification_metrics
+from octfw.evaluation.metrics import classification_metrics, paired_difference
 from octfw.evaluation.probe import fit_linear_probe
+from octfw.tables import counted
 from octfw.types import BuildContext
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Encoded", "FeatureEvaluator", "PooledFeatureEvaluator", "LinearProbeEvaluator", "KNNEvaluator",
            "AttentiveProbeEvaluator", "build_from_table"]
@@ -120,6 +124,8 @@ class FeatureEvaluator(abc.ABC):
         self.train_dataset, self.test_dataset, self.transform = train_dataset, test_dataset, transform
         self.grid = grid  #: the encoder's patch grid (D, H, W), when the run knows it
         self._split: tuple[LabelledVolumes, LabelledVolumes] | None = None
+        #: ``[N_test, K]`` probabilities of the newest :meth:`score`, for :meth:`difference`
+        self.last_test_probabilities: np.ndarray | None = None
 
     @classmethod
     def from_config(cls, config: FeatureEvaluatorConfig, ctx: BuildContext):
@@ -161,6 +167,7 @@ class FeatureEvaluator(abc.ABC):
                             "a classifier needs two or more")
         if len(test) == 0:
             raise UserError(f"{where}: the test split is empty; use more volumes or a test_dataset")
+        _warn_if_small(test.labels, where)
         self._split = (train, test)
         return self._split
 
@@ -186,10 +193,18 @@ class FeatureEvaluator(abc.ABC):
         positions = self.fit_positions() if positions is None else np.asarray(positions, dtype=np.int64)
         classes = np.unique(train.labels)  # all of them, even when a subset lacks one: columns stay fixed
         probabilities, extra = self.fit_and_predict(encoded, positions, classes)
-        metrics = classification_metrics(test.labels, probabilities.cpu().numpy(), classes, test.domains,
+        self.last_test_probabilities = probabilities.cpu().numpy()
+        metrics = classification_metrics(test.labels, self.last_test_probabilities, classes, test.domains,
                                          groups=test.groups, bootstrap=self.config.bootstrap,
                                          seed=self.config.split_seed)
         return {**metrics, **extra}
+
+    def difference(self, first: np.ndarray, second: np.ndarray) -> dict[str, float]:
+        """AUROC and AUPRC of two models' test probabilities (``last_test_probabilities`` of
+        two evaluations), first minus second, with a paired bootstrap interval."""
+        train, test = self.split()
+        return paired_difference(test.labels, first, second, np.unique(train.labels), groups=test.groups,
+                                 bootstrap=self.config.bootstrap, seed=self.config.split_seed)
 
     def evaluate(self, model: Any, device: Any, update_step: int) -> dict[str, float]:
         return self.score(self.encode(model, device))
@@ -201,6 +216,19 @@ class FeatureEvaluator(abc.ABC):
         device = encoded.train.device
         targets = torch.from_numpy(np.searchsorted(classes, train.labels[positions])).to(device)
         return encoded.train[torch.from_numpy(positions).to(device)], targets
+
+
+#: Below this many test volumes of a class, a metric's interval spans most of [0, 1].
+SMALL_TEST_CLASS = 15
+
+
+def _warn_if_small(labels: np.ndarray, where: str) -> None:
+    classes, counts = np.unique(labels, return_counts=True)
+    if counts.min() < SMALL_TEST_CLASS:
+        held = ", ".join(f"{counted(int(n), 'volume')} of class {c}" for c, n in zip(classes, counts))
+        logger.warning("%s: the test split holds %s; with fewer than %d of a class its intervals are too wide "
+                       "to tell encoders apart (give a larger test_dataset or more volumes)",
+                       where, held, SMALL_TEST_CLASS)
 
 
 class PooledFeatureEvaluator(FeatureEvaluator):

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["accuracy", "balanced_accuracy", "auroc", "auprc", "one_vs_rest", "bootstrap_weights",
-           "classification_metrics"]
+           "classification_metrics", "paired_difference"]
 
 
 def accuracy(labels: np.ndarray, predicted: np.ndarray) -> float:
@@ -151,6 +151,36 @@ def _metrics(labels: np.ndarray, probabilities: np.ndarray, classes: np.ndarray,
         out[key] = float(values[0])
         resampled = values[1:]
         if resamples > 0 and np.count_nonzero(~np.isnan(resampled)) > resamples / 2:
+            low, high = np.nanpercentile(resampled, [2.5, 97.5])
+            out[f"{key}_ci_low"], out[f"{key}_ci_high"] = float(low), float(high)
+    return out
+
+
+def paired_difference(labels: np.ndarray, first: np.ndarray, second: np.ndarray, classes: np.ndarray, *,
+                      groups: Sequence[object] | None = None, bootstrap: int = 0, seed: int = 0) -> dict[str, float]:
+    """``auroc`` and ``auprc`` of ``first`` minus those of ``second`` (two models' test
+    probabilities ``[N, K]`` on the same volumes), with ``_ci_low`` / ``_ci_high``: the 95 %
+    interval of the difference over ``bootstrap`` resamples, each drawn once and scored for both
+    models (a paired bootstrap: what the two share cancels, so the interval is that of the gain,
+    not of two separate estimates)."""
+    if len(classes) < 2:
+        return {}
+    labels = np.asarray(labels)
+    weights = np.ones((1, len(labels)))
+    if bootstrap > 0:
+        group_array = None if groups is None else np.asarray([str(g) for g in groups])
+        weights = np.concatenate([weights, bootstrap_weights(len(labels), bootstrap, np.random.default_rng(seed),
+                                                             group_array)])
+    a = one_vs_rest(labels, np.asarray(first, dtype=np.float64), classes, weights)
+    b = one_vs_rest(labels, np.asarray(second, dtype=np.float64), classes, weights)
+    out: dict[str, float] = {}
+    for key in a:
+        difference = a[key] - b[key]
+        if np.isnan(difference[0]):
+            continue
+        out[key] = float(difference[0])
+        resampled = difference[1:]
+        if bootstrap > 0 and np.count_nonzero(~np.isnan(resampled)) > bootstrap / 2:
             low, high = np.nanpercentile(resampled, [2.5, 97.5])
             out[f"{key}_ci_low"], out[f"{key}_ci_high"] = float(low), float(high)
     return out

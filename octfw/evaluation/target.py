@@ -35,6 +35,9 @@ __all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress"
 
 #: The line under a table whose values carry a bootstrap interval.
 INTERVAL_LEGEND = "[low, high]: bootstrap 95 % interval over test volumes (whole patients when known)"
+#: ... and the line under the difference column's intervals.
+DIFFERENCE_LEGEND = ("difference [low, high]: paired bootstrap 95 % interval (both encoders scored on the "
+                     "same resamples); an interval above 0 is a gain")
 
 #: ``progress(done, total, text)``: called as units of work finish (a progress bar's update).
 Progress = Callable[[int, int, str], None]
@@ -192,6 +195,9 @@ class EvalReport:
     device: str
     pretrained: dict[str, float]  #: "<evaluator>/<metric>" -> value
     random_init: dict[str, float]
+    #: pretrained minus random init, "<evaluator>/auroc" (and auprc) with a paired bootstrap
+    #: interval ("<evaluator>/auroc_ci_low", ...), for evaluators that keep their test predictions
+    difference: dict[str, float] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -237,16 +243,22 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
     evaluators = build_evaluators(target, recipe, registry)
     total, done = 2 * len(evaluators), 0
     results: dict[str, dict[str, float]] = {}
+    predictions: dict[str, list[Any]] = {name: [] for name, _ in evaluators}
     for label, model in (("pretrained", target.pretrained), ("random_init", target.random_init)):
         def advance(name: str, label: str = label) -> None:
             nonlocal done
             done += 1
+            predictions[name].append(getattr(dict(evaluators)[name], "last_test_probabilities", None))
             if progress is not None:
                 progress(done, total, f"{label.replace('_', ' ')}: {name}")
 
         results[label] = run_evaluators(model, evaluators, device, target.update_step or 0, advance)
+    difference = {f"{name}/{key}": value for name, evaluator in evaluators
+                  if callable(getattr(evaluator, "difference", None))
+                  and len(predictions[name]) == 2 and all(p is not None for p in predictions[name])
+                  for key, value in evaluator.difference(*predictions[name]).items()}
     return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),
-                      results["pretrained"], results["random_init"])
+                      results["pretrained"], results["random_init"], difference)
 
 
 def main_metric(metrics: Sequence[str], asked: str | None) -> str:
@@ -284,11 +296,15 @@ def format_value(scores: Mapping[str, float], key: str) -> str:
 
 
 def _difference(report: EvalReport, key: str) -> str:
-    """``+0.125``: pretrained minus random init (the gain pretraining bought); ``-`` when one is missing."""
+    """``+0.125``: pretrained minus random init (the gain pretraining bought), with its paired
+    bootstrap interval where the evaluator gave one: ``+0.125 [+0.03, +0.22]``; ``-`` when one is missing."""
     pretrained, random_init = report.pretrained.get(key), report.random_init.get(key)
     if pretrained is None or random_init is None:
         return "-"
-    return f"{pretrained - random_init:+.3f}"
+    evaluator, _, metric = key.partition("/")
+    low, high = (report.difference.get(f"{evaluator}/{k}") for k in _interval_keys(metric))
+    text = f"{pretrained - random_init:+.3f}"
+    return text if low is None or high is None else f"{text} [{low:+.2f}, {high:+.2f}]"
 
 
 def format_report(report: EvalReport) -> str:
@@ -307,4 +323,6 @@ def format_report(report: EvalReport) -> str:
         right=(1, 2, 3)))
     if any(is_interval_key(k.partition("/")[2]) for k in report.pretrained):
         lines += ["", INTERVAL_LEGEND]
+    if report.difference:
+        lines.append(DIFFERENCE_LEGEND)
     return "\n".join(lines)
