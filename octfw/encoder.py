@@ -37,6 +37,7 @@ from octfw.recipe import Recipe, build_component
 from octfw.registry import Registry
 from octfw.storage.files import write_atomically
 from octfw.types import BuildContext, Provenance, Sample
+from octfw.tables import counted
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
            "embed_to_csv", "find_checkpoint", "load_encoder", "open_volumes"]
@@ -290,7 +291,7 @@ def embed_to_csv(encoder: PretrainedEncoder, location: str | Path, out: str | Pa
     if pending:
         flush()
     if not rows:
-        raise UserError(f"{location}: none of its {len(dataset)} volumes could be used"
+        raise UserError(f"{location}: none of its {counted(len(dataset), 'volume')} could be used"
                         + (f" (first: {quarantined[0]['source']}: {quarantined[0]['reason']})" if quarantined else ""))
     text = io.StringIO()
     writer = csv.writer(text)

@@ -9,6 +9,7 @@ run`` in a terminal, and a log file or a pipe gets plain lines.
 from __future__ import annotations
 
 import contextlib
+import time
 import sys
 from typing import IO, Any, Callable, Iterator
 
@@ -30,6 +31,18 @@ def _in_jupyter() -> bool:
     return Console().is_jupyter
 
 
+#: The bar's clock (a test replaces it).
+clock = time.monotonic
+
+
+def rate_text(done: int, seconds: float, unit: str) -> str:
+    """``4.1 volumes/s``, or ``2.5 s per volume`` below one a second (three figures at most)."""
+    per_second = done / seconds
+    if per_second >= 1.0:
+        return f"{per_second:.3g} {unit}/s"
+    return f"{seconds / done:.3g} s per {unit.rstrip('s')}"
+
+
 @contextlib.contextmanager
 def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterator[Callable[..., None] | None]:
     """A rich progress bar on stderr when a person watches it (a terminal or a Jupyter
@@ -37,8 +50,10 @@ def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterato
     control characters.
 
     Yields ``update(done, total, text="")``; ``text`` is shown until the first update.
-    With ``unit`` the bar also shows the rate (``unit``/s) and an ETA: for work whose
-    items take about the same time.
+    With ``unit`` the bar also shows the rate and an ETA: for work whose items take
+    about the same time. The rate is the average since the first update that gave a
+    total (work that starts after a set-up, such as a Dask cluster, is not flattered
+    by it, nor by a burst of items finishing together), once a second has passed.
     """
     if not watched(sys.stderr):
         yield None
@@ -53,10 +68,13 @@ def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterato
     columns.append(TextColumn("{task.description}", markup=False))
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
         task = bar.add_task(text, total=None, rate="")
+        started: float | None = None
 
         def update(done: int, total: int, text: str = "") -> None:
-            speed = bar.tasks[0].speed
-            bar.update(task, completed=done, total=total, description=text,
-                       rate=f"{speed:.2f} {unit}/s" if unit and speed else "")
+            nonlocal started
+            now = clock()
+            started = now if started is None else started
+            rate = rate_text(done, now - started, unit) if unit and done and now - started >= 1.0 else ""
+            bar.update(task, completed=done, total=total, description=text, rate=rate)
 
         yield update

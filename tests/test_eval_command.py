@@ -234,6 +234,31 @@ def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):
         assert update is None
 
 
+def test_the_rate_is_the_average_since_work_began_in_readable_figures(monkeypatch):
+    """48 volumes in 12 s after a 10 s cluster start read 4 volumes/s, not the burst's rate;
+    slow work reads seconds per volume."""
+    import octfw.progress
+    from octfw.progress import progress_bar, rate_text
+
+    assert rate_text(48, 12.0, "volumes") == "4 volumes/s"
+    assert rate_text(7, 3.0, "volumes") == "2.33 volumes/s"
+    assert rate_text(3, 7.5, "volumes") == "2.5 s per volume"
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    clock = iter([10.0, 21.0, 22.0])  # work begins at 10 s (after the cluster), then a burst of 40 at 22 s
+    monkeypatch.setattr(octfw.progress, "clock", lambda: next(clock))
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with progress_bar("prepare", unit="volumes") as update:
+        update(0, 48)
+        update(8, 48)
+        update(48, 48)
+    assert "4 volumes/s" in terminal.getvalue()
+
+
 # --- patients ------------------------------------------------------------------------
 
 

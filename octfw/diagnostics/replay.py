@@ -22,6 +22,7 @@ from octfw.recipe import load_recipe
 from octfw.registry import Registry
 from octfw.tables import render_table
 from octfw.types import GuardInputs
+from octfw.tables import counted
 
 __all__ = ["replay"]
 
@@ -86,7 +87,7 @@ def replay(run_dir: Path, step: int, registry: Registry, report: Callable[[str],
             raise UserError(f"--step {step}: the run has {trainer.total} update steps")
         report(f"replay of update step {step} on the CPU, from "
                + (f"the checkpoint of step {start} ({location})" if location else "the seeded initialisation")
-               + f"; replaying {step - 1 - start} steps first")
+               + f"; replaying {counted(step - 1 - start, 'step')} first")
         for update_step in range(trainer.start_step, step - 1):
             trainer.update(update_step)
 

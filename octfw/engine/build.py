@@ -13,6 +13,7 @@ from octfw.recipe import Recipe
 from octfw.recipe.resolved import ByStage
 from octfw.registry import Registry
 from octfw.types import BuildContext, TransformCheckingDataset
+from octfw.tables import counted
 
 if TYPE_CHECKING:
     from octfw.engine.distributed import BatchLayout  # imports torch: not at module level (octfw lr)
@@ -38,7 +39,7 @@ def plan_update_steps(recipe: Recipe, dataset_size: int, layout: BatchLayout) ->
         raise UserError(
             f"dataset lists {dataset_size} file{'' if dataset_size == 1 else 's'}, fewer than one global "
             f"batch of {layout.global_batch} "
-            f"(engine.per_device_batch {layout.per_device_batch} x {layout.devices} devices x "
+            f"(engine.per_device_batch {layout.per_device_batch} x {counted(layout.devices, 'device')} x "
             f"engine.grad_accum_steps {layout.grad_accum_steps})"
         )
     total = steps_per_epoch * run.epochs if run.epochs is not None else run.max_steps

@@ -37,6 +37,7 @@ import torch
 
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, Dataset, Provenance, Transform
+from octfw.tables import counted
 
 __all__ = [
     "DOMAIN_SAMPLING",
@@ -206,7 +207,7 @@ class SampleSource(torch.utils.data.Dataset):
             arrays = {**arrays, DOMAIN_ID_KEY: np.int64(domain_id)}
             return {"arrays": arrays, "provenance": provenance, "quarantined": skipped}
         raise UserError(
-            f"no usable file in the dataset: all {len(self.dataset)} files failed to load "
+            f"no usable file in the dataset: all {counted(len(self.dataset), 'file')} failed to load "
             f"(first: {skipped[0][0]}: {skipped[0][1]})"
         )
 
@@ -301,7 +302,7 @@ def share_report(order: EpochOrder, batch_size: int, shown: int = 4) -> str:
     offsets = ", ".join(str(order.rank + stride * j) for j in range(min(batch_size, shown)))
     more = ", ..." if batch_size > shown else ""
     first = [index for _, index in itertools.islice(iter(order), shown)]
-    return (f"host {order.rank} of {stride} loads {batch_size} samples per micro-step: offsets "
+    return (f"host {order.rank} of {stride} loads {counted(batch_size, 'sample')} per micro-step: offsets "
             f"{offsets}{more} of each global micro-batch of {batch_size * stride} stream positions, "
             f"from position {order.start} (epoch {order.start // order.size}); first dataset "
             "indices " + ", ".join(map(str, first)))

@@ -26,6 +26,7 @@ import torch
 
 from octfw.engine.build import Components
 from octfw.errors import UserError
+from octfw.tables import counted
 
 __all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "checkpoint_nbytes"]
 
@@ -127,7 +128,7 @@ def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
     saved_batch = state.get("global_batch")
     if saved_batch is not None and saved_batch != global_batch_size:
         raise UserError(
-            f"--resume {where}: the checkpoint was trained with a global batch of {saved_batch} samples, "
+            f"--resume {where}: the checkpoint was trained with a global batch of {counted(saved_batch, 'sample')}, "
             f"this run has {global_batch_size} (per_device_batch x devices x grad_accum_steps); "
             "the schedule and the data order count in it, so the run would not continue as it was")
     saved_data = state.get("dataset")
@@ -135,7 +136,7 @@ def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
         return
     if saved_data["samples"] != fingerprint["samples"]:
         raise UserError(
-            f"--resume {where}: the checkpoint's dataset had {saved_data['samples']} samples, this one has "
+            f"--resume {where}: the checkpoint's dataset had {counted(saved_data['samples'], 'sample')}, this one has "
             f"{fingerprint['samples']}; the data order and the epoch count depend on it. Start a new run "
             "(or restore the dataset)")
     if saved_data["sha256"] != fingerprint["sha256"]:

@@ -31,6 +31,7 @@ from octfw.evaluation.target import (
 )
 from octfw.registry import Registry
 from octfw.tables import render_table
+from octfw.tables import counted
 
 __all__ = ["CheckpointsReport", "run_checkpoints", "select_checkpoints", "compare_checkpoints",
            "format_checkpoints", "plot_checkpoints"]
@@ -178,4 +179,4 @@ def plot_checkpoints(report: CheckpointsReport, png: str | Path, metric: str | N
                                       for step, scores in zip(report.steps, report.pretrained) if key in scores])
         baselines[evaluator] = report.random_init.get(key)
     return plot_checkpoint_curves(curves, baselines, png, title=f"{Path(report.run_dir).name}: "
-                                  f"{len(report.steps)} checkpoints")
+                                  f"{counted(len(report.steps), 'checkpoint')}")

@@ -67,7 +67,7 @@ def _check_labels_early(dataset: Any, where: str) -> None:
     if missing:
         source = dataset.url(missing[0]) if hasattr(dataset, "url") else f"volume {missing[0]}"
         raise UserError(
-            f"{where}: {len(missing)} of {len(labels)} volumes have no label (first: {source}); use a "
+            f"{where}: {len(missing)} of {counted(len(labels), 'volume')} have no label (first: {source}); use a "
             "manifest with a label column, or labels = true for synthetic-oct"
         )
     if len(set(labels)) < 2:
@@ -298,7 +298,7 @@ class AttentiveProbeEvaluator(FeatureEvaluator):
                                         [self.config.split_seed, 1], groups=train.groups)
             if not val:
                 raise UserError(f"evaluator {self.component}: the validation split is empty (train split "
-                                f"of {len(train)} volumes, val_fraction {self.config.val_fraction}); "
+                                f"of {counted(len(train), 'volume')}, val_fraction {self.config.val_fraction}); "
                                 "use more volumes")
             self._fit_val = (np.asarray(fit, dtype=np.int64), np.asarray(val, dtype=np.int64))
         return self._fit_val

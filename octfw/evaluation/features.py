@@ -32,6 +32,7 @@ import torch
 
 from octfw.errors import CorruptFile, UserError
 from octfw.types import Dataset, Sample
+from octfw.tables import counted
 
 __all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
            "pooled_grid", "pool_tokens", "extract_tokens"]
@@ -118,7 +119,7 @@ def load_labelled(dataset: Dataset, transform: Any, *, keep: bool, where: str) -
     if skipped:
         logger.warning("%s: skipped %d unusable files (first: %s)", where, len(skipped), skipped[0])
     if not indices:
-        raise UserError(f"{where}: no usable labelled volume among {len(dataset)} files")
+        raise UserError(f"{where}: no usable labelled volume among {counted(len(dataset), 'file')}")
     known = patient_of is not None and any(g.startswith("patient:") for g in groups)
     return LabelledVolumes(dataset, transform, indices, np.asarray(labels, dtype=np.int64), domains, sources,
                            prepared if keep else None, groups if known else None)

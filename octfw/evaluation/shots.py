@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from octfw.errors import UserError
+from octfw.tables import counted
 
 __all__ = ["ALL", "parse_shots", "shot_label", "sample_per_class", "label_efficiency", "summarise"]
 
@@ -66,7 +67,7 @@ def sample_per_class(labels: np.ndarray, pool: np.ndarray, shots: int, rng: np.r
     for label in np.unique(labels[pool]):
         members = pool[labels[pool] == label]
         if len(members) < shots:
-            raise UserError(f"{where}--shots {shots}: the train split has {len(members)} volumes of label "
+            raise UserError(f"{where}--shots {shots}: the train split has {counted(len(members), 'volume')} of label "
                             f"{label} to fit on; use at most {len(members)} per class, or 'all'")
         chosen.append(rng.choice(members, size=shots, replace=False))
     return np.sort(np.concatenate(chosen))

@@ -207,7 +207,7 @@ def _plan(location: str, fs: Any, root: str, previous: Header | None, options: M
         # New keys: the new volumes never overwrite the ones readers of the old snapshot read.
         salt = hashlib.sha256(json.dumps(dict(options), sort_keys=True, default=str).encode()).hexdigest()[:16]
         return _Plan(salt, (table,), (), (), True,
-                     f" (replacing its {previous.volumes} volumes of other transform options)")
+                     f" (replacing its {counted(previous.volumes, 'volume')} of other transform options)")
     rows: list[IndexRow] | None = []
     quarantine: list[dict[str, Any]] = []
     if previous.complete:
@@ -225,9 +225,9 @@ def _plan(location: str, fs: Any, root: str, previous: Header | None, options: M
     others = ", ".join(_describe_dataset(d) for d in previous.datasets) or "an earlier recipe's dataset"
     if replace:
         return _Plan(previous.key_salt, (table,), (), (), True,
-                     f" (replacing its {previous.volumes} volumes of {others})")
+                     f" (replacing its {counted(previous.volumes, 'volume')} of {others})")
     if not same and not add:
-        raise UserError(f"--out {location} holds another dataset ({others}; {previous.volumes} volumes) than "
+        raise UserError(f"--out {location} holds another dataset ({others}; {counted(previous.volumes, 'volume')}) than "
                         f"this recipe's ({mine}). --add adds this recipe's volumes to it, --replace rebuilds "
                         "it for this recipe alone (removing the volumes not in it); or prepare into a new "
                         "location")
@@ -245,7 +245,7 @@ def _plan(location: str, fs: Any, root: str, previous: Header | None, options: M
         note = ""
     else:
         datasets = (*previous.datasets, table)
-        note = f" (adding them to its {previous.volumes} volumes of {others})"
+        note = f" (adding them to its {counted(previous.volumes, 'volume')} of {others})"
     return _Plan(previous.key_salt, datasets, kept_rows, kept_quarantine, prune, note)
 
 
@@ -343,6 +343,8 @@ def _run_tasks(client: Any, dataset: Any, transform: Any, location: str, dtype: 
                                files, _extra(dataset, index), key=f"octfw-prepare-{key}", pure=False)
         futures[future] = (index, key)
     done = 0
+    if progress is not None:
+        progress(0, len(todo))  # the work starts now: the bar's rate counts from here, not from the cluster start
     try:
         for future in as_completed(futures):
             index, key = futures[future]
