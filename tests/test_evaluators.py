@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import importlib
 import json
 import sys
@@ -287,6 +288,13 @@ def test_octfw_eval_compares_a_checkpoint_with_a_seeded_random_encoder(paired_ru
     kept = paired_runs["plain"] / "eval" / f"target-{recipe.stem}"
     assert json.loads(kept.with_suffix(".json").read_text())["pretrained"] == report["pretrained"]
     assert kept.with_suffix(".txt").read_text().strip() == table.split("\njson ")[0].strip()
+    with kept.with_suffix(".csv").open(newline="") as f:  # and a CSV pandas.read_csv opens
+        rows = {row["metric"]: row for row in csv.DictReader(f)}
+    assert float(rows["knn/auroc"]["pretrained"]) == report["pretrained"]["knn/auroc"]
+    assert float(rows["knn/auroc"]["random_init_ci_low"]) == report["random_init"]["knn/auroc_ci_low"]
+    assert float(rows["knn/auroc"]["difference_ci_high"]) == report["difference"]["knn/auroc_ci_high"]
+    assert float(rows["knn/accuracy"]["difference"]) == pytest.approx(
+        report["pretrained"]["knn/accuracy"] - report["random_init"]["knn/accuracy"])
 
 
 def test_octfw_eval_reports_every_recipe_problem(tmp_path, capsys):

@@ -124,7 +124,11 @@ def _print(args: argparse.Namespace, report: Any, formatter: Any, files: dict[st
 
 
 def _keep(run_dir: Path, name: str, report: Any, text: str) -> dict[str, str]:
-    """``<run_dir>/eval/<name>.json`` and ``.txt`` (written atomically; a later eval replaces them)."""
+    """``<run_dir>/eval/<name>.json``, ``.txt`` and, for a report with ``csv_rows``, ``.csv``
+    (``pandas.read_csv`` opens it); written atomically, a later eval replaces them."""
+    import csv
+    import io
+
     from octfw.storage.files import write_atomically
 
     folder = run_dir / "eval"
@@ -132,4 +136,12 @@ def _keep(run_dir: Path, name: str, report: Any, text: str) -> dict[str, str]:
     kept = {"json": folder / f"{name}.json", "table": folder / f"{name}.txt"}
     write_atomically(str(kept["json"]), (json.dumps(report.as_dict(), indent=2) + "\n").encode("utf-8"))
     write_atomically(str(kept["table"]), (text + "\n").encode("utf-8"))
+    rows = report.csv_rows() if hasattr(report, "csv_rows") else []
+    if rows:
+        kept["csv"] = folder / f"{name}.csv"
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomically(str(kept["csv"]), buffer.getvalue().encode("utf-8"))
     return {key: str(path) for key, path in kept.items()}

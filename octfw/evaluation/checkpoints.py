@@ -53,6 +53,14 @@ class CheckpointsReport:
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
+    def csv_rows(self) -> list[dict[str, Any]]:
+        """One row per checkpoint (its update step; ``random`` for the baseline) and metric."""
+        from octfw.evaluation.target import is_interval_key, with_interval
+
+        probed = [*zip(self.steps, self.pretrained), ("random", self.random_init)]
+        return [{"update_step": step, "metric": key, **with_interval(scores, key, "value")}
+                for step, scores in probed for key in scores if not is_interval_key(key.partition("/")[2])]
+
 
 def run_checkpoints(run_dir: Path, registry: Registry) -> tuple[Any, list[tuple[int, str]]]:
     """(checkpointer, every complete checkpoint as (update step, location), oldest first)

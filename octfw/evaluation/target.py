@@ -202,6 +202,28 @@ class EvalReport:
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
+    def csv_rows(self) -> list[dict[str, Any]]:
+        """One row per metric: each side's value and interval, then the difference and its interval."""
+        keys = list(self.pretrained) + [k for k in self.random_init if k not in self.pretrained]
+        rows = []
+        for key in (k for k in keys if not is_interval_key(k.partition("/")[2])):
+            row: dict[str, Any] = {"metric": key}
+            for column, scores in (("pretrained", self.pretrained), ("random_init", self.random_init),
+                                   ("difference", self.difference)):
+                row.update(with_interval(scores, key, column))
+            if row["difference"] == "" and "" not in (row["pretrained"], row["random_init"]):
+                row["difference"] = row["pretrained"] - row["random_init"]
+            rows.append(row)
+        return rows
+
+
+def with_interval(scores: Mapping[str, float], key: str, column: str) -> dict[str, Any]:
+    """``{column: value, column_ci_low: ..., column_ci_high: ...}`` of ``key`` ("" where missing)."""
+    evaluator, _, metric = key.partition("/")
+    low, high = _interval_keys(metric)
+    return {column: scores.get(key, ""), f"{column}_ci_low": scores.get(f"{evaluator}/{low}", ""),
+            f"{column}_ci_high": scores.get(f"{evaluator}/{high}", "")}
+
 
 def eval_device(recipe: EvalRecipe) -> torch.device:
     from octfw.engine.backend import select_backend

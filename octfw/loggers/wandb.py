@@ -11,9 +11,12 @@
   writes ``<dir>/wandb/offline-run-<time>-<id>/``, to upload later with
   ``wandb sync``. An offline resume writes a second folder with the same run
   id; ``wandb sync`` merges them into the one run.
-- ``log`` sends exactly the host floats the engine hands over, at
-  ``step = update_step``; ``finish`` writes the run summary (failed saves,
-  first and last loss, ...) into the W&B summary and closes the run.
+- ``start`` gives W&B the resolved recipe as the run's config; ``log`` sends
+  exactly the host floats the engine hands over, at ``step = update_step``;
+  ``finish`` uploads what ``log_artifacts`` names as model artifacts (the
+  newest checkpoint, the run's exported ``encoder/``), writes the run summary
+  (failed saves, first and last loss, ...) into the W&B summary and closes
+  the run.
 
 When the run is resumed from a checkpoint older than the last logged step,
 W&B ignores (with a warning) the steps it already has; the values it keeps
