@@ -31,17 +31,16 @@ from torch import nn
 
 from octfw.errors import CorruptFile, UserError
 from octfw.formats import (CONFIG_FILE, EXPORT_FORMATS, FOLDER_FORMATS, FORMAT, FORMAT_VERSION, WEIGHTS_FILE,
-                           encoder_info, write_export)
+                           encoder_info, is_new_or_empty, write_export)
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import Recipe, build_component
 from octfw.registry import Registry
 from octfw.storage.files import write_atomically
-from octfw.types import BuildContext, Provenance, Sample
 from octfw.tables import counted
+from octfw.types import BuildContext, Provenance, Sample
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
            "embed_to_csv", "find_checkpoint", "load_encoder", "open_volumes"]
-
 
 
 class PretrainedEncoder(nn.Module):
@@ -175,7 +174,7 @@ class PretrainedEncoder(nn.Module):
         ``README.md``), as ``octfw export --format safetensors`` does; returns the folder.
         Upload it with ``huggingface_hub.upload_folder``."""
         folder = Path(folder)
-        if folder.exists() and not (folder.is_dir() and not any(folder.iterdir())):
+        if not is_new_or_empty(folder):
             raise UserError(f"save_pretrained: {folder}: give a new or empty folder")
         folder.parent.mkdir(parents=True, exist_ok=True)
         write_export("safetensors", folder, self.encoder, self.info)
@@ -389,7 +388,7 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
         raise UserError(f"--format {export_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
     if export_format in FOLDER_FORMATS:
-        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if not is_new_or_empty(out):
             raise UserError(f"--out {out}: give a new or empty folder for a {export_format} export")
     elif out.is_dir():
         raise UserError(f"--out {out}: is a folder; give a file name such as encoder.pt")

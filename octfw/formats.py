@@ -39,8 +39,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: the export command's --
     import torch
     from torch import nn
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "EXPORT_FORMATS", "FOLDER_FORMATS", "WEIGHTS_FILE", "CONFIG_FILE", "CARD_FILE", "encoder_info", "write_export",
-           "write_safetensors_folder", "model_card", "bundle_inference_config"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "EXPORT_FORMATS", "FOLDER_FORMATS", "WEIGHTS_FILE", "CONFIG_FILE",
+           "CARD_FILE", "encoder_info", "is_new_or_empty", "write_export", "model_card", "bundle_inference_config"]
 
 #: What an octfw encoder export says it is (``format`` in its ``info``), and its version.
 FORMAT, FORMAT_VERSION = "octfw-encoder", 1
@@ -89,11 +89,16 @@ def write_export(export_format: str, out: Path, encoder: nn.Module, info: Mappin
     elif export_format in FOLDER_FORMATS:
         with _folder_in_place(out) as folder:
             if export_format == "safetensors":
-                write_safetensors_folder(folder, weights, info)
+                _write_safetensors_folder(folder, weights, info)
             else:
                 _write_monai_bundle(folder, encoder, info)
     else:  # the caller checked the name against EXPORT_FORMATS
         raise ValueError(f"unknown export format {export_format!r}")
+
+
+def is_new_or_empty(folder: Path) -> bool:
+    """Whether a folder export may be written to ``folder`` without replacing anything."""
+    return not folder.exists() or (folder.is_dir() and not any(folder.iterdir()))
 
 
 @contextlib.contextmanager
@@ -105,7 +110,7 @@ def _folder_in_place(out: Path) -> Iterator[Path]:
     temporary.mkdir()
     try:
         yield temporary
-        if out.is_dir() and any(out.iterdir()):
+        if not is_new_or_empty(out):
             os.replace(out, previous)
         os.replace(temporary, out)  # rename(2) replaces an empty folder
     finally:
@@ -117,7 +122,8 @@ def _json(value: Any) -> bytes:
     return (json.dumps(value, indent=2, default=str) + "\n").encode("utf-8")
 
 
-def write_safetensors_folder(folder: Path, weights: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> None:
+def _write_safetensors_folder(folder: Path, weights: Mapping[str, torch.Tensor],
+                              info: Mapping[str, Any]) -> None:
     """The Hub layout: model card, weights, then ``config.json`` last."""
     from safetensors.torch import save
 

@@ -178,8 +178,9 @@ def test_the_difference_carries_a_paired_interval_and_a_small_test_split_is_warn
     report = _json(capsys, str(short_run), "--recipe", str(eval_recipe))
     for evaluator in ("knn", "attentive-probe"):
         gain = report["pretrained"][f"{evaluator}/auroc"] - report["random_init"][f"{evaluator}/auroc"]
-        assert report["difference"][f"{evaluator}/auroc"] == pytest.approx(gain)
-        assert report["difference"][f"{evaluator}/auroc_ci_low"] <= gain <= report["difference"][f"{evaluator}/auroc_ci_high"]
+        difference = report["difference"]
+        assert difference[f"{evaluator}/auroc"] == pytest.approx(gain)
+        assert difference[f"{evaluator}/auroc_ci_low"] <= gain <= difference[f"{evaluator}/auroc_ci_high"]
     assert main(["eval", str(short_run), "--recipe", str(eval_recipe)]) == 0
     out, err = capsys.readouterr()
     low, high = report["difference"]["knn/auroc_ci_low"], report["difference"]["knn/auroc_ci_high"]
