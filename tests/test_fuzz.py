@@ -305,3 +305,12 @@ def test_any_manifest_rows_build_a_dataset_or_one_user_error(cohort, pipeline_pa
     finally:
         manifest.unlink()
     assert listing(cohort) == before
+
+
+def test_set_followed_by_the_end_of_options_marker_is_a_user_error():
+    """`--set=--` (found by the fuzz above): argparse hands over [] instead of a string."""
+    with sandbox() as folder:
+        recipe = folder / "tiny.toml"
+        recipe.write_text(TINY_RECIPE, encoding="utf-8")
+        code, _out, err = octfw_in_process("show", str(recipe), "--set=0=0", "--set=--")
+        assert code == 2 and "--set --: expected TABLE.KEY=VALUE" in err

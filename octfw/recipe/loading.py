@@ -138,6 +138,9 @@ def parse_override(text: str, cwd: Path | None = None) -> tuple[list[str], Any]:
     The value is read as a TOML value (numbers, booleans, arrays, quoted
     strings); anything else is taken as a bare string.
     """
+    if not isinstance(text, str):  # argparse turns `--set=--` into [] (it reads "--" as its own marker)
+        raise UserError(f"--set {' '.join(map(str, text)) or '--'}: expected TABLE.KEY=VALUE, "
+                        "e.g. --set engine.base_lr=1e-4")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

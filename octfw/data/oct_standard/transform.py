@@ -25,9 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from monai.transforms import Affine, Resize, ResizeWithPadOrCrop
+from monai.transforms import Affine, ResizeWithPadOrCrop
 
 from octfw.data.oct_standard.masks import Grid, mask_generator_from_config
+from octfw.data.oct_standard.resize import resize
 from octfw.data.prepared.cache import PreparedCache
 from octfw.errors import ContractError, CorruptFile
 from octfw.fields import parse_bytes
@@ -66,12 +67,8 @@ class OCTStandardTransform:
         self.grid: Grid = tuple(s // p for s, p in zip(self.image_size, self.patch_size))
         self.mask_generator = mask_generator_from_config(config.mask)
         self.num_context, self.num_target = self.mask_generator.counts(self.grid)
-        if config.fit == "resize":
-            self._fit = Resize(self.image_size, mode="trilinear",
-                               anti_aliasing=config.anti_aliasing)
-        else:
-            # Zero is the darkest normalised intensity, i.e. background.
-            self._fit = ResizeWithPadOrCrop(self.image_size, mode="constant")
+        # Zero is the darkest normalised intensity, i.e. background.
+        self._crop_pad = ResizeWithPadOrCrop(self.image_size, mode="constant") if config.fit == "crop_pad" else None
 
     # --- deterministic half ----------------------------------------------
 
@@ -93,12 +90,14 @@ class OCTStandardTransform:
             raise CorruptFile(source, f"volume has {bad} non-finite voxels")
 
         # A copy: the sample's array may be read-only (a memory-mapped cache).
-        image = torch.tensor(volume)[None]  # [1, D, H, W]
+        image = torch.tensor(volume)  # [D, H, W]
         if self.config.target_spacing is not None:
             image = self._resample(image, sample.provenance.spacing, source)
         image = self._normalise(image)
-        image = self._fit(image)
-        prepared = _to_numpy(image)
+        if self._crop_pad is None:
+            prepared = resize(image, self.image_size, self.config.anti_aliasing).numpy()
+        else:
+            prepared = _to_numpy(self._crop_pad(image[None]))
         # Interpolation can overshoot by rounding; keep the documented range.
         np.clip(prepared, 0.0, 1.0, out=prepared)
         return prepared
@@ -124,8 +123,7 @@ class OCTStandardTransform:
         interpolate linearly. A constant volume has equal percentiles and
         becomes zeros.
         """
-        plain = image.as_tensor() if hasattr(image, "as_tensor") else image  # MetaTensor after resampling
-        low, high = np.percentile(plain.numpy(), self.config.percentiles)
+        low, high = np.percentile(image.numpy(), self.config.percentiles)
         if not high > low:
             return torch.zeros_like(image)
         return ((image - float(low)) / float(high - low)).clamp_(0.0, 1.0)
@@ -136,11 +134,7 @@ class OCTStandardTransform:
         if len(spacing) != 3 or not all(s > 0 and math.isfinite(s) for s in spacing):
             raise CorruptFile(source, f"spacing must be 3 positive values (dz, dy, dx) mm, "
                                       f"got {list(spacing)}")
-        shape = self.resampled_shape(tuple(image.shape[1:]), spacing)
-        if shape == tuple(image.shape[1:]):
-            return image
-        resize = Resize(shape, mode="trilinear", anti_aliasing=self.config.anti_aliasing)
-        return resize(image)
+        return resize(image, self.resampled_shape(tuple(image.shape), spacing), self.config.anti_aliasing)
 
     def resampled_shape(self, shape: tuple[int, int, int],
                         spacing: tuple[float, float, float]) -> tuple[int, int, int]:
