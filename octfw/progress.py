@@ -51,9 +51,9 @@ def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterato
 
     Yields ``update(done, total, text="")``; ``text`` is shown until the first update.
     With ``unit`` the bar also shows the rate and an ETA: for work whose items take
-    about the same time. The rate is the average since the first update that gave a
-    total (work that starts after a set-up, such as a Dask cluster, is not flattered
-    by it, nor by a burst of items finishing together), once a second has passed.
+    about the same time. The rate is the average since the first update (so neither
+    a set-up before it, such as a Dask cluster's start, nor a burst of items
+    finishing together skews it), shown once a second has passed.
     """
     if not watched(sys.stderr):
         yield None
@@ -68,13 +68,14 @@ def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterato
     columns.append(TextColumn("{task.description}", markup=False))
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as bar:
         task = bar.add_task(text, total=None, rate="")
-        started: float | None = None
+        first: tuple[float, int] | None = None  # (time, done) of the first update: the work's own start
 
         def update(done: int, total: int, text: str = "") -> None:
-            nonlocal started
+            nonlocal first
             now = clock()
-            started = now if started is None else started
-            rate = rate_text(done, now - started, unit) if unit and done and now - started >= 1.0 else ""
+            first = (now, done) if first is None else first
+            seconds, items = now - first[0], done - first[1]
+            rate = rate_text(items, seconds, unit) if unit and items > 0 and seconds >= 1.0 else ""
             bar.update(task, completed=done, total=total, description=text, rate=rate)
 
         yield update

@@ -59,3 +59,49 @@ def test_bench_runs_each_combination_end_to_end(tiny_recipe, tmp_path, capsys):
         assert float(r["samples_per_s"]) > 0 and r["samples_per_s"] == r["samples_per_s_per_device"]
         assert int(r["peak_memory_bytes"]) > 100 * 1024**2 and r["peak_memory_kind"] == "peak RSS"
         assert r["stable"] == "True" and r["skipped_updates"] == "0" and r["error"] == ""
+
+
+def test_data_only_times_the_loader_per_worker_count_and_sizes_the_workers(tiny_recipe, tmp_path, capsys):
+    """The real loader with 0 and 1 worker processes; the cold cache is filled first (and said), and
+    the workers asked for follow from the measured rate: ceil(devices x device rate / per worker)."""
+    import math
+
+    from octfw.cli import main
+
+    cache = tmp_path / "cache"
+    args = ["bench", str(tiny_recipe), "--set", f"run.cache_dir={cache}", "--data-only", "--workers", "1,0",
+            "--samples", "8", "--device-rate", "150", "--devices", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = {int(line.split()[0]): line.split() for line in out.splitlines() if line[:8].strip().isdigit()}
+    assert sorted(rows) == [0, 1]
+    assert rows[0][3] == "-" and rows[1][4] == "MiB" and float(rows[1][3]) > 0  # a worker's own memory
+    per_worker = float(rows[1][2])
+    assert "cold: 0 of 8 volumes were prepared" in out and "the first pass prepared them" in out
+    need = math.ceil(2 * 150 / per_worker)
+    assert f"at 150 samples/s per device x 2 devices: {need} loader worker" in out
+
+    assert main(args) == 0  # the cache is warm now: no first pass
+    assert "warm: all 8 volumes prepared" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("workers", ["x", "-1", ""])
+def test_data_only_refuses_bad_worker_counts(tiny_recipe, capsys, workers):
+    from octfw.cli import main
+
+    assert main(["bench", str(tiny_recipe), "--data-only", "--workers", workers]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("octfw: error: --workers") and len(err.splitlines()) == 1
+
+
+def test_the_summary_reports_the_data_wait_share_of_the_whole_run(tiny_recipe):
+    import json
+
+    from octfw.cli import main
+
+    assert main(["run", str(tiny_recipe), "--set", "run.max_steps=2"]) == 0
+    [run_dir] = (tiny_recipe.parent / "runs" / "tiny").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 < summary["data_wait_share"] <= 1.0  # step 1 waits for the first batch at least
+    assert max(row["data_wait_share"] for row in rows) > 0.0

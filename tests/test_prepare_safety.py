@@ -208,6 +208,9 @@ def test_a_second_prepare_is_refused_naming_the_first_and_a_killed_one_is_taken_
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(list(entries.iterdir())) < 4 + 2:
             time.sleep(0.05)
+        # Paused where it is, with a real SIGSTOP to its driver and Dask workers: still running,
+        # holding the folder, however fast its volumes are prepared on this machine.
+        os.killpg(first.pid, signal.SIGSTOP)
         assert len(list(entries.iterdir())) >= 6, "the first prepare did not start its work"
         count, during = snapshot(location)  # mid-prepare: the last complete snapshot, whole
         assert count == 4 and all(np.array_equal(a, b) for a, b in zip(during, volumes))

@@ -80,6 +80,9 @@ class RunSummary:
     final_save_failed: bool = False  #: the checkpointer could not take the final state
     fallback_checkpoint: str | None = None  #: where the final state went instead (None: nowhere)
     encoder: str | None = None  #: RUN/encoder, the exported target encoder of a finished run
+    #: the share of the run's time spent waiting on the data loader (0: never starved; near 1:
+    #: the loader is the bottleneck, give it workers: engine.num_workers, octfw bench --data-only)
+    data_wait_share: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
@@ -223,6 +226,7 @@ class Trainer:
         self._skipped_seen = 0.0
         self._step_listeners = [lg for lg in parts.loggers if hasattr(lg, "on_step")]
         self._data_wait_s = 0.0  # host time blocked on the data loader since the last log step
+        self._data_wait_total_s = 0.0  # ... and since the run (this attempt) started
         self.peak_flops, self.device_name = device_peak_flops(
             backend.kind, backend.device, recipe.engine.peak_flops_per_device)
         self.flops_per_sample: int | None = None  # counted once, on meta tensors, at the first log
@@ -254,7 +258,9 @@ class Trainer:
             self.heartbeat.waiting_on("the data loader")
             waited = time.perf_counter()
             batch = next(self.batches)
-            self._data_wait_s += time.perf_counter() - waited
+            waited = time.perf_counter() - waited
+            self._data_wait_s += waited
+            self._data_wait_total_s += waited
             self.heartbeat.waiting_on("forward/backward (tracing or compiling on xla)")
             self.quarantine.record(batch["quarantined"])
             provenance += batch["provenance"]
@@ -495,6 +501,7 @@ class Trainer:
             skipped_saves=len(self.saver.skipped), preempted=preempted,
             interrupted=self.stop_requests.stop_now, final_save_failed=final_save_failed,
             fallback_checkpoint=fallback, encoder=encoder,
+            data_wait_share=round(min(self._data_wait_total_s / elapsed, 1.0), 4) if elapsed > 0 else None,
             quarantined=len(self.quarantine), stopped=stopped, finished_early=finished_early,
             device=self.device_name,
             mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),

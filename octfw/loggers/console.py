@@ -129,6 +129,11 @@ def format_summary(summary: Mapping[str, Any], total_update_steps: int | None = 
         rows.append(("skipped updates", [_count(float(get("skipped_updates")))]))
     if get("samples_per_s") is not None:
         rows.append(("throughput", [f"{float(get('samples_per_s')):.1f} samples/s"]))
+    if get("data_wait_share") is not None:
+        share = float(get("data_wait_share"))
+        hint = " (the loader limits training: more engine.num_workers; octfw bench --data-only sizes them)" \
+            if share >= 0.2 else ""
+        rows.append(("data wait", [f"{share:.0%} of the run{hint}"]))
     if get("elapsed_s") is not None:
         rows.append(("elapsed", [_duration(float(get("elapsed_s")))]))
     if get("checkpoint") is not None:

@@ -343,8 +343,6 @@ def _run_tasks(client: Any, dataset: Any, transform: Any, location: str, dtype: 
                                files, _extra(dataset, index), key=f"octfw-prepare-{key}", pure=False)
         futures[future] = (index, key)
     done = 0
-    if progress is not None:
-        progress(0, len(todo))  # the work starts now: the bar's rate counts from here, not from the cluster start
     try:
         for future in as_completed(futures):
             index, key = futures[future]
