@@ -73,9 +73,12 @@ class EngineConfig:
         "Save a checkpoint every N update steps (and at the end); unset: at the end only.",
         default=None, validator=positive,
     )
-    num_workers: int = doc(
-        "Data-loader worker processes (0 = load in the training process).",
-        default=0, validator=in_range(0, 256),
+    num_workers: int | None = doc(
+        "Data-loader worker processes per training process (0 = load in the training process). "
+        "Leave out to derive it from the machine: on cuda and xla, the cores this process may use "
+        "(its share of the host's, minus one for itself), at most 8; on the cpu device 0 (training "
+        "itself uses the cores). `octfw bench --data-only` measures what one worker delivers.",
+        default=None, validator=attrs.validators.optional(in_range(0, 256)),
     )
     compile: bool = doc(
         "torch.compile the model (cuda only; refused on xla, where it caused the "

@@ -105,3 +105,30 @@ def test_the_summary_reports_the_data_wait_share_of_the_whole_run(tiny_recipe):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert 0.0 < summary["data_wait_share"] <= 1.0  # step 1 waits for the first batch at least
     assert max(row["data_wait_share"] for row in rows) > 0.0
+
+
+def test_loader_workers_follow_the_machine_unless_the_recipe_pins_them(monkeypatch):
+    import os
+
+    from octfw.engine.data import loader_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(240)))  # a TPU v4 host
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert loader_workers(None, "xla")[0] == 8  # capped: more feeds nothing on a v4 host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))  # 8 GPUs, 16 cores
+    assert loader_workers(None, "cuda") == (1, "auto: 16 cores / 8 processes - 1")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert loader_workers(None, "cuda")[0] == 0
+    assert loader_workers(None, "cpu") == (0, "auto: training on the CPU uses its cores")
+    assert loader_workers(3, "cpu") == (3, "engine.num_workers")
+
+
+def test_a_run_says_how_many_loader_workers_it_uses_and_why(tiny_recipe, caplog):
+    import logging
+
+    from octfw.cli import main
+
+    with caplog.at_level(logging.INFO, logger="octfw.engine.trainer"):
+        assert main(["run", str(tiny_recipe), "--set", "run.max_steps=1", "--set", "engine.num_workers=1"]) == 0
+    assert "data loader: 1 worker per process (engine.num_workers)" in caplog.text

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -291,6 +292,25 @@ def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
         persistent_workers=num_workers > 0,
         drop_last=True,
     )
+
+
+#: At most this many workers when derived from the machine: beyond it a TPU host's 240 vCPUs
+#: feed nothing more (docs/data-at-scale.md sizes a v4 host at about 5 cores at 40 % MFU).
+MAX_AUTO_WORKERS = 8
+
+
+def loader_workers(configured: int | None, device_kind: str) -> tuple[int, str]:
+    """The loader workers of one training process, and why: ``engine.num_workers`` when the
+    recipe pins it; else 0 on the cpu device, and on an accelerator the cores this process may
+    use (its share of the host's, ``LOCAL_WORLD_SIZE`` processes) minus one for itself, at most 8."""
+    if configured is not None:
+        return configured, "engine.num_workers"
+    if device_kind == "cpu":
+        return 0, "auto: training on the CPU uses its cores"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    workers = max(0, min(MAX_AUTO_WORKERS, cores // processes - 1))
+    return workers, f"auto: {counted(cores, 'core')} / {counted(processes, 'process', 'processes')} - 1"
 
 
 def share_report(order: EpochOrder, batch_size: int, shown: int = 4) -> str:

@@ -29,7 +29,8 @@ import torch
 from octfw.engine.backend import Backend, select_backend
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
-from octfw.engine.data import Quarantine, SampleSource, domain_report, make_loader, provenance_record
+from octfw.engine.data import (Quarantine, SampleSource, domain_report, loader_workers, make_loader,
+                               provenance_record)
 from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
@@ -43,6 +44,7 @@ from octfw.schedules import effective_lr
 from octfw.registry import Registry
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.failures import storage_cause
+from octfw.tables import counted
 from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining, TrainingDone
 
 __all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR"]
@@ -209,9 +211,10 @@ class Trainer:
         self.resumed_from = location  #: the checkpoint this run continues (None: from the start)
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
+        self.loader_workers = loader_workers(recipe.engine.num_workers, backend.kind)
         loader = make_loader(source, recipe.engine.per_device_batch * backend.local_devices,
                              recipe.run.seed, self.samples_done,
-                             recipe.engine.num_workers, backend.rank, backend.world_size,
+                             self.loader_workers[0], backend.rank, backend.world_size,
                              domain_sampling=recipe.engine.domain_sampling)
         self.batches = iter(backend.device_batches(loader))
         writes = run_dir if backend.is_main_process else None  # only rank 0 writes files
@@ -454,6 +457,8 @@ class Trainer:
                 log.info("resuming at update step %d of %d from %s", self.start_step, total, self.resumed_from)
             log.info(domain_report(self.parts.dataset, engine.domain_sampling))
             log.info(self.layout.describe())
+            workers, why = self.loader_workers
+            log.info("data loader: %s per process (%s)", counted(workers, "worker"), why)
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
         started, done, stopped, preempted = time.perf_counter(), self.start_step, None, False
