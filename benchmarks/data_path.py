@@ -20,14 +20,16 @@ measured in one run, one core each (torch on one thread):
   ``Resize`` with anti-aliasing.
 
 **Streaming**, samples/s per core with 0, 1 and 2 loader workers (batches of
-4, two views each), and the peak resident memory of a worker:
+4, two views each, octfw's also with its patch masks), and the peak resident
+memory of a worker:
 
 - ``octfw_prepared``: the ``prepared`` dataset (``octfw prepare``'s zarr
   store: read, SHA-256, zstd decode) + ``oct-standard``'s views and masks +
   collate, through octfw's ``SampleSource`` and ``collate``;
 - ``monai_persistent``: MONAI's ``PersistentDataset`` over the pipeline above
-  (its cache warmed first, then timed), two views by ``RandFlip`` and
-  ``RandAffine`` (the same rotation and scale ranges as octfw's), collated;
+  (its cache warmed first, then timed), two views drawn as ``oct-standard``
+  draws them (``RandFlip`` and ``RandAffine`` with its probabilities and
+  ranges: with the seeds' transform, none, so a copy), collated;
 - ``limit``: reading the stored bytes and decompressing them, nothing else.
 
 Per core: a run with W workers spends W cores on loading (the main process
@@ -111,20 +113,22 @@ def monai_deterministic(config: Any, spacing_of: dict[str, tuple[float, float, f
 
 
 def monai_views(config: Any) -> Callable[[Any], dict[str, torch.Tensor]]:
-    """Two random views of a prepared volume, with octfw's augmentation ranges."""
+    """Two views of a prepared volume as oct-standard draws them (the seeds' transform: none of
+    its augmentations on, so the context is a copy and the target the volume itself)."""
     import math
 
     from monai.transforms import Compose, RandAffine, RandFlip
 
     augment = Compose([
-        RandFlip(prob=0.5, spatial_axis=2),
-        RandAffine(prob=1.0, rotate_range=(math.radians(config.rotate_degrees or 10.0), 0, 0),
-                   scale_range=(0, config.scale_range or 0.1, config.scale_range or 0.1),
-                   mode="bilinear", padding_mode="zeros"),
+        RandFlip(prob=config.flip_prob, spatial_axis=2),
+        RandAffine(prob=config.affine_prob, rotate_range=(math.radians(config.rotate_degrees), 0, 0),
+                   scale_range=(0, config.scale_range, config.scale_range), mode="bilinear", padding_mode="zeros"),
     ])
 
     def views(volume: Any) -> dict[str, torch.Tensor]:
-        return {"context": torch.as_tensor(augment(volume)), "target": torch.as_tensor(augment(volume))}
+        volume = torch.as_tensor(volume)
+        target = torch.as_tensor(augment(volume)) if config.augment_target else volume
+        return {"context": torch.as_tensor(augment(volume)).clone(), "target": target}
 
     return views
 
@@ -241,8 +245,7 @@ def main() -> None:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="data-path-"))
     work.mkdir(parents=True, exist_ok=True)
     image = (16, 64, 64) if args.smoke else SEEDS_TRANSFORM["image_size"]
-    config = OCTStandardConfig(image_size=image, target_spacing=SEEDS_TRANSFORM["target_spacing"], cache=False,
-                               affine_prob=0.5, flip_prob=0.5)
+    config = OCTStandardConfig(image_size=image, target_spacing=SEEDS_TRANSFORM["target_spacing"], cache=False)
     ctx = BuildContext(recipe_dir=work, cache_dir=work, run_dir=None, seed=0, image_size=image, patch_size=(4, 16, 16))
     transform = build_transform(config, ctx)
     files = [str(f) for f in write_synthetic_cohort(work / "cohort", args.volumes, seed=0,

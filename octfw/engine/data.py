@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -240,17 +241,32 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     tensors = {}
     for key in (*BATCH_KEYS, DOMAIN_ID_KEY):
         try:
-            tensors[key] = torch.from_numpy(np.stack([item["arrays"][key] for item in items]))
+            arrays = [np.asarray(item["arrays"][key]) for item in items]
         except KeyError:
             raise ContractError(f"transform output lacks {key!r}; it must return {', '.join(BATCH_KEYS)}") from None
-        except ValueError as exc:
-            shapes = [tuple(np.shape(item["arrays"][key])) for item in items]
-            raise ContractError(f"transform output {key!r} has different shapes across samples {shapes}: {exc}") from None
+        shapes = [a.shape for a in arrays]
+        if len(set(shapes)) > 1:
+            raise ContractError(f"transform output {key!r} has different shapes across samples {shapes}")
+        tensors[key] = _stack(arrays)
     return {
         "tensors": tensors,
         "provenance": [item["provenance"] for item in items],
         "quarantined": [q for item in items for q in item["quarantined"]],
     }
+
+
+def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
+    """One batch tensor. In a loader worker it is made in shared memory, as torch's
+    ``default_collate`` makes it: the batch then reaches the training process without being
+    copied into shared memory again (a batch of views at the seeds' size is 300 MB)."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.from_numpy(np.stack(arrays))  # numpy's allocator: huge pages, fewer faults
+    dtype = torch.from_numpy(np.empty(0, arrays[0].dtype)).dtype
+    shape = (len(arrays), *arrays[0].shape)
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(math.prod(shape))
+    out = torch.empty(0, dtype=dtype).new(storage).view(shape)
+    np.stack(arrays, out=out.numpy())
+    return out
 
 
 def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,

@@ -180,7 +180,8 @@ class OCTStandardTransform:
         # The mask is drawn first so it does not change with augmentation options.
         context_idx, target_idx = self.mask_generator(self.grid, rng)
         context = self._augment(prepared, rng)
-        target = self._augment(prepared, rng) if self.config.augment_target else prepared.copy()
+        # The prepared volume itself, not a copy: collate copies it into the batch.
+        target = self._augment(prepared, rng) if self.config.augment_target else prepared
         return {
             "context": context[None],
             "target": target[None],

@@ -219,7 +219,9 @@ def quantize(prepared: np.ndarray, dtype: str) -> np.ndarray:
 def dequantize(stored: np.ndarray) -> np.ndarray:
     """Stored voxels back to float32 in [0, 1]."""
     if stored.dtype == np.uint8:
-        return stored.astype(np.float32) * np.float32(1.0 / 255.0)
+        volume = stored.astype(np.float32)
+        volume *= np.float32(1.0 / 255.0)  # in place: one float32 volume, not two
+        return volume
     return stored.astype(np.float32)
 
 
