@@ -205,3 +205,14 @@ def test_summary_says_a_failed_final_save_and_where_the_state_went_only_when_it_
     assert "FAILED; no fallback copy could be written" in lost
     at_once = format_summary({"update_steps": 7, "preempted": True, "interrupted": True, "stopped": "SIGINT at update step 7"})
     assert "SIGINT at update step 7 (at once: no final save); resume with --resume auto" in at_once
+
+
+def test_console_summary_says_the_data_wait_share_once_and_hints_at_workers_when_it_is_high(capsys, tmp_path):
+    logger = ConsoleLogger(mode="plain")
+    logger.start(10, tmp_path, {})
+    logger.finish({"update_steps": 10, "data_wait_share": 0.05})
+    out = capsys.readouterr().out
+    assert "data wait        5% of the run\n" in out and "data_wait_share" not in out
+    logger.start(10, tmp_path, {})
+    logger.finish({"update_steps": 10, "data_wait_share": 0.6})
+    assert "60% of the run (the loader limits training: more engine.num_workers" in capsys.readouterr().out

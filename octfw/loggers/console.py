@@ -156,7 +156,8 @@ def format_summary(summary: Mapping[str, Any], total_update_steps: int | None = 
 
     known = {"update_steps", "total_update_steps", "first_loss", "last_loss", "skipped_updates",
              "samples_per_s", "elapsed_s", "checkpoint", "failed_saves", "skipped_saves", "quarantined",
-             "stopped", "finished_early", "preempted", "interrupted", "final_save_failed", "fallback_checkpoint"}
+             "stopped", "finished_early", "preempted", "interrupted", "final_save_failed", "fallback_checkpoint",
+             "data_wait_share"}
     for key, value in summary.items():
         if key not in known and isinstance(value, (int, float, str, bool)):
             rows.append((str(key), [str(value)]))
