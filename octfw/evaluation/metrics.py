@@ -142,17 +142,31 @@ def _metrics(labels: np.ndarray, probabilities: np.ndarray, classes: np.ndarray,
     out = {"accuracy": accuracy(labels, predicted), "balanced_accuracy": balanced_accuracy(labels, predicted)}
     if len(classes) < 2:
         return out
-    weights = np.ones((1, len(labels)))
-    if resamples > 0:
-        weights = np.concatenate([weights, bootstrap_weights(len(labels), resamples, rng, groups)])
+    weights = _point_and_resamples(len(labels), resamples, rng, groups)
     for key, values in one_vs_rest(labels, probabilities, classes, weights).items():
-        if np.isnan(values[0]):
-            continue
-        out[key] = float(values[0])
-        resampled = values[1:]
-        if resamples > 0 and np.count_nonzero(~np.isnan(resampled)) > resamples / 2:
-            low, high = np.nanpercentile(resampled, [2.5, 97.5])
-            out[f"{key}_ci_low"], out[f"{key}_ci_high"] = float(low), float(high)
+        out.update(_estimate(key, values, resamples))
+    return out
+
+
+def _point_and_resamples(n: int, resamples: int, rng: np.random.Generator,
+                         groups: Sequence[object] | None) -> np.ndarray:
+    """``[1 + resamples, n]`` weights: every volume once (the point estimate), then the bootstrap draws."""
+    weights = np.ones((1, n))
+    if resamples > 0:
+        weights = np.concatenate([weights, bootstrap_weights(n, resamples, rng, groups)])
+    return weights
+
+
+def _estimate(key: str, values: np.ndarray, resamples: int) -> dict[str, float]:
+    """``key`` (the point estimate ``values[0]``) and, when more than half the resamples have a
+    value, ``key_ci_low`` / ``key_ci_high`` (their 2.5 and 97.5 percentiles); nothing for NaN."""
+    if np.isnan(values[0]):
+        return {}
+    out = {key: float(values[0])}
+    resampled = values[1:]
+    if resamples > 0 and np.count_nonzero(~np.isnan(resampled)) > resamples / 2:
+        low, high = np.nanpercentile(resampled, [2.5, 97.5])
+        out[f"{key}_ci_low"], out[f"{key}_ci_high"] = float(low), float(high)
     return out
 
 
@@ -166,23 +180,13 @@ def paired_difference(labels: np.ndarray, first: np.ndarray, second: np.ndarray,
     if len(classes) < 2:
         return {}
     labels = np.asarray(labels)
-    weights = np.ones((1, len(labels)))
-    if bootstrap > 0:
-        group_array = None if groups is None else np.asarray([str(g) for g in groups])
-        weights = np.concatenate([weights, bootstrap_weights(len(labels), bootstrap, np.random.default_rng(seed),
-                                                             group_array)])
+    group_array = None if groups is None else np.asarray([str(g) for g in groups])
+    weights = _point_and_resamples(len(labels), bootstrap, np.random.default_rng(seed), group_array)
     a = one_vs_rest(labels, np.asarray(first, dtype=np.float64), classes, weights)
     b = one_vs_rest(labels, np.asarray(second, dtype=np.float64), classes, weights)
     out: dict[str, float] = {}
     for key in a:
-        difference = a[key] - b[key]
-        if np.isnan(difference[0]):
-            continue
-        out[key] = float(difference[0])
-        resampled = difference[1:]
-        if bootstrap > 0 and np.count_nonzero(~np.isnan(resampled)) > bootstrap / 2:
-            low, high = np.nanpercentile(resampled, [2.5, 97.5])
-            out[f"{key}_ci_low"], out[f"{key}_ci_high"] = float(low), float(high)
+        out.update(_estimate(key, a[key] - b[key], bootstrap))
     return out
 
 
