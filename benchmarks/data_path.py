@@ -33,7 +33,9 @@ memory of a worker:
 - ``limit``: reading the stored bytes and decompressing them, nothing else.
 
 Per core: a run with W workers spends W cores on loading (the main process
-waits), one with 0 workers one core. Writes ``benchmarks/results/data_path.json``.
+waits), one with 0 workers one core. Writes ``benchmarks/results/data_path.json``
+and the profile of octfw's stream (cProfile, the 25 costliest functions by
+their own time) to ``benchmarks/results/data_path_profile.txt``.
 
     PJRT_DEVICE=CPU python benchmarks/data_path.py --volumes 6
     PJRT_DEVICE=CPU python benchmarks/data_path.py --smoke
@@ -225,6 +227,32 @@ def read_and_decompress(location: str, rows: Any, samples: int) -> float:
     return samples / (time.perf_counter() - started)
 
 
+def profile_stream(source: Any, collate_fn: Any, samples: int, name: str) -> str:
+    """cProfile of ``samples`` samples of octfw's stream in this process (what a worker does),
+    the 25 costliest functions by own time, kept beside the result as ``<name>.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    from _common import RESULTS
+
+    def stream() -> None:
+        items = []
+        for i in range(samples):
+            items.append(source[(2, i % len(source))])
+            if len(items) == BATCH:
+                collate_fn(items)
+                items = []
+
+    profiler = cProfile.Profile()
+    profiler.runcall(stream)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    path = RESULTS / f"{name}.txt"
+    path.write_text(text.getvalue().replace(str(ROOT) + "/", ""), encoding="utf-8")
+    return str(path.relative_to(ROOT))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--volumes", type=int, default=6, help="device-size volumes (default 6: two per vendor)")
@@ -311,6 +339,9 @@ def main() -> None:
         "limit / octfw_prepared": round(limit / best["octfw_prepared"], 2),
     }
     log("streaming ratios (best per core): " + json.dumps(result["streaming_ratios"]))
+    result["profile"] = profile_stream(source, collate, args.samples, "data_path_profile_smoke" if args.smoke
+                                       else "data_path_profile")
+    log(f"profile of the in-process stream: {result['profile']}")
     path = write_result("data_path_smoke" if args.smoke else "data_path", result)
     log(f"wrote {path.relative_to(ROOT)}")
 

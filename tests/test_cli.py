@@ -60,7 +60,7 @@ def test_show_prints_resolved_recipe_with_defaults():
     out = octfw("show", "recipes/quickstart.toml", "--set", "engine.base_lr=1e-4")
     assert out.returncode == 0, out.stderr
     assert "base_lr = 0.0001" in out.stdout
-    assert "num_workers = 0" in out.stdout  # a default the recipe does not write
+    assert "domain_sampling = \"natural\"" in out.stdout  # a default the recipe does not write
     assert f'output_dir = "{REPO / "runs"}"' in out.stdout
 
 

@@ -63,17 +63,23 @@ class _PeakChildMemory:
         import psutil
 
         self._process, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self._lock = threading.Lock()  # sample() runs in the watcher and, last, in the caller
         self._thread = threading.Thread(target=self._watch, name="octfw-bench-memory", daemon=True)
 
-    def _watch(self) -> None:
+    def sample(self) -> None:
         import psutil
 
+        for child in self._process.children(recursive=True):
+            try:
+                unique = child.memory_full_info().uss
+            except psutil.Error:  # a worker that has just exited
+                continue
+            with self._lock:
+                self.peak = max(self.peak, unique)
+
+    def _watch(self) -> None:
         while not self._stop.is_set():
-            for child in self._process.children(recursive=True):
-                try:
-                    self.peak = max(self.peak, child.memory_full_info().uss)
-                except psutil.Error:  # a worker that has just exited
-                    pass
+            self.sample()
             time.sleep(0.05)
 
     def __enter__(self) -> "_PeakChildMemory":
@@ -114,14 +120,16 @@ def measure_loader(recipe: Recipe, registry: Registry, workers: Sequence[int], s
             progress(done_counts, len(workers), f"{counted(count, 'worker')}")
         with _PeakChildMemory() as memory:
             loaded, seconds = _timed(make_loader(source, batch, recipe.run.seed, start=0, num_workers=count),
-                                     samples, batch)
+                                     samples, batch, before_end=memory.sample)
         rates.append(LoaderRate(count, loaded, seconds, memory.peak if count else None))
     return rates, cache
 
 
-def _timed(loader: Any, samples: int, batch: int, skip_first: bool = True) -> tuple[int, float]:
+def _timed(loader: Any, samples: int, batch: int, skip_first: bool = True,
+           before_end: Callable[[], None] | None = None) -> tuple[int, float]:
     """(samples loaded, seconds): at least ``samples``, after the first batch unless told
-    otherwise (worker start-up, imports, first reads are not the steady state)."""
+    otherwise (worker start-up, imports, first reads are not the steady state).
+    ``before_end`` runs while the workers still live (a last memory sample)."""
     batches = iter(loader)
     if skip_first:
         next(batches)
@@ -130,6 +138,8 @@ def _timed(loader: Any, samples: int, batch: int, skip_first: bool = True) -> tu
         next(batches)
         loaded += batch
     seconds = time.perf_counter() - started
+    if before_end is not None:
+        before_end()
     del batches  # persistent workers end with their iterator
     return loaded, seconds
 

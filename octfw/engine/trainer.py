@@ -259,9 +259,9 @@ class Trainer:
         provenance = []
         for micro in range(engine.grad_accum_steps):
             self.heartbeat.waiting_on("the data loader")
-            waited = time.perf_counter()
+            wait_started = time.perf_counter()
             batch = next(self.batches)
-            waited = time.perf_counter() - waited
+            waited = time.perf_counter() - wait_started
             self._data_wait_s += waited
             self._data_wait_total_s += waited
             self.heartbeat.waiting_on("forward/backward (tracing or compiling on xla)")
