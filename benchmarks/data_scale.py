@@ -115,7 +115,7 @@ def prepare(recipe: Path, location: str, workers: int) -> dict[str, Any]:
 def formats(location: str, count: int) -> dict[str, Any]:
     """Bytes and codec time per volume: zarr (blosc zstd) against np.savez_compressed and float32 .npz."""
     from octfw.data.prepared.dataset import PreparedDataset
-    from octfw.data.prepared.store import ARRAY_METADATA, CHUNK, decode_volume, encode_volume, quantize
+    from octfw.data.prepared.store import ARRAY_METADATA, CHUNK, decode_volume, dequantize, encode_volume, quantize
 
     dataset = PreparedDataset.open(location)
     rows: dict[str, list[float]] = {}
@@ -124,7 +124,7 @@ def formats(location: str, count: int) -> dict[str, Any]:
         rows.setdefault(name, []).append(value)
 
     for index in range(min(count, len(dataset))):
-        volume = dataset.load(index).volume
+        volume = dequantize(dataset.load(index).volume)  # loaded as stored
         stored = quantize(volume, dataset.rows[index].dtype)
         started = time.perf_counter()
         objects = encode_volume(stored)

@@ -35,6 +35,7 @@ __all__ = [
     "StopTraining",
     "TrainingDone",
     "BATCH_KEYS",
+    "UINT8_SCALE",
 ]
 
 #: Keys of the tensors a transform returns for one sample, and that the
@@ -42,6 +43,12 @@ __all__ = [
 #:
 #: - ``context``: float32 ``[C, D, H, W]``, the view the context encoder sees.
 #: - ``target``: float32 ``[C, D, H, W]``, the view the target encoder sees.
+#:
+#: A view may also be uint8, each byte ``b`` meaning ``b / 255``: a volume
+#: stored as uint8 by ``octfw prepare`` and not augmented travels so, a
+#: quarter of the bytes through the loader workers and onto the device, and
+#: the engine converts it there (``octfw.engine.data.float_views``) before
+#: the model sees it: a model always receives float32.
 #: - ``context_idx``: int64 ``[N_context]``, indices of visible patches.
 #: - ``target_idx``: int64 ``[N_target]``, indices of masked patches.
 #:
@@ -49,6 +56,8 @@ __all__ = [
 #: ``(D / pd, H / ph, W / pw)``. The counts are the same for every sample so
 #: that an XLA graph compiles once; a ``[D, H, W]`` voxel mask is refused.
 BATCH_KEYS = ("context", "target", "context_idx", "target_idx")
+#: A uint8 view's (and a uint8 stored volume's) byte ``b`` is the intensity ``b * UINT8_SCALE``.
+UINT8_SCALE = 1.0 / 255.0
 #: Added by the engine beside :data:`BATCH_KEYS`: each sample's domain as an
 #: int64 index into the run's sorted domain names. It rides to the device with
 #: the batch, so per-domain losses cost no host-to-device copy per step.
@@ -74,7 +83,8 @@ class Sample:
     provenance: Provenance
     #: Set by a dataset of already prepared volumes (``prepared``): the
     #: ``cache_key()`` of the transform that prepared ``volume``. A transform
-    #: with that key returns the volume from ``prepare`` unchanged.
+    #: with that key returns the volume from ``prepare`` unchanged (as
+    #: float32). ``volume`` is then as stored: uint8 (``b / 255``) or float16.
     prepared_key: str | None = None
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from octfw.cli import main
@@ -110,11 +111,11 @@ def test_a_running_2_worker_cluster_prepares_the_cohort_with_its_quarantine(coho
         sample = dataset.load(index)
         original = source.load(by_source[dataset.source(index)])
         expected = transform.prepare(original)
-        assert sample.volume.dtype == np.float32 and sample.volume.shape == tuple(IMAGE)
-        assert np.abs(sample.volume - expected).max() <= 2.0**-12
+        assert sample.volume.dtype == np.float16 and sample.volume.shape == tuple(IMAGE)  # as stored
+        volume = transform.prepare(sample)  # accepted as prepared, not prepared again: as float32
+        assert volume.dtype == np.float32 and np.abs(volume - expected).max() <= 2.0**-12
         assert sample.provenance == original.provenance
         assert sample.prepared_key == transform.cache_key()
-        assert transform.prepare(sample) is not None  # accepted as prepared, not prepared again
         row = dataset.rows[index]
         assert row.content_hash == "sha256:" + hashlib.sha256(Path(row.source).read_bytes()).hexdigest()
         assert row.dtype == "float16" and row.label == original.provenance.label
@@ -136,8 +137,28 @@ def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_o
     for index in range(len(dataset)):
         assert dataset.rows[index].dtype == "uint8"
         expected = transform.prepare(source.load(by_source[dataset.source(index)]))
-        errors.append(float(np.abs(dataset.load(index).volume - expected).max()))
+        sample = dataset.load(index)
+        assert sample.volume.dtype == np.uint8  # as stored: b / 255
+        errors.append(float(np.abs(transform.prepare(sample) - expected).max()))
     assert 0 < max(errors) <= 1 / 510 + 1e-6
+
+    # Unaugmented, the views stay bytes through the loader and become transform.prepare()'s
+    # float32 on the device, bit for bit (octfw.engine.data.float_views).
+    from octfw.engine.data import SampleSource, collate, float_views
+
+    batch = collate([SampleSource(dataset, transform, seed=0)[(0, i)] for i in range(2)])["tensors"]
+    assert batch["context"].dtype == batch["target"].dtype == torch.uint8
+    views = float_views(batch)
+    for position in range(2):  # SampleSource[(epoch, i)] is dataset sample i
+        expected = transform.prepare(dataset.load(position))
+        assert views["context"].dtype == torch.float32
+        np.testing.assert_array_equal(views["context"][position, 0].numpy(), expected)
+        np.testing.assert_array_equal(views["target"][position, 0].numpy(), expected)
+    # ... and the engine trains on them (its loader, the device conversion, the model).
+    recipe = prepared_recipe(write_recipe, str(location), name="train8.toml")
+    assert main(["run", str(recipe), "--set", "run.max_steps=2"]) == 0
+    [summary] = [p for p in recipe.parent.rglob("summary.json") if "train8" in str(p)]
+    assert np.isfinite(json.loads(summary.read_text())["last_loss"])
 
 
 def test_a_rerun_prepares_only_added_and_rewritten_files_and_prune_drops_replaced_ones(cohort, write_recipe, tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from octfw.engine.build import build_components, check_schedule
-from octfw.engine.data import SampleSource, collate, domain_counts, listed
+from octfw.engine.data import SampleSource, collate, domain_counts, float_views, listed
 from octfw.engine.distributed import BatchLayout
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError
@@ -93,7 +93,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
         raise ContractError(f"transform {recipe.transform.name!r} output lacks {', '.join(missing)}; "
                             f"it must return {', '.join(BATCH_KEYS)}")
     report(f"transform {recipe.transform.name}: " + ", ".join(f"{k} {_describe(arrays[k])}" for k in BATCH_KEYS))
-    batch = collate(items)["tensors"]
+    batch = float_views(collate(items)["tensors"])  # as the engine hands it to the model
     num_patches = None
     if ctx.image_size and ctx.patch_size:
         num_patches = int(np.prod([s // p for s, p in zip(ctx.image_size, ctx.patch_size)]))

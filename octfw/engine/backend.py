@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import attrs
 import torch
 
+from octfw.engine.data import float_views
 from octfw.engine.distributed import BatchLayout
 from octfw.errors import UserError
 from octfw.types import DOMAIN_ID_KEY
@@ -101,7 +102,7 @@ class Backend:
         non_blocking = self.kind == "cuda"
         for batch in loader:
             tensors = {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch["tensors"].items()}
-            yield {**batch, "tensors": tensors}
+            yield {**batch, "tensors": float_views(tensors)}
 
     def _xla_batches(self, loader: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
         # The parallel loader moves only tensors; provenance travels beside it
@@ -125,7 +126,7 @@ class Backend:
         never = sys.maxsize
         for tensors in pl.MpDeviceLoader(tensors_only(), self.device, input_sharding=sharding,
                                          batches_per_execution=never):
-            yield {"tensors": tensors, **host_parts.popleft()}
+            yield {"tensors": float_views(tensors), **host_parts.popleft()}
 
     def step_boundary(self) -> None:
         """End of an update step or a micro-step: cut and launch the XLA graph; nothing elsewhere."""

@@ -32,13 +32,13 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
 
 from octfw.errors import ContractError, CorruptFile, UserError
-from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, Dataset, Provenance, Transform
+from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, UINT8_SCALE, Dataset, Provenance, Transform
 from octfw.tables import counted
 
 __all__ = [
@@ -234,6 +234,23 @@ class SampleSource(torch.utils.data.Dataset):
         prepared = self.transform.prepare(sample)
         cache.put(source, prepared, sample.provenance)
         return self.transform.augment_and_mask(prepared, rng), sample.provenance
+
+
+#: The view keys of :data:`~octfw.types.BATCH_KEYS`, which may travel as uint8 (``b / 255``).
+VIEW_KEYS = ("context", "target")
+
+
+def float_views(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch with uint8 views as float32 in [0, 1], converted where they are (on the
+    device, after the transfer): the one place a stored-byte view becomes model input."""
+    out = dict(tensors)
+    for key in VIEW_KEYS:
+        view = out.get(key)
+        if isinstance(view, torch.Tensor) and view.dtype == torch.uint8:
+            out[key] = view.to(torch.float32).mul_(UINT8_SCALE)
+        elif isinstance(view, np.ndarray) and view.dtype == np.uint8:
+            out[key] = view.astype(np.float32) * np.float32(UINT8_SCALE)
+    return out
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from monai.transforms import Affine, ResizeWithPadOrCrop
 from octfw.data.oct_standard.masks import Grid, mask_generator_from_config
 from octfw.data.oct_standard.resize import resize
 from octfw.data.prepared.cache import PreparedCache
+from octfw.data.prepared.store import dequantize
 from octfw.errors import ContractError, CorruptFile
 from octfw.fields import parse_bytes
 from octfw.types import Sample
@@ -103,13 +104,17 @@ class OCTStandardTransform:
         return prepared
 
     def _already_prepared(self, sample: Sample) -> np.ndarray:
-        """A volume prepared earlier (``octfw prepare``), by this transform's options only."""
+        """A volume prepared earlier (``octfw prepare``), as float32."""
+        return dequantize(self._as_stored(sample))
+
+    def _as_stored(self, sample: Sample) -> np.ndarray:
+        """A volume prepared earlier (``octfw prepare``), by this transform's options only, as stored."""
         if sample.prepared_key != self.cache_key():
             raise ContractError(
                 f"{sample.provenance.source} was prepared by a transform with other options "
                 f"(key {sample.prepared_key}, this transform's is {self.cache_key()})"
             )
-        volume = np.asarray(sample.volume, dtype=np.float32)
+        volume = np.asarray(sample.volume)
         if volume.shape != self.image_size:
             raise CorruptFile(sample.provenance.source, f"prepared volume has shape {list(volume.shape)}, "
                                                         f"transform.image_size is {list(self.image_size)}")
@@ -169,9 +174,21 @@ class OCTStandardTransform:
 
     # --- random half -----------------------------------------------------
 
+    @property
+    def augments(self) -> bool:
+        """Whether any augmentation can change a view (else both views are the volume itself)."""
+        c = self.config
+        return c.flip_prob > 0 or c.affine_prob > 0 or c.intensity_jitter > 0
+
     def augment_and_mask(self, prepared: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """Both views and the patch mask for a prepared volume, drawn from ``rng``."""
-        prepared = np.asarray(prepared, dtype=np.float32)
+        """Both views and the patch mask for a prepared volume, drawn from ``rng``.
+
+        A uint8 volume as ``octfw prepare`` stored it (``b / 255``) stays uint8 when
+        nothing augments it: the views then cost a quarter of the bytes to move, and
+        the engine converts them on the device (:data:`octfw.types.BATCH_KEYS`)."""
+        prepared = np.asarray(prepared)
+        if prepared.dtype != np.uint8 or self.augments:
+            prepared = dequantize(prepared)
         if prepared.shape != self.image_size:
             raise ContractError(
                 f"prepared volume must have shape {list(self.image_size)} "
@@ -179,9 +196,11 @@ class OCTStandardTransform:
             )
         # The mask is drawn first so it does not change with augmentation options.
         context_idx, target_idx = self.mask_generator(self.grid, rng)
-        context = self._augment(prepared, rng)
-        # The prepared volume itself, not a copy: collate copies it into the batch.
-        target = self._augment(prepared, rng) if self.config.augment_target else prepared
+        if self.augments:
+            context = self._augment(prepared, rng)
+            target = self._augment(prepared, rng) if self.config.augment_target else prepared
+        else:  # both views are the volume itself, not copies: collate copies it into the batch
+            context = target = prepared
         return {
             "context": context[None],
             "target": target[None],
@@ -215,6 +234,8 @@ class OCTStandardTransform:
     # --- contract ----------------------------------------------------------
 
     def __call__(self, sample: Sample, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        if sample.prepared_key is not None:  # as stored: no float32 copy unless a view is augmented
+            return self.augment_and_mask(self._as_stored(sample), rng)
         return self.augment_and_mask(self.prepare(sample), rng)
 
     def output_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:

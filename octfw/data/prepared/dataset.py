@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from octfw.data.prepared.store import (
-    ARRAY_METADATA, CHUNK, VOLUMES, Header, IndexRow, decode_volume, dequantize, join,
+    ARRAY_METADATA, CHUNK, VOLUMES, Header, IndexRow, decode_volume, join,
     options_difference, read_snapshot,
 )
 from octfw.errors import CorruptFile, UserError
@@ -142,7 +142,9 @@ class PreparedDataset:
             raise CorruptFile(row.source, f"its prepared volume {row.key} is {stored.dtype} "
                                           f"{list(stored.shape)}, the index says {row.dtype} "
                                           f"{list(self.header.image_size)}")
-        return Sample(volume=dequantize(stored), provenance=row.provenance, prepared_key=self.prepared_key)
+        # As stored (uint8 or float16): the transform converts what it uses, and unaugmented uint8
+        # views travel as bytes to the device (octfw.types.BATCH_KEYS).
+        return Sample(volume=stored, provenance=row.provenance, prepared_key=self.prepared_key)
 
 
 def check_transform_matches(dataset: Any, transform: Any, where: str = "dataset.path") -> None:
