@@ -215,7 +215,8 @@ class Trainer:
         loader = make_loader(source, recipe.engine.per_device_batch * backend.local_devices,
                              recipe.run.seed, self.samples_done,
                              self.loader_workers[0], backend.rank, backend.world_size,
-                             domain_sampling=recipe.engine.domain_sampling)
+                             domain_sampling=recipe.engine.domain_sampling,
+                             views_to_device=backend.kind != "cpu")
         self.batches = iter(backend.device_batches(loader))
         writes = run_dir if backend.is_main_process else None  # only rank 0 writes files
         self.quarantine, self.guard_log = Quarantine(writes), GuardLog(writes)
