@@ -36,6 +36,7 @@ __all__ = [
     "TrainingDone",
     "BATCH_KEYS",
     "UINT8_SCALE",
+    "bytes_to_intensity",
 ]
 
 #: Keys of the tensors a transform returns for one sample, and that the
@@ -58,6 +59,16 @@ __all__ = [
 BATCH_KEYS = ("context", "target", "context_idx", "target_idx")
 #: A uint8 view's (and a uint8 stored volume's) byte ``b`` is the intensity ``b * UINT8_SCALE``.
 UINT8_SCALE = 1.0 / 255.0
+
+
+def bytes_to_intensity(stored: "np.ndarray") -> "np.ndarray":
+    """uint8 voxels (``b``) as float32 intensities ``b * UINT8_SCALE``, in one float32 array:
+    what ``octfw prepare`` stored and what the engine's uint8 views mean."""
+    import numpy as np  # here, not at import: octfw list and recipe validation import this module
+
+    volume = stored.astype(np.float32)
+    volume *= np.float32(UINT8_SCALE)  # in place: one float32 volume, not two
+    return volume
 #: Added by the engine beside :data:`BATCH_KEYS`: each sample's domain as an
 #: int64 index into the run's sorted domain names. It rides to the device with
 #: the batch, so per-domain losses cost no host-to-device copy per step.

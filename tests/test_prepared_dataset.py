@@ -154,9 +154,9 @@ def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_o
         assert views["context"].dtype == torch.float32
         np.testing.assert_array_equal(views["context"][position, 0].numpy(), expected)
         np.testing.assert_array_equal(views["target"][position, 0].numpy(), expected)
-    # ... and the engine trains on them (its loader, the device conversion, the model).
+    # ... and the engine trains on them (a loader worker converting them for the cpu device, the model).
     recipe = prepared_recipe(write_recipe, str(location), name="train8.toml")
-    assert main(["run", str(recipe), "--set", "run.max_steps=2"]) == 0
+    assert main(["run", str(recipe), "--set", "run.max_steps=2", "--set", "engine.num_workers=1"]) == 0
     [summary] = [p for p in recipe.parent.rglob("summary.json") if "train8" in str(p)]
     assert np.isfinite(json.loads(summary.read_text())["last_loss"])
 

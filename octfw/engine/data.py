@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from octfw.errors import ContractError, CorruptFile, UserError
-from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, UINT8_SCALE, Dataset, Provenance, Transform
+from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, UINT8_SCALE, Dataset, Provenance, Transform, bytes_to_intensity
 from octfw.tables import counted
 
 __all__ = [
@@ -248,25 +248,20 @@ def float_views(tensors: Mapping[str, Any]) -> dict[str, Any]:
         view = out.get(key)
         if isinstance(view, torch.Tensor) and view.dtype == torch.uint8:
             if view.device.type == "cpu":  # numpy's cast is 3x torch's on the host, and bitwise the same
-                out[key] = torch.from_numpy(_float_array(view.numpy()))
+                out[key] = torch.from_numpy(bytes_to_intensity(view.numpy()))
             else:
                 out[key] = view.to(torch.float32).mul_(UINT8_SCALE)
         elif isinstance(view, np.ndarray) and view.dtype == np.uint8:
-            out[key] = _float_array(view)
-    return out
-
-
-def _float_array(view: np.ndarray) -> np.ndarray:
-    out = view.astype(np.float32)
-    out *= np.float32(UINT8_SCALE)
+            out[key] = bytes_to_intensity(view)
     return out
 
 
 def collate_float_views(items: list[dict[str, Any]]) -> dict[str, Any]:
     """:func:`collate`, with uint8 views converted to float32 in the loader (for the cpu
-    device, where the training process has no device to do it on)."""
-    batch = collate(items)
-    return {**batch, "tensors": float_views(batch["tensors"])}
+    device, where the training process has no device to do it on). Each sample's views are
+    converted before the stacking, so in a worker the float32 batch is stacked straight into
+    shared memory, not converted afterwards and copied there."""
+    return collate([{**item, "arrays": float_views(item["arrays"])} for item in items])
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:

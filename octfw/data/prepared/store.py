@@ -67,7 +67,7 @@ import numpy as np
 
 from octfw.errors import CorruptFile, UserError
 from octfw.storage.files import open_filesystem, write_atomically
-from octfw.types import UINT8_SCALE, Provenance
+from octfw.types import Provenance, bytes_to_intensity
 
 __all__ = [
     "FORMAT_VERSION", "HEADER_FILE", "INDEX_FILE", "QUARANTINE_FILE", "LOCK_FILE", "DTYPES",
@@ -219,9 +219,7 @@ def quantize(prepared: np.ndarray, dtype: str) -> np.ndarray:
 def dequantize(stored: np.ndarray) -> np.ndarray:
     """Stored voxels as float32 in [0, 1] (a float32 array as it is, without a copy)."""
     if stored.dtype == np.uint8:
-        volume = stored.astype(np.float32)
-        volume *= np.float32(UINT8_SCALE)  # in place: one float32 volume, not two
-        return volume
+        return bytes_to_intensity(stored)
     return np.asarray(stored, dtype=np.float32)
 
 
