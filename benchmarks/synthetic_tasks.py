@@ -71,7 +71,7 @@ KNN_K = 10
 class Harness:
     """The quickstart's transform and model, and the probes, built once."""
 
-    def __init__(self, n_volumes: int, cohort_seed: int):
+    def __init__(self, n_volumes: int, cohort_seed: int, dataset: dict[str, Any] | None = None):
         import torch
 
         from octfw.evaluation.evaluator import build_from_table
@@ -84,9 +84,11 @@ class Harness:
         self.ctx = self.recipe.build_context(registry=self.registry)
         self.transform = build_from_table("transform", self.ctx.recipe["transform"], self.ctx, "transform")
         self.n_volumes, self.cohort_seed = n_volumes, cohort_seed
+        #: the dataset component and its options other than the task's (phantom-oct: its family)
+        self.dataset = dataset or {"name": "synthetic-oct"}
 
     def dataset_table(self, task: str, scale: float, n_volumes: int | None = None) -> dict[str, Any]:
-        return {"name": "synthetic-oct", "n_volumes": n_volumes or self.n_volumes, "labels": True,
+        return {**self.dataset, "n_volumes": n_volumes or self.n_volumes, "labels": True,
                 "seed": self.cohort_seed, "task": task, "finding_scale": scale}
 
     def volumes(self, task: str, scale: float, n_volumes: int | None = None):
@@ -105,10 +107,10 @@ class Harness:
             torch.manual_seed(seed)
             return self.recipe.model.build(self.ctx)
 
-    def evaluator(self, name: str, task: str, scale: float, **options: Any):
+    def evaluator(self, name: str, task: str, scale: float, n_volumes: int | None = None, **options: Any):
         from octfw.evaluation.evaluator import build_from_table
 
-        table = {"name": name, "dataset": self.dataset_table(task, scale), **options}
+        table = {"name": name, "dataset": self.dataset_table(task, scale, n_volumes), **options}
         return build_from_table("evaluator", table, self.ctx, name)
 
 
@@ -143,7 +145,8 @@ def probe(features, volumes, split_seed: int, classifier: str, l2: float = 1e-2)
     from octfw.evaluation.metrics import classification_metrics
     from octfw.evaluation.probe import fit_linear_probe
 
-    train, test = stratified_split(volumes.labels, volumes.domains, 0.5, split_seed)
+    # Whole patients when the cohort knows them (phantom-oct), as the evaluators split.
+    train, test = stratified_split(volumes.labels, volumes.domains, 0.5, split_seed, groups=volumes.groups)
     classes = np.unique(volumes.labels[train])
     targets = torch.from_numpy(np.searchsorted(classes, volumes.labels[train]))
     if classifier == "linear":
@@ -166,7 +169,9 @@ def summarise(per_split: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def measure(harness: Harness, task: str, scale: float, splits: int, encoder_seeds: list[int],
-            n_volumes: int | None = None) -> dict[str, Any]:
+            n_volumes: int | None = None, attentive: bool = False) -> dict[str, Any]:
+    """The rule's numbers for one task and scale; with ``attentive``, the random encoders are also
+    read by the ``attentive-probe`` evaluator (default options) on their patch tokens."""
     from octfw.evaluation.features import extract_features
 
     started = time.perf_counter()
@@ -179,11 +184,21 @@ def measure(harness: Harness, task: str, scale: float, splits: int, encoder_seed
     seeds = range(splits)
     for name, features in (("voxels", voxel_features(volumes)), ("max-pooled voxels", max_pooled_voxels(volumes))):
         result["probes"][name] = summarise([probe(features, volumes, s, "linear") for s in seeds])
-    for seed in encoder_seeds:
-        features = extract_features(harness.random_encoder(seed), volumes, "cpu", 8)
+    models = {seed: harness.random_encoder(seed) for seed in encoder_seeds}
+    for seed, model in models.items():
+        features = extract_features(model, volumes, "cpu", 8)
         for classifier in ("linear", "knn"):
             result["probes"][f"random encoder {seed} {classifier}"] = summarise(
                 [probe(features, volumes, s, classifier) for s in seeds])
+    if attentive:
+        per_seed: dict[int, list[dict[str, float]]] = {seed: [] for seed in models}
+        for split_seed in seeds:
+            # One evaluator per split: it decodes the cohort once, for every encoder.
+            evaluator = harness.evaluator("attentive-probe", task, scale, n_volumes, split_seed=split_seed)
+            for seed, model in models.items():
+                per_seed[seed].append(evaluator.evaluate(model, "cpu", 0))
+        for seed, per_split in per_seed.items():
+            result["probes"][f"random encoder {seed} attentive"] = summarise(per_split)
     voxels = result["probes"]["voxels"]["balanced_accuracy"]["mean"]
     best_random = max(v["balanced_accuracy"]["mean"] for k, v in result["probes"].items()
                       if k.startswith("random encoder"))

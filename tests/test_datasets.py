@@ -443,7 +443,7 @@ def test_missing_manifest_is_a_user_error(tmp_path):
 
 def test_all_components_register_with_documented_configs():
     registry = load_registry(entry_points=[])
-    assert registry.names("dataset") == ["dicom", "oct-vendor", "prepared", "synthetic-oct"]
+    assert registry.names("dataset") == ["dicom", "oct-vendor", "phantom-oct", "prepared", "synthetic-oct"]
     for name in registry.names("dataset"):
         component = registry.get("dataset", name)
         for field in attrs.fields(component.config):
@@ -514,7 +514,7 @@ def test_configs_refuse_bad_values(component, options, message):
 def test_plugin_modules_import_without_heavy_packages():
     code = (
         "import sys, octfw.data.dicom.config, octfw.data.dicom, octfw.data.prepared, "
-        "octfw.data.synthetic, octfw.data.vendor\n"
+        "octfw.data.synthetic, octfw.data.phantom, octfw.data.vendor\n"
         "heavy = [m for m in ('torch', 'pydicom', 'gcsfs', 'fsspec', 'torch_xla', 'oct_converter') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )

@@ -1,0 +1,114 @@
+"""The phantom-oct families: real DICOM, determinism, patients, labels, and independence
+from synthetic-oct's renderer (issue #29, item 1)."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TINY_RECIPE
+from test_user_mistakes import octfw, refused
+from octfw.types import BuildContext
+from octfw.data.dicom.dataset import DicomDataset
+from octfw.data.dicom.manifest import read_manifest
+from octfw.registry import load_registry
+
+PACKAGE = Path(__file__).resolve().parents[1] / "octfw" / "data" / "phantom"
+
+
+def _build(tmp_path, **options):
+    component = load_registry(entry_points=[]).get("dataset", "phantom-oct")
+    ctx = BuildContext(recipe_dir=tmp_path, cache_dir=tmp_path / "cache", run_dir=None, seed=3)
+    return component.build(component.config(**options), ctx)
+
+
+def _digests(dataset) -> list[str]:
+    return [hashlib.sha256(Path(dataset.url(i)).read_bytes()).hexdigest() for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("family", ["tuning", "held-out"])
+def test_each_family_writes_dicom_read_back_with_labels_and_two_eyes_per_patient(tmp_path, family):
+    dataset = _build(tmp_path, family=family, n_volumes=12, labels=True)
+    assert isinstance(dataset, DicomDataset) and len(dataset) == 12
+    labels = [dataset.load(i).provenance.label for i in range(12)]
+    assert set(labels) == {0, 1}
+    patients = [dataset.patient(i) for i in range(12)]
+    assert all(patients) and len(set(patients)) == 6
+    assert all(patients.count(p) == 2 for p in patients)
+    (folder,) = (tmp_path / "cache" / "phantom-oct").iterdir()
+    assert [row.patient for row in read_manifest(str(folder / "manifest.jsonl"))] == patients
+    # Both eyes of a patient come from one device.
+    domains = [dataset.load(i).provenance.domain for i in range(12)]
+    assert domains[0::2] == domains[1::2] and len(set(domains)) == 3
+
+
+def test_the_same_seed_gives_the_same_bytes_and_another_seed_other_bytes(tmp_path):
+    first = _digests(_build(tmp_path / "a", family="held-out", n_volumes=4, seed=7))
+    again = _digests(_build(tmp_path / "b", family="held-out", n_volumes=4, seed=7))
+    other = _digests(_build(tmp_path / "c", family="held-out", n_volumes=4, seed=8))
+    assert first == again
+    assert not set(first) & set(other)
+
+
+def test_the_families_have_their_own_vendors_and_shapes(tmp_path):
+    seen = {}
+    for family in ("tuning", "held-out"):
+        dataset = _build(tmp_path / family, family=family, n_volumes=6)
+        samples = [dataset.load(i) for i in range(6)]
+        seen[family] = {s.provenance.domain: s.volume.shape for s in samples}
+    assert set(seen["tuning"]) == {"optovue", "nidek", "canon"}
+    assert set(seen["held-out"]) == {"optopol", "bioptigen", "moptim"}
+    assert not set(seen["tuning"].values()) & set(seen["held-out"].values())
+
+
+def test_a_positive_eye_has_its_negative_twins_noise_and_differs_in_part():
+    # The finding draws from its own stream; what it changes is a region (the swelling of the
+    # held-out family moves the layers below it), not the whole volume's speckle.
+    from octfw.data.phantom import held_out, tuning
+
+    for module in (tuning, held_out):
+        anatomy = module.draw_patient(np.random.default_rng(0))
+        vendor = module.VENDORS[0]
+        volumes = [module.render(np.random.default_rng(1), anatomy, vendor, mirrored=False, positive=p,
+                                 finding_scale=1.0).astype(float) for p in (False, True)]
+        changed = np.abs(volumes[1] - volumes[0]) > 0
+        assert 0.0 < changed.mean() < 0.4, module.__name__
+
+
+def test_a_cohort_is_reused_until_its_record_is_gone(tmp_path):
+    first = _build(tmp_path, n_volumes=2)
+    (folder,) = (tmp_path / "cache" / "phantom-oct").iterdir()
+    stamp = (folder / "cohort.json").stat().st_mtime_ns
+    _build(tmp_path, n_volumes=2)
+    assert (folder / "cohort.json").stat().st_mtime_ns == stamp
+    (folder / "cohort.json").unlink()  # as a write cut short leaves it
+    again = _build(tmp_path, n_volumes=2)
+    assert (folder / "cohort.json").exists()
+    assert _digests(again) == _digests(first)
+
+
+def test_an_unknown_family_is_a_one_line_recipe_error(tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"', 'name = "phantom-oct"\nfamily = "x"'))
+    out = octfw("check", str(recipe), cwd=tmp_path)
+    assert refused(out).endswith("recipe.toml: 1 problem")
+    assert out.stderr.splitlines()[1:] == ["  dataset.family: must be one of 'tuning', 'held-out', got 'x'"]
+
+
+def test_a_task_other_than_the_familys_is_refused():
+    component = load_registry(entry_points=[]).get("dataset", "phantom-oct")
+    assert component.config(family="held-out", task="cysts").task == "cysts"
+    with pytest.raises(ValueError, match="has the one task 'drusen'"):
+        component.config(family="tuning", task="cysts")
+
+
+def test_the_package_imports_nothing_of_synthetic_oct():
+    for source in PACKAGE.glob("*.py"):
+        tree = ast.parse(source.read_text())
+        imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        assert not [m for m in imported if m and m.startswith("octfw.data.synthetic")], source.name
