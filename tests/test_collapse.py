@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from octfw.cli import main
 from octfw.errors import RecipeError
 from octfw.guards.collapse import CollapseConfig, CollapseGuard, build
-from octfw.models.vjepa3d.model import RANK_TOKENS, effective_rank, embedding_std
+from octfw.models.health import RANK_TOKENS, effective_rank, embedding_std
 from octfw.recipe import load_recipe
 from octfw.types import StopTraining
 

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from octfw.errors import UserError
 from octfw.models.vjepa3d import PRESETS, VJEPA3DConfig, build
-from octfw.models.vjepa3d.model import embedding_std, masked_feature_loss
+from octfw.models.health import embedding_std
+from octfw.models.vjepa3d.model import masked_feature_loss
 from octfw.registry import load_registry
 from octfw.types import BuildContext, ModelOutput
 
@@ -421,7 +422,7 @@ def test_model_layer_norms_keep_nn_layer_norm_state_dicts():
 def test_effective_rank_compiles_without_a_graph_break():
     """A graph break inside the forward made torch.compile recompile on every
     update step (engine.compile = true); fullgraph refuses any break."""
-    from octfw.models.vjepa3d.model import effective_rank
+    from octfw.models.health import effective_rank
 
     torch._dynamo.reset()
     features = torch.randn(2, 40, 16)

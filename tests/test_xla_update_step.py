@@ -24,7 +24,7 @@ from conftest import TINY_RECIPE
 from octfw.diagnostics.xla_counters import summarize
 from octfw.diagnostics.xla_hlo import (collective_totals, collectives, compiled_modules, dump_flags, gradient_rounds,
                                  match_gradients, module_memory_bytes, trailing_square_buffers, unoptimized)
-from octfw.models.vjepa3d.model import RANK_TOKENS
+from octfw.models.health import RANK_TOKENS
 from test_xla_engine import FAST_COMPILE
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ no forward branches on tensor values.
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ __all__ = [
     "ViT3DEncoder",
     "init_weights",
     "rescale_residual_branches",
+    "weight_decay_groups",
 ]
 
 #: Standard deviation of the truncated-normal initialisation of weights.
@@ -261,6 +263,24 @@ def rescale_residual_branches(blocks: nn.ModuleList) -> None:
         for layer, block in enumerate(blocks, start=1):
             block.attn.proj.weight.div_(math.sqrt(2.0 * layer))
             block.mlp.fc2.weight.div_(math.sqrt(2.0 * layer))
+
+
+def weight_decay_groups(parameters: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two optimizer groups over the trainable ones of ``parameters``, kept in
+    their order (a saved optimizer state relies on it).
+
+    ``decay`` holds every weight matrix/kernel (``ndim >= 2``) with
+    ``weight_decay``; ``no_decay`` holds biases, LayerNorm parameters and every
+    other 1-D parameter (mask tokens included) with 0.
+    """
+    decay, no_decay = [], []
+    for param in parameters:
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
 class ViT3DEncoder(nn.Module):

@@ -12,8 +12,8 @@ from typing import Any
 
 import attrs
 
-from octfw.errors import UserError
 from octfw.hookspecs import Register, hookimpl
+from octfw.models.presets import patch_geometry
 from octfw.models.vjepa3d.config import PRESETS, LOSS_CHOICES, Architecture, VJEPA3DConfig
 
 __all__ = ['PRESETS', 'LOSS_CHOICES', 'Architecture', 'VJEPA3DConfig', 'build']
@@ -21,24 +21,7 @@ __all__ = ['PRESETS', 'LOSS_CHOICES', 'Architecture', 'VJEPA3DConfig', 'build']
 
 def build(config: VJEPA3DConfig, ctx: Any):
     """Make a :class:`octfw.models.vjepa3d.model.VJEPA3D` for ``ctx.image_size`` and ``ctx.in_channels``."""
-    patch_size = tuple(config.patch_size)
-    image_size = ctx.image_size
-    if image_size is None:
-        raise UserError(
-            "model vjepa3d needs the input size: set transform.image_size "
-            f"(a multiple of model.patch_size = {list(patch_size)})"
-        )
-    image_size = tuple(image_size)
-    if any(size % patch for size, patch in zip(image_size, patch_size)):
-        raise UserError(
-            f"transform.image_size = {list(image_size)} is not divisible by "
-            f"model.patch_size = {list(patch_size)}"
-        )
-    if ctx.patch_size is not None and tuple(ctx.patch_size) != patch_size:
-        raise UserError(
-            f"the patch grid was set up for patch_size = {list(ctx.patch_size)} "
-            f"but model.patch_size = {list(patch_size)}"
-        )
+    image_size, patch_size = patch_geometry("vjepa3d", config.patch_size, ctx)
 
     from octfw.models.vjepa3d.model import VJEPA3D
 

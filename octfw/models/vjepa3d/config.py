@@ -12,19 +12,23 @@ from typing import Any
 import attrs
 
 from octfw.fields import choices, doc, length, positive
+from octfw.models.presets import ENCODER_PRESETS, positive_each, resolve_sizes, size_field
 
 __all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
+
+#: Predictor sizes by preset name, beside the shared encoder sizes
+#: (:data:`octfw.models.presets.ENCODER_PRESETS`).
+PREDICTOR_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(predictor_embed_dim=64, predictor_depth=2, predictor_num_heads=2),
+    "small": dict(predictor_embed_dim=320, predictor_depth=6, predictor_num_heads=5),
+    "base": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
+}
 
 #: Network sizes by preset name. ``small`` is the seeds' V-JEPA3D: with one
 #: input channel and patch (4, 16, 16) it has 29,333,120 trainable parameters
 #: (context encoder + predictor), within 0.3% of the seeds' 29.4M.
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(embed_dim=96, depth=4, num_heads=3,
-                 predictor_embed_dim=64, predictor_depth=2, predictor_num_heads=2, mlp_ratio=4.0),
-    "small": dict(embed_dim=384, depth=12, num_heads=6,
-                  predictor_embed_dim=320, predictor_depth=6, predictor_num_heads=5, mlp_ratio=4.0),
-    "base": dict(embed_dim=768, depth=12, num_heads=12,
-                 predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, mlp_ratio=4.0),
+    name: {**encoder, **PREDICTOR_PRESETS[name]} for name, encoder in ENCODER_PRESETS.items()
 }
 
 #: Parameters of each preset with one input channel and patch (4, 16, 16) (they do not
@@ -45,15 +49,6 @@ def _preset_sizes() -> str:
 
 
 LOSS_CHOICES = ("l1", "mse", "nmse")
-
-
-def _positive_each(instance: Any, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
-    if any(v <= 0 for v in value):
-        raise ValueError(f"every value must be > 0, got {list(value)!r}")
-
-
-def _optional_int(text: str) -> Any:
-    return doc(f"{text} (default: from preset)", default=None, validator=positive)
 
 
 @attrs.frozen
@@ -80,18 +75,18 @@ class VJEPA3DConfig:
     )
     patch_size: tuple[int, int, int] = doc(
         "patch size [pd, ph, pw] in voxels; image_size must be divisible by it",
-        default=(4, 16, 16), converter=tuple, validator=[length(3), _positive_each],
+        default=(4, 16, 16), converter=tuple, validator=[length(3), positive_each],
     )
     loss: str = doc(
         "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
         default="l1", validator=choices(*LOSS_CHOICES),
     )
-    embed_dim: int | None = _optional_int("encoder width")
-    depth: int | None = _optional_int("encoder blocks")
-    num_heads: int | None = _optional_int("encoder attention heads")
-    predictor_embed_dim: int | None = _optional_int("predictor width")
-    predictor_depth: int | None = _optional_int("predictor blocks")
-    predictor_num_heads: int | None = _optional_int("predictor attention heads")
+    embed_dim: int | None = size_field("encoder width")
+    depth: int | None = size_field("encoder blocks")
+    num_heads: int | None = size_field("encoder attention heads")
+    predictor_embed_dim: int | None = size_field("predictor width")
+    predictor_depth: int | None = size_field("predictor blocks")
+    predictor_num_heads: int | None = size_field("predictor attention heads")
     mlp_ratio: float | None = doc(
         "MLP hidden width / embedding width (default: from preset)", default=None, validator=positive,
     )
@@ -110,16 +105,7 @@ class VJEPA3DConfig:
     def architecture(self) -> Architecture:
         """The preset overridden by every explicit field; raises ValueError
         for widths that heads or the sin-cos position embedding cannot split."""
-        sizes = dict(PRESETS[self.preset])
-        for key in sizes:
-            value = getattr(self, key)
-            if value is not None:
-                sizes[key] = value
-        arch = Architecture(**sizes)
-        for width, heads in (("embed_dim", "num_heads"), ("predictor_embed_dim", "predictor_num_heads")):
-            w, h = getattr(arch, width), getattr(arch, heads)
-            if w % h:
-                raise ValueError(f"{width} = {w} is not divisible by {heads} = {h}")
-            if w % 2:
-                raise ValueError(f"{width} = {w} must be even (sin-cos position embedding)")
-        return arch
+        return Architecture(**resolve_sizes(
+            self, PRESETS[self.preset],
+            (("embed_dim", "num_heads"), ("predictor_embed_dim", "predictor_num_heads")),
+        ))

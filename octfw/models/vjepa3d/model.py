@@ -13,7 +13,6 @@ branch on tensor values and never read a tensor on the host.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Mapping
 
@@ -21,50 +20,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octfw.models.health import effective_rank, embedding_std
+from octfw.models.masked_decoder import MaskedTokenDecoder
 from octfw.models.vit3d import (
-    Block,
-    LayerNorm,
     ViT3DEncoder,
     gather_tokens,
-    init_weights,
     layer_norm,
-    rescale_residual_branches,
     set_activation_checkpointing,
-    sincos_pos_embed_3d,
+    weight_decay_groups,
 )
 from octfw.types import ModelOutput
 
 __all__ = [
     "LOSSES",
-    "RANK_TOKENS",
     "Predictor",
     "VJEPA3D",
     "masked_feature_loss",
-    "embedding_std",
-    "effective_rank",
 ]
 
 #: Loss names accepted by :class:`VJEPA3D` (and the ``loss`` config key).
 LOSSES = ("l1", "mse", "nmse")
 
-#: Tokens :func:`effective_rank` looks at: a fixed-size, evenly strided subset
-#: of the batch's target tokens, so its cost is bounded and its shape static.
-RANK_TOKENS = 512
 
-#: Mean squared distance of unit embeddings from their centroid below which
-#: :func:`effective_rank` reports full collapse (rank 1) instead of the rank
-#: of rounding noise.
-COLLAPSED_SPREAD = 1e-6
-
-
-class Predictor(nn.Module):
+class Predictor(MaskedTokenDecoder):
     """Narrow transformer that predicts target features at masked positions.
 
     ``forward(context_tokens [B, Nc, E], context_idx [B, Nc], target_idx [B, Nt])``
-    returns ``[B, Nt, E]``. Context tokens are projected to the predictor
-    width and given their positions again; each masked position gets the one
-    learned mask token plus its position embedding, so the predictor knows
-    where to predict.
+    returns ``[B, Nt, E]``: the shared :class:`~octfw.models.masked_decoder.MaskedTokenDecoder`
+    with an output head back to the encoder width.
     """
 
     def __init__(
@@ -77,37 +60,8 @@ class Predictor(nn.Module):
         mlp_ratio: float,
         activation_checkpointing: bool = False,
     ):
-        super().__init__()
-        self.embed_in = nn.Linear(embed_dim, predictor_embed_dim)
-        # 1-D on purpose: param_groups then leaves it out of weight decay, like
-        # the other non-matrix parameters.
-        self.mask_token = nn.Parameter(torch.zeros(predictor_embed_dim))
-        self.register_buffer(
-            "pos_embed", sincos_pos_embed_3d(grid_size, predictor_embed_dim)[None], persistent=False
-        )
-        self.blocks = nn.ModuleList(
-            Block(predictor_embed_dim, num_heads, mlp_ratio) for _ in range(depth)
-        )
-        self.norm = LayerNorm(predictor_embed_dim)
-        self.embed_out = nn.Linear(predictor_embed_dim, embed_dim)
-        self.apply(init_weights)
-        rescale_residual_branches(self.blocks)
-        set_activation_checkpointing(self.blocks, activation_checkpointing)
-
-    def forward(
-        self, context_tokens: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor
-    ) -> torch.Tensor:
-        batch = context_tokens.shape[0]
-        context = self.embed_in(context_tokens)
-        pos = self.pos_embed.to(context.dtype).expand(batch, -1, -1)
-        context = context + gather_tokens(pos, context_idx)
-        queries = self.mask_token.to(context.dtype) + gather_tokens(pos, target_idx)
-        tokens = torch.cat([context, queries], dim=1)
-        for block in self.blocks:
-            tokens = block(tokens)
-        # The masked positions are the last Nt tokens, a static slice.
-        predicted = self.norm(tokens[:, context.shape[1]:])
-        return self.embed_out(predicted)
+        super().__init__(grid_size, embed_dim, predictor_embed_dim, depth, num_heads, mlp_ratio,
+                         out_dim=embed_dim, activation_checkpointing=activation_checkpointing)
 
 
 def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
@@ -137,66 +91,6 @@ def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str
     return error.mean(dim=(1, 2))
 
 
-def embedding_std(features: torch.Tensor) -> torch.Tensor:
-    """Collapse signal: the std across all tokens of L2-normalised embeddings,
-    averaged over feature channels. ``[..., E]`` -> scalar float32.
-
-    About ``1 / sqrt(E)`` for embeddings spread over the sphere; near 0 when
-    every token maps to the same vector (representation collapse).
-    """
-    unit = F.normalize(features.detach().float().reshape(-1, features.shape[-1]), dim=-1)
-    return unit.std(dim=0, correction=0).mean()
-
-
-#: Device types with an autocast to leave; others (``meta``, in shape-only
-#: memory and FLOP estimates) have none.
-AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xla", "xpu", "mps", "hpu")
-
-
-def _without_autocast(device_type: str):
-    """A context that runs matmuls in the dtype of their inputs (float32 here).
-
-    A membership test rather than ``torch.amp.is_autocast_available``: that
-    call breaks a ``torch.compile`` graph, and the code after the break then
-    recompiled on every update step (engine.compile = true).
-    """
-    if device_type in AUTOCAST_DEVICE_TYPES:
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def effective_rank(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> torch.Tensor:
-    """Collapse signal: how many directions the embeddings really use. ``[..., E]`` -> scalar float32.
-
-    On an evenly strided subset of at most ``max_tokens`` tokens, L2-normalised
-    and centred, this is the participation ratio of the covariance spectrum,
-    ``(sum(l))**2 / sum(l**2)`` over its eigenvalues ``l``: the exponential of
-    the order-2 Renyi entropy of the normalised eigenvalues. It is about ``k``
-    when the embeddings spread evenly over ``k`` directions (at most
-    ``min(tokens - 1, E)``) and 1 when they have collapsed onto one direction
-    or one point. Computed in float32 with two matrix products and no
-    decomposition: eigen/singular value solvers are slow on TPUs, and on CUDA
-    ``torch.linalg.svdvals``/``eigvalsh`` synchronise the device with the CPU
-    (documented), a sync every step.
-    """
-    x = features.detach().reshape(-1, features.shape[-1])
-    stride = max(1, x.shape[0] // max_tokens)  # Python ints: a static slice
-    x = x[::stride][:max_tokens].float()
-    with _without_autocast(x.device.type):
-        unit = F.normalize(x, dim=-1)
-        centred = unit - unit.mean(dim=0, keepdim=True)
-        # The smaller Gram matrix has the same non-zero eigenvalues.
-        if centred.shape[0] <= centred.shape[1]:
-            gram = centred @ centred.T
-        else:
-            gram = centred.T @ centred
-        trace = torch.diagonal(gram).sum()  # sum of the eigenvalues
-        squares = gram.square().sum()  # sum of the squared eigenvalues
-        ratio = trace.square() / squares.clamp_min(torch.finfo(torch.float32).tiny)
-        collapsed = trace <= COLLAPSED_SPREAD * centred.shape[0]
-        return torch.where(collapsed, torch.ones_like(ratio), ratio)
-
-
 class VJEPA3D(nn.Module):
     """V-JEPA with a 3D ViT context encoder, predictor and EMA target encoder.
 
@@ -204,8 +98,9 @@ class VJEPA3D(nn.Module):
     (``context`` and ``target`` float32 ``[B, C, D, H, W]``, ``context_idx``
     int64 ``[B, Nc]``, ``target_idx`` int64 ``[B, Nt]``) and returns an
     :class:`~octfw.types.ModelOutput` with the loss on masked patches and the
-    scalar metrics ``target_std``, ``pred_std`` (see :func:`embedding_std`)
-    and ``effective_rank`` of the target features (see :func:`effective_rank`),
+    scalar metrics ``target_std``, ``pred_std`` (see :func:`~octfw.models.health.embedding_std`)
+    and ``effective_rank`` of the target features (see
+    :func:`~octfw.models.health.effective_rank`),
     the signals the ``collapse`` guard watches.
 
     Trainable parameters are those of ``context_encoder`` and ``predictor``;
@@ -329,15 +224,10 @@ class VJEPA3D(nn.Module):
         every other 1-D parameter (the predictor's mask token included) with 0.
         The target encoder is not trainable and is in neither group.
         """
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if not param.requires_grad or name.startswith("target_encoder."):
-                continue
-            (decay if param.ndim >= 2 else no_decay).append(param)
-        return [
-            {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-        ]
+        return weight_decay_groups(
+            (param for name, param in self.named_parameters() if not name.startswith("target_encoder.")),
+            weight_decay,
+        )
 
     def count_parameters(self) -> dict[str, int]:
         """``trainable``: context encoder + predictor parameters (the learned

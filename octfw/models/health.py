@@ -1,0 +1,94 @@
+"""Collapse signals every model reports about the network it exports.
+
+:func:`embedding_std` and :func:`effective_rank` turn a batch of tokens
+``[..., E]`` into one float32 device scalar each. A model reports them as the
+metrics ``target_std`` and ``effective_rank`` of its target encoder's tokens
+(the network octfw exports and probes), which the ``collapse`` guard,
+``octfw plot`` and the benchmarks read under those names.
+
+Hot path: both run every step. They never read a tensor on the host, never
+branch on tensor values, and take fixed-size slices only (XLA-friendly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "RANK_TOKENS",
+    "COLLAPSED_SPREAD",
+    "AUTOCAST_DEVICE_TYPES",
+    "embedding_std",
+    "effective_rank",
+]
+
+#: Tokens :func:`effective_rank` looks at: a fixed-size, evenly strided subset
+#: of the batch's target tokens, so its cost is bounded and its shape static.
+RANK_TOKENS = 512
+
+#: Mean squared distance of unit embeddings from their centroid below which
+#: :func:`effective_rank` reports full collapse (rank 1) instead of the rank
+#: of rounding noise.
+COLLAPSED_SPREAD = 1e-6
+
+#: Device types with an autocast to leave; others (``meta``, in shape-only
+#: memory and FLOP estimates) have none.
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xla", "xpu", "mps", "hpu")
+
+
+def embedding_std(features: torch.Tensor) -> torch.Tensor:
+    """Collapse signal: the std across all tokens of L2-normalised embeddings,
+    averaged over feature channels. ``[..., E]`` -> scalar float32.
+
+    About ``1 / sqrt(E)`` for embeddings spread over the sphere; near 0 when
+    every token maps to the same vector (representation collapse).
+    """
+    unit = F.normalize(features.detach().float().reshape(-1, features.shape[-1]), dim=-1)
+    return unit.std(dim=0, correction=0).mean()
+
+
+def _without_autocast(device_type: str):
+    """A context that runs matmuls in the dtype of their inputs (float32 here).
+
+    A membership test rather than ``torch.amp.is_autocast_available``: that
+    call breaks a ``torch.compile`` graph, and the code after the break then
+    recompiled on every update step (engine.compile = true).
+    """
+    if device_type in AUTOCAST_DEVICE_TYPES:
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def effective_rank(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> torch.Tensor:
+    """Collapse signal: how many directions the embeddings really use. ``[..., E]`` -> scalar float32.
+
+    On an evenly strided subset of at most ``max_tokens`` tokens, L2-normalised
+    and centred, this is the participation ratio of the covariance spectrum,
+    ``(sum(l))**2 / sum(l**2)`` over its eigenvalues ``l``: the exponential of
+    the order-2 Renyi entropy of the normalised eigenvalues. It is about ``k``
+    when the embeddings spread evenly over ``k`` directions (at most
+    ``min(tokens - 1, E)``) and 1 when they have collapsed onto one direction
+    or one point. Computed in float32 with two matrix products and no
+    decomposition: eigen/singular value solvers are slow on TPUs, and on CUDA
+    ``torch.linalg.svdvals``/``eigvalsh`` synchronise the device with the CPU
+    (documented), a sync every step.
+    """
+    x = features.detach().reshape(-1, features.shape[-1])
+    stride = max(1, x.shape[0] // max_tokens)  # Python ints: a static slice
+    x = x[::stride][:max_tokens].float()
+    with _without_autocast(x.device.type):
+        unit = F.normalize(x, dim=-1)
+        centred = unit - unit.mean(dim=0, keepdim=True)
+        # The smaller Gram matrix has the same non-zero eigenvalues.
+        if centred.shape[0] <= centred.shape[1]:
+            gram = centred @ centred.T
+        else:
+            gram = centred.T @ centred
+        trace = torch.diagonal(gram).sum()  # sum of the eigenvalues
+        squares = gram.square().sum()  # sum of the squared eigenvalues
+        ratio = trace.square() / squares.clamp_min(torch.finfo(torch.float32).tiny)
+        collapsed = trace <= COLLAPSED_SPREAD * centred.shape[0]
+        return torch.where(collapsed, torch.ones_like(ratio), ratio)

@@ -1,0 +1,84 @@
+"""The narrow transformer that fills in masked patches, shared by the models.
+
+V-JEPA's predictor and MAE's decoder are the same network with a different
+output head: encoded visible tokens are projected to a narrower width and
+given their positions again; each masked position gets one learned mask token
+plus its position embedding; pre-norm blocks and a final norm run over both;
+a linear head maps the tokens at the masked positions to what the model
+predicts (target-encoder features for ``vjepa3d``, the voxels of the patch for
+``mae3d``).
+
+XLA-friendly: positions are taken with fixed-size index tensors
+(:func:`octfw.models.vit3d.gather_tokens`) and the masked positions are a
+static slice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from octfw.models.vit3d import (
+    Block,
+    LayerNorm,
+    gather_tokens,
+    init_weights,
+    rescale_residual_branches,
+    set_activation_checkpointing,
+    sincos_pos_embed_3d,
+)
+
+__all__ = ["MaskedTokenDecoder"]
+
+
+class MaskedTokenDecoder(nn.Module):
+    """Visible tokens + mask tokens at the masked positions -> predictions there.
+
+    ``forward(context_tokens [B, Nc, in_dim], context_idx [B, Nc], target_idx [B, Nt])``
+    returns ``[B, Nt, out_dim]``. The submodules (and so the state-dict keys)
+    are ``embed_in``, ``mask_token``, ``blocks``, ``norm`` and ``embed_out``;
+    the sin-cos ``pos_embed`` is a buffer that is not saved.
+    """
+
+    def __init__(
+        self,
+        grid_size: tuple[int, int, int],
+        in_dim: int,
+        width: int,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: float,
+        out_dim: int,
+        activation_checkpointing: bool = False,
+    ):
+        super().__init__()
+        self.embed_in = nn.Linear(in_dim, width)
+        # 1-D on purpose: param_groups then leaves it out of weight decay, like
+        # the other non-matrix parameters.
+        self.mask_token = nn.Parameter(torch.zeros(width))
+        self.register_buffer(
+            "pos_embed", sincos_pos_embed_3d(grid_size, width)[None], persistent=False
+        )
+        self.blocks = nn.ModuleList(Block(width, num_heads, mlp_ratio) for _ in range(depth))
+        self.norm = LayerNorm(width)
+        self.embed_out = nn.Linear(width, out_dim)
+        # Built in this order, then initialised: the draws from the RNG (and
+        # so a seeded vjepa3d predictor) are those of the original Predictor.
+        self.apply(init_weights)
+        rescale_residual_branches(self.blocks)
+        set_activation_checkpointing(self.blocks, activation_checkpointing)
+
+    def forward(
+        self, context_tokens: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor
+    ) -> torch.Tensor:
+        batch = context_tokens.shape[0]
+        context = self.embed_in(context_tokens)
+        pos = self.pos_embed.to(context.dtype).expand(batch, -1, -1)
+        context = context + gather_tokens(pos, context_idx)
+        queries = self.mask_token.to(context.dtype) + gather_tokens(pos, target_idx)
+        tokens = torch.cat([context, queries], dim=1)
+        for block in self.blocks:
+            tokens = block(tokens)
+        # The masked positions are the last Nt tokens, a static slice.
+        predicted = self.norm(tokens[:, context.shape[1]:])
+        return self.embed_out(predicted)
