@@ -43,10 +43,12 @@ BUILTIN_DISTRIBUTION = "octfw"
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "octfw.data.dicom",
     "octfw.data.synthetic",
+    "octfw.data.phantom",
     "octfw.data.vendor",
     "octfw.data.prepared",
     "octfw.data.oct_standard",
     "octfw.models.vjepa3d",
+    "octfw.models.mae3d",
     "octfw.schedulers.cosine",
     "octfw.schedulers.constant",
     "octfw.guards.nan_skip",
@@ -63,6 +65,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "octfw.evaluation.evaluators.linear_probe",
     "octfw.evaluation.evaluators.knn",
     "octfw.evaluation.evaluators.attentive_probe",
+    "octfw.evaluation.evaluators.fine_tune",
 )
 
 

@@ -42,7 +42,7 @@ def test_the_probe_finds_a_small_lesion_far_above_chance():
     val_x, val_y = _lesions(32, seed=1)
     test_x, test_y = _lesions(200, seed=2)
     grid = _fit(train_x, train_y)
-    chosen, _balanced, _losses = select_member(grid, val_x, val_y)
+    chosen = select_member(grid, val_x, val_y).chosen
     accuracy = float((grid.probabilities(test_x, chosen).argmax(1) == test_y).float().mean())
     assert accuracy >= 0.8  # chance: 0.5
 
@@ -133,3 +133,54 @@ def test_tokens_are_pooled_over_grid_cells_to_a_bounded_count():
 def test_a_width_the_heads_do_not_divide_is_refused():
     with pytest.raises(ValueError, match="not a multiple of num_heads"):
         _fit(torch.randn(8, 4, 10), torch.arange(8) % 2, num_heads=4)
+
+
+def _grid_of(informative: list[bool], biases: list[list[float]], width: int = 4):
+    """A grid whose members read channel 0 of the mean token (zero query, value = identity), or
+    ignore the tokens (``informative`` False) and answer with their classifier bias alone."""
+    from octfw.evaluation.attentive import AttentiveProbeGrid
+
+    members = len(biases)
+    w_c = torch.zeros(members, width, 2)
+    for member, reads in enumerate(informative):
+        if reads:
+            w_c[member, 0, 1], w_c[member, 0, 0] = 1.0, -1.0  # class 1 when channel 0 is high
+    params = {"query": torch.zeros(members, 1, width), "w_v": torch.eye(width).expand(members, -1, -1).clone(),
+              "b_v": torch.zeros(members, width), "w_c": w_c, "b_c": torch.tensor(biases),
+              "mean": torch.zeros(width), "scale": torch.ones(width)}
+    return AttentiveProbeGrid(params, 1, tuple((1e-3, 0.0) for _ in biases))
+
+
+def _one_channel_tokens(values: list[float], width: int = 4):
+    x = torch.zeros(len(values), 3, width)
+    x[:, :, 0] = torch.tensor(values)[:, None]
+    x[:, :, 1] = torch.arange(len(values), dtype=torch.float32)[:, None] % 3  # layer norm needs spread
+    return x
+
+
+def test_a_member_that_predicts_one_class_is_never_chosen_while_another_is_left():
+    # Member 0 reads the signal and commits to its answers; on this small validation split it
+    # gets one volume of each class right: balanced accuracy 0.5, and its two confident
+    # mistakes cost cross-entropy. Member 1 answers class 0 whatever it sees (a bias, no
+    # weights): also 0.5, at about ln 2. The old tie-break (lower loss) picked member 1.
+    val_x = _one_channel_tokens([2.0, -2.0, 2.0, -2.0])
+    val_y = torch.tensor([1, 1, 0, 0])
+    grid = _grid_of([True, False], [[0.0, 0.0], [0.1, 0.0]])
+    selection = select_member(grid, val_x, val_y)
+    assert selection.single_class == [False, True]
+    assert selection.balanced_accuracy == [0.5, 0.5]
+    assert selection.loss[1] < selection.loss[0]
+    assert selection.chosen == 0 and not selection.degenerate
+
+
+def test_a_grid_where_every_member_predicts_one_class_is_flagged_and_warned_about(caplog):
+    # Fit tokens without any signal: the members learn the class prior and nothing else.
+    generator = torch.Generator().manual_seed(0)
+    fit_x = torch.randn(24, 4, 8, generator=generator)
+    fit_y = torch.tensor([0] * 18 + [1] * 6)  # three to one: the prior says class 0
+    val_x = torch.randn(8, 4, 8, generator=generator)
+    val_y = torch.tensor([0, 1] * 4)
+    grid = fit_attentive_grid(fit_x * 0.0, fit_y, 2, learning_rates=[1e-3, 1e-2], weight_decays=[0.0],
+                              num_heads=2, epochs=4, batch_size=8)
+    selection = select_member(grid, val_x * 0.0, val_y)
+    assert all(selection.single_class) and selection.degenerate

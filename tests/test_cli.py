@@ -53,7 +53,7 @@ def test_list_unknown_component_is_a_user_error():
     out = octfw("list", "--stage", "model", "--name", "vjepa")
     assert out.returncode == 2
     assert out.stderr.strip() == ("octfw: error: unknown model component 'vjepa' (did you mean 'vjepa3d'?); "
-                                  "available: vjepa3d")
+                                  "available: mae3d, vjepa3d")
 
 
 def test_show_prints_resolved_recipe_with_defaults():

@@ -177,7 +177,7 @@ def test_an_unknown_component_hints_that_its_plugin_may_be_missing(tmp_path):
     recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
     out = octfw("show", str(recipe), "--set", "model.name=retfound", cwd=tmp_path)
     refused(out)
-    assert ("  model.name: unknown model component 'retfound'; available: vjepa3d; "
+    assert ("  model.name: unknown model component 'retfound'; available: mae3d, vjepa3d; "
             "is the plugin that provides it installed? (octfw list --stage model)") in out.stderr.splitlines()
 
 
@@ -185,7 +185,7 @@ def test_a_misspelled_component_keeps_its_did_you_mean_without_the_plugin_hint(t
     recipe = write(tmp_path / "tiny.toml", TINY_RECIPE)
     out = octfw("show", str(recipe), "--set", "model.name=vjepa", cwd=tmp_path)
     refused(out)
-    assert ("  model.name: unknown model component 'vjepa' (did you mean 'vjepa3d'?); available: vjepa3d"
+    assert ("  model.name: unknown model component 'vjepa' (did you mean 'vjepa3d'?); available: mae3d, vjepa3d"
             in out.stderr.splitlines())
 
 

@@ -14,13 +14,15 @@ The library:
 - :mod:`octfw.evaluation.knn`: k-nearest neighbours with cosine similarity.
 - :mod:`octfw.evaluation.attentive`: attentive probes, a learning rate x
   weight decay grid trained in one pass, and the choice on validation.
+- :mod:`octfw.evaluation.fine_tune`: the encoder fine-tuned with a head,
+  layer-wise learning-rate decay, the epoch chosen on validation.
 - :mod:`octfw.evaluation.metrics`: accuracy, balanced accuracy, AUROC, AUPRC,
   bootstrap intervals, per domain.
 - :mod:`octfw.evaluation.shots`: label efficiency (k labelled volumes per class).
 - :mod:`octfw.evaluation.curves`: PNGs of label efficiency and of a metric
   over checkpoints.
 - :mod:`octfw.evaluation.evaluator`: the evaluators the ``linear-probe``,
-  ``knn`` and ``attentive-probe`` components build.
+  ``knn``, ``attentive-probe`` and ``fine-tune`` components build.
 
 ``octfw eval``:
 

@@ -53,7 +53,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentiveProbeGrid", "fit_attentive_grid", "select_member"]
+__all__ = ["AttentiveProbeGrid", "Selection", "fit_attentive_grid", "select_member"]
 
 _BETAS = (0.9, 0.999)
 _EPS = 1e-8
@@ -215,13 +215,32 @@ def fit_attentive_grid(
     return AttentiveProbeGrid({**_views(flat, layout), **stats}, num_heads, members)
 
 
-def select_member(grid: AttentiveProbeGrid, val_tokens: torch.Tensor, val_targets: torch.Tensor,
-                  batch_size: int = 64) -> tuple[int, list[float], list[float]]:
-    """(chosen member, validation balanced accuracy of each, validation cross-entropy of each).
+@attrs.frozen
+class Selection:
+    """The grid member chosen on the validation split, and what every member scored there."""
 
-    The member with the highest balanced accuracy on the validation split;
-    among equals the lower cross-entropy (on a few dozen validation volumes
-    accuracies tie often), then the earlier grid position.
+    chosen: int
+    balanced_accuracy: list[float]  #: validation balanced accuracy of each member
+    loss: list[float]  #: validation cross-entropy of each member
+    #: members that predict the same class for every validation volume: they learned nothing
+    single_class: list[bool]
+
+    @property
+    def degenerate(self) -> bool:
+        """Whether the chosen member predicts one class only (then every member does)."""
+        return self.single_class[self.chosen]
+
+
+def select_member(grid: AttentiveProbeGrid, val_tokens: torch.Tensor, val_targets: torch.Tensor,
+                  batch_size: int = 64) -> Selection:
+    """Choose the member with the highest validation balanced accuracy; among equals the lower
+    cross-entropy (on a few dozen validation volumes accuracies tie often), then the earlier grid
+    position.
+
+    A member whose validation predictions are all one class is never chosen while another is
+    left: its balanced accuracy is exactly chance, which on a small validation split can tie with
+    or beat members that learned something, and its cross-entropy (about ln K when it predicts the
+    prior) wins the tie against members that commit to their answers.
     """
     logits = grid.logits(val_tokens, batch_size)  # [G, N, K]
     y = val_targets.to(device=logits.device, dtype=torch.long)
@@ -229,5 +248,7 @@ def select_member(grid: AttentiveProbeGrid, val_tokens: torch.Tensor, val_target
     recalls = [(predicted[:, y == c] == c).float().mean(dim=1) for c in torch.unique(y).tolist()]
     balanced = torch.stack(recalls).mean(dim=0).cpu().tolist()
     losses = torch.stack([F.cross_entropy(member, y) for member in logits]).cpu().tolist()
-    chosen = min(range(len(balanced)), key=lambda g: (-balanced[g], losses[g], g))
-    return chosen, balanced, losses
+    single = (predicted == predicted[:, :1]).all(dim=1).cpu().tolist()
+    candidates = [g for g in range(len(balanced)) if not single[g]] or list(range(len(balanced)))
+    chosen = min(candidates, key=lambda g: (-balanced[g], losses[g], g))
+    return Selection(chosen, balanced, losses, single)

@@ -1,4 +1,4 @@
-"""The ``linear-probe``, ``knn`` and ``attentive-probe`` evaluators.
+"""The ``linear-probe``, ``knn``, ``attentive-probe`` and ``fine-tune`` evaluators.
 
 Each builds its labelled dataset(s) and the *training* transform (from the
 run's recipe in ``ctx.recipe``) through the registry, so features come from
@@ -11,7 +11,10 @@ fails before training starts rather than after it.
 An evaluation is two steps: :meth:`FeatureEvaluator.encode` runs the frozen
 encoder over both splits once, :meth:`FeatureEvaluator.score` fits the
 classifier on (a subset of) the train split and measures it on the test
-split. ``octfw eval --shots`` scores one encoding many times.
+split. ``octfw eval --shots`` scores one encoding many times. Fine-tuning
+fits the same way: its encoding is the network's inputs (volumes, or the
+tokens of the frozen blocks) and a copy of the encoder, which each fit
+copies again and trains.
 
 Called by the engine under ``torch.no_grad`` with the RNG state forked; on
 its own this code uses no global random generator either.
@@ -34,6 +37,7 @@ from octfw.evaluation.features import (
     extract_features,
     extract_tokens,
     load_labelled,
+    map_volumes,
     stratified_split,
 )
 from octfw.evaluation.knn import knn_probabilities
@@ -45,7 +49,7 @@ from octfw.types import BuildContext
 logger = logging.getLogger(__name__)
 
 __all__ = ["Encoded", "FeatureEvaluator", "PooledFeatureEvaluator", "LinearProbeEvaluator", "KNNEvaluator",
-           "AttentiveProbeEvaluator", "build_from_table"]
+           "ValidatedFeatureEvaluator", "AttentiveProbeEvaluator", "FineTuneEvaluator", "build_from_table"]
 
 
 def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str) -> Any:
@@ -99,10 +103,14 @@ def _check_patients_disjoint(train: Any, test: Any, where: str) -> None:
 
 @attrs.frozen(eq=False)
 class Encoded:
-    """Frozen-encoder features of both splits, on the device the classifier is fitted on."""
+    """What the classifier is fitted on, for both splits, on the device it is fitted on."""
 
-    train: torch.Tensor  #: [N_train, E] pooled features, or [N_train, T, E] tokens
+    #: [N_train, E] pooled features, [N_train, T, E] tokens, or the inputs of a network to fine-tune
+    train: torch.Tensor
     test: torch.Tensor
+    #: the network a fine-tuning evaluator trains further: a copy made at encoding, never the
+    #: caller's module; None for frozen features
+    network: torch.nn.Module | None = None
 
 
 class FeatureEvaluator(abc.ABC):
@@ -272,19 +280,14 @@ class KNNEvaluator(PooledFeatureEvaluator):
                                  temperature=self.config.temperature)
 
 
-class AttentiveProbeEvaluator(FeatureEvaluator):
-    """Attentive probes on cached patch tokens; the grid member is chosen on a validation split.
+class ValidatedFeatureEvaluator(FeatureEvaluator):
+    """A feature evaluator that chooses (a grid member, an epoch) on a validation split.
 
-    The validation split is carved out of the train split (``val_fraction``
-    of each domain and label, whole patients when the dataset knows them);
-    the members are fitted on the rest, the one with the best validation
-    balanced accuracy is measured on the test split, and only that one: the
-    test split never picks a member. Besides the test metrics it reports the
-    chosen ``selected_lr``, ``selected_weight_decay`` and its
-    ``val_balanced_accuracy``.
+    The validation split is carved out of the train split (the config's
+    ``val_fraction`` of each domain and label, whole patients when the
+    dataset knows them) and stays whole at every shot count; the classifier
+    is fitted on the rest (:meth:`fit_positions`).
     """
-
-    component = "attentive-probe"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -305,6 +308,19 @@ class AttentiveProbeEvaluator(FeatureEvaluator):
 
     def fit_positions(self) -> np.ndarray:
         return self.fit_val_positions()[0]
+
+
+class AttentiveProbeEvaluator(ValidatedFeatureEvaluator):
+    """Attentive probes on cached patch tokens; the grid member is chosen on a validation split.
+
+    The members are fitted on the train split less its validation split, the
+    one with the best validation balanced accuracy is measured on the test
+    split, and only that one: the test split never picks a member. Besides
+    the test metrics it reports the chosen ``selected_lr``,
+    ``selected_weight_decay`` and its ``val_balanced_accuracy``.
+    """
+
+    component = "attentive-probe"
 
     def encode(self, model: Any, device: Any) -> Encoded:
         # Tokens stay on the training device: the probe trains there in fixed-shape
@@ -327,8 +343,70 @@ class AttentiveProbeEvaluator(FeatureEvaluator):
         grid = fit_attentive_grid(fit_tokens, fit_targets, len(classes), learning_rates=config.learning_rates,
                                   weight_decays=config.weight_decays, num_heads=config.num_heads,
                                   epochs=config.epochs, batch_size=config.fit_batch_size, seed=config.seed)
-        chosen, val_balanced, _val_loss = select_member(grid, val_tokens, val_targets)
-        lr, weight_decay = grid.members[chosen]
+        selection = select_member(grid, val_tokens, val_targets)
+        lr, weight_decay = grid.members[selection.chosen]
+        if selection.degenerate:
+            logger.warning("evaluator %s: every member of the grid predicts one class for all %s; its "
+                           "metrics are those of a probe that learned nothing (reported as single_class = 1)",
+                           self.component, counted(len(val_targets), "validation volume"))
         extra = {"selected_lr": lr, "selected_weight_decay": weight_decay,
-                 "val_balanced_accuracy": float(val_balanced[chosen])}
-        return grid.probabilities(encoded.test, chosen), extra
+                 "val_balanced_accuracy": float(selection.balanced_accuracy[selection.chosen]),
+                 "single_class": float(selection.degenerate),
+                 "single_class_members": float(sum(selection.single_class))}
+        return grid.probabilities(encoded.test, selection.chosen), extra
+
+
+class FineTuneEvaluator(ValidatedFeatureEvaluator):
+    """The encoder fine-tuned with a head (:mod:`octfw.evaluation.fine_tune`); the epoch is
+    chosen on a validation split, and only its network predicts the test split.
+
+    Besides the test metrics it reports ``selected_epoch`` (1-based), its
+    ``val_balanced_accuracy`` and the number of ``trained_parameters``.
+    """
+
+    component = "fine-tune"
+
+    def encode(self, model: Any, device: Any) -> Encoded:
+        import copy
+
+        from octfw.evaluation.fine_tune import ALL_BLOCKS, frozen_prefix, is_vit3d_encoder
+
+        where = f"evaluator {self.component}"
+        encoder = model if is_vit3d_encoder(model) else getattr(model, "encoder", None)
+        if not is_vit3d_encoder(encoder):
+            raise UserError(f"{where}: fine-tunes a 3D ViT encoder (a model's .encoder); "
+                            f"{type(model).__name__} has none")
+        blocks, depth = self.config.blocks, len(encoder.blocks)
+        if blocks != ALL_BLOCKS and blocks > depth:
+            raise UserError(f"{where}: blocks = {blocks}, but the encoder has {depth} blocks; "
+                            f"give 1 to {depth}, or 'all'")
+        # A snapshot: the caller's encoder may train on (the engine) or move off the device
+        # (octfw eval) before the fits; every fit copies this one again.
+        encoder = copy.deepcopy(encoder).to(device).eval()
+        train, test = self.split()
+
+        def inputs(volumes: torch.Tensor) -> torch.Tensor:
+            return frozen_prefix(encoder, blocks, volumes)
+
+        return Encoded(map_volumes(inputs, train, device, self.config.batch_size),
+                       map_volumes(inputs, test, device, self.config.batch_size), network=encoder)
+
+    def fit_and_predict(self, encoded, positions, classes):
+        from octfw.evaluation.fine_tune import fine_tune
+
+        config = self.config
+        fit_inputs, fit_targets = self._train_part(encoded, positions, classes)
+        val_inputs, val_targets = self._train_part(encoded, self.fit_val_positions()[1], classes)
+        result = fine_tune(encoded.network, fit_inputs, fit_targets, val_inputs, val_targets, encoded.test,
+                           len(classes), blocks=config.blocks, epochs=config.epochs,
+                           batch_size=config.fit_batch_size, lr=config.lr, layer_decay=config.layer_decay,
+                           weight_decay=config.weight_decay, seed=config.seed, eval_batch_size=config.batch_size)
+        if result.single_class:
+            logger.warning("evaluator %s: at every epoch the network predicts one class for all %s; its "
+                           "metrics are those of a model that learned nothing (reported as single_class = 1)",
+                           self.component, counted(len(val_targets), "validation volume"))
+        extra = {"selected_epoch": float(result.selected_epoch),
+                 "val_balanced_accuracy": result.val_balanced_accuracy,
+                 "trained_parameters": float(result.trained_parameters),
+                 "single_class": float(result.single_class)}
+        return result.test_probabilities, extra

@@ -36,7 +36,7 @@ from octfw.types import Dataset, Sample
 from octfw.tables import counted
 
 __all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
-           "pooled_grid", "pool_tokens", "extract_tokens"]
+           "pooled_grid", "pool_tokens", "extract_tokens", "map_volumes"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,13 @@ def _extract(model: Any, volumes: LabelledVolumes, device: Any, batch_size: int,
         if was_training and hasattr(model, "train"):
             model.train()
     return torch.cat(chunks)
+
+
+def map_volumes(function: Callable[[torch.Tensor], torch.Tensor], volumes: LabelledVolumes, device: Any,
+                batch_size: int) -> torch.Tensor:
+    """``function(batch)`` of every volume (``[B, C, D, H, W]`` on ``device`` in, ``[B, ...]`` out),
+    batched as features are, under ``torch.no_grad``, concatenated on ``device`` as float32."""
+    return _extract(function, volumes, device, batch_size, lambda out: out.float())
 
 
 def extract_features(model: Any, volumes: LabelledVolumes, device: Any, batch_size: int) -> torch.Tensor:

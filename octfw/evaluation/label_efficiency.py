@@ -62,7 +62,7 @@ def _check_shots(evaluators: Sequence[tuple[str, Any]], shots: Sequence[int | No
     for name, evaluator in evaluators:
         if not all(hasattr(evaluator, attr) for attr in ("encode", "score", "fit_positions", "split")):
             raise UserError(f"--shots: evaluator {name} cannot refit on a subset of its train split "
-                            "(only the built-in linear-probe, knn and attentive-probe can)")
+                            "(the built-in linear-probe, knn, attentive-probe and fine-tune can)")
         labels = evaluator.split()[0].labels
         pool = np.asarray(evaluator.fit_positions(), dtype=np.int64)
         for count in shots:
