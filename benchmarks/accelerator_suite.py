@@ -415,7 +415,8 @@ def main() -> None:
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device")
-    from octfw.diagnostics.memory import device_memory, parse_bytes
+    from octfw.diagnostics.memory import device_memory
+    from octfw.fields import parse_bytes
     from octfw.engine.throughput import published_peak
 
     cuda = device == "cuda"

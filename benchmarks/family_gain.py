@@ -158,6 +158,9 @@ def write_cohorts(out: Path, volumes: int) -> None:
 
 
 def pretrain(args: argparse.Namespace) -> None:
+    if (args.out / "runs").exists():
+        # A job finds its run as the one folder under its own: an older run there would be taken.
+        raise SystemExit(f"--out {args.out}: holds runs of an earlier pretrain; give a new folder")
     jobs = [(method, setting, seed) for method in args.methods for setting in SETTINGS for seed in args.seeds]
     write_cohorts(args.out, args.volumes)
     updates = args.updates
@@ -183,14 +186,15 @@ def pretrain(args: argparse.Namespace) -> None:
 # probing
 
 
-def eval_recipe(folder: Path, split_seed: int, seed: int, volumes: int, fine_tune: dict[str, Any]) -> Path:
+def eval_recipe(folder: Path, split_seed: int, seed: int, volumes: int, fine_tune: dict[str, Any],
+                probes: list[str]) -> Path:
     import tomli_w
 
     dataset = {"name": "phantom-oct", "family": EVAL_FAMILY, "n_volumes": volumes, "labels": True,
                "seed": EVAL_SEED}
     options = {"knn": {"k": 10}, "fine-tune": fine_tune}
     evaluators = [{"name": name, "dataset": dataset, "split_seed": split_seed, "bootstrap": 0,
-                   **options.get(name, {})} for name in PROBES]
+                   **options.get(name, {})} for name in probes]
     path = folder / f"eval_{split_seed}_{seed}.toml"
     path.write_text(tomli_w.dumps({"run": {"seed": seed, "device": "cpu"}, "evaluator": evaluators}))
     return path
@@ -231,8 +235,8 @@ def probe(args: argparse.Namespace) -> None:
             continue
         target = load_target(args.out / "encoders" / f"{run['job']}.pt", run["seed"], registry)
         for split_seed in range(args.splits):
-            recipe = load_eval_recipe(eval_recipe(work, split_seed, run["seed"], args.eval_volumes, fine_tune),
-                                      [], registry)
+            recipe = load_eval_recipe(eval_recipe(work, split_seed, run["seed"], args.eval_volumes, fine_tune,
+                                                  args.probes), [], registry)
             evaluators = build_evaluators(target, recipe, registry)
             key = (run["seed"], split_seed)  # the random encoder depends on the seed only
             if key not in random_scores:
@@ -247,7 +251,8 @@ def probe(args: argparse.Namespace) -> None:
         print(f"\n{method}\n{format_table(rows)}")
         recipe_text = METHODS[method].read_text(encoding="utf-8")
         recipe_id = measured_recipe_id(recipe_text, [])
-        name = f"family_gain_{METHODS[method].stem}-{recipe_id}" + ("_smoke" if args.smoke else "")
+        name = f"family_gain_{METHODS[method].stem}-{recipe_id}" + (f"_{args.name}" if args.name else "") + \
+            ("_smoke" if args.smoke else "")
         path = write_result(name, {
             "machine_probed": machine(), "pretraining": {k: v for k, v in pretrained.items() if k != "runs"},
             "runs": [r for r in pretrained["runs"] if r["method"] == method],
@@ -305,6 +310,8 @@ def main() -> None:
     sub.choices["probe"].add_argument("--splits", type=int, default=5)
     sub.choices["probe"].add_argument("--eval-volumes", type=int, default=EVAL_VOLUMES)
     sub.choices["probe"].add_argument("--fine-tune-shots", type=int, default=FINE_TUNE_SHOTS)
+    sub.choices["probe"].add_argument("--probes", nargs="+", default=list(PROBES), choices=PROBES)
+    sub.choices["probe"].add_argument("--name", default="", help="result file suffix (a partial run)")
     sub.choices["pretrain-one"].add_argument("--method", required=True, choices=list(METHODS))
     sub.choices["pretrain-one"].add_argument("--setting", required=True, choices=list(SETTINGS))
     sub.choices["pretrain-one"].add_argument("--seed", type=int, required=True)
@@ -323,7 +330,7 @@ def main() -> None:
     else:  # smoke: a few updates on small cohorts, two splits, a short fine-tune
         args.seeds, args.updates, args.jobs, args.volumes = [0], 6, 2, 12
         pretrain(args)
-        args.splits, args.eval_volumes, args.fine_tune_shots = 2, 40, 3
+        args.splits, args.eval_volumes, args.fine_tune_shots, args.probes, args.name = 2, 40, 3, list(PROBES), ""
         probe(args)
 
 

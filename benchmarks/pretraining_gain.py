@@ -95,9 +95,10 @@ def calibrate(out: Path, budget_minutes: float, steps: int, n_volumes: int | Non
 
 
 def moved(target: Any) -> float | None:
-    """Relative L2 distance of the target encoder's weights from the random init's."""
-    pretrained = getattr(target.pretrained, "target_encoder", None)
-    initial = getattr(target.random_init, "target_encoder", None)
+    """Relative L2 distance of the exported encoder's weights (V-JEPA's target encoder, MAE's
+    encoder) from the random init's."""
+    pretrained = getattr(target.pretrained, "encoder", None)
+    initial = getattr(target.random_init, "encoder", None)
     if pretrained is None or initial is None:
         return None
     diff = sum(float((a - b).square().sum()) for a, b in zip(pretrained.parameters(), initial.parameters()))

@@ -184,3 +184,48 @@ def test_a_grid_where_every_member_predicts_one_class_is_flagged_and_warned_abou
                               num_heads=2, epochs=4, batch_size=8)
     selection = select_member(grid, val_x * 0.0, val_y)
     assert all(selection.single_class) and selection.degenerate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["lesion", "fluid"])
+def test_where_the_linear_probe_beats_chance_the_attentive_probe_is_not_worse_beyond_the_intervals(
+        task, tmp_path, capsys):
+    """Issue #29's rule, on the synthetic tasks and the tiny encoder `octfw eval` compares against
+    (randomly initialised, seed 0): where the linear probe's AUROC interval clears chance, the
+    attentive probe's interval reaches at least the linear probe's AUROC (bootstrap 95 %, 120
+    volumes, half of them test; the evaluators give intervals for AUROC and AUPRC)."""
+    import json
+    import textwrap
+
+    from octfw.cli import main
+    from octfw.formats import encoder_info, write_export
+    from octfw.models.vit3d import ViT3DEncoder
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        encoder = ViT3DEncoder((16, 64, 64), (4, 16, 16), 1, 96, 4, 3, 4.0)  # vjepa3d "tiny"
+    recipe = {"transform": {"name": "oct-standard", "image_size": [16, 64, 64]}, "model": {"name": "vjepa3d"}}
+    export = tmp_path / "encoder.pt"
+    write_export("octfw", export, encoder, encoder_info(encoder.architecture(), recipe, "hand-made", 0, {}))
+    dataset = f'{{ name = "synthetic-oct", n_volumes = 120, labels = true, seed = 1, task = "{task}" }}'
+    eval_recipe = tmp_path / "eval.toml"
+    eval_recipe.write_text(textwrap.dedent(f"""
+        [run]
+        device = "cpu"
+
+        [[evaluator]]
+        name = "linear-probe"
+        dataset = {dataset}
+        bootstrap = 200
+
+        [[evaluator]]
+        name = "attentive-probe"
+        dataset = {dataset}
+        bootstrap = 200
+    """), encoding="utf-8")
+    assert main(["eval", str(export), "--recipe", str(eval_recipe), "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)["pretrained"]  # the exported (random) encoder
+    linear_low = scores["linear-probe/auroc_ci_low"]
+    assert linear_low > 0.5, f"the linear probe does not beat chance here ({linear_low:.3f}); the rule is void"
+    assert scores["attentive-probe/auroc_ci_high"] >= scores["linear-probe/auroc"]
+    assert scores["attentive-probe/single_class"] == 0.0

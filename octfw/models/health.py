@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "health_metrics",
     "RANK_TOKENS",
     "COLLAPSED_SPREAD",
     "AUTOCAST_DEVICE_TYPES",
@@ -92,3 +93,11 @@ def effective_rank(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> tor
         ratio = trace.square() / squares.clamp_min(torch.finfo(torch.float32).tiny)
         collapsed = trace <= COLLAPSED_SPREAD * centred.shape[0]
         return torch.where(collapsed, torch.ones_like(ratio), ratio)
+
+
+def health_metrics(features: torch.Tensor, predicted: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics every model reports and the ``collapse`` guard, ``octfw plot`` and the
+    benchmarks read: ``target_std`` and ``effective_rank`` of the ``features`` of the
+    network octfw exports, ``pred_std`` of what the model ``predicted``. Device scalars."""
+    return {"target_std": embedding_std(features), "pred_std": embedding_std(predicted),
+            "effective_rank": effective_rank(features)}

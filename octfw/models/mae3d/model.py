@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from octfw.models.health import effective_rank, embedding_std
+from octfw.models.health import health_metrics
 from octfw.models.masked_decoder import MaskedTokenDecoder
 from octfw.models.vit3d import ViT3DEncoder, gather_tokens, weight_decay_groups
 from octfw.types import ModelOutput
@@ -144,11 +144,7 @@ class MAE3D(nn.Module):
         return ModelOutput(
             loss=per_sample.mean(),
             per_sample_loss=per_sample,
-            metrics={
-                "target_std": embedding_std(visible),
-                "pred_std": embedding_std(predicted),
-                "effective_rank": effective_rank(visible),
-            },
+            metrics=health_metrics(visible, predicted),
         )
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octfw.models.health import effective_rank, embedding_std
+from octfw.models.health import health_metrics
 from octfw.models.masked_decoder import MaskedTokenDecoder
 from octfw.models.vit3d import (
     ViT3DEncoder,
@@ -183,11 +183,7 @@ class VJEPA3D(nn.Module):
         return ModelOutput(
             loss=per_sample.mean(),
             per_sample_loss=per_sample,
-            metrics={
-                "target_std": embedding_std(target),
-                "pred_std": embedding_std(predicted),
-                "effective_rank": effective_rank(target),
-            },
+            metrics=health_metrics(target, predicted),
         )
 
     @torch.no_grad()
