@@ -193,3 +193,16 @@ def test_shots_run_with_the_fine_tune_evaluator_and_write_its_rows(tmp_path, cap
     assert {(r["encoder"], r["evaluator"], r["shots"], r["metric"]) for r in rows} == {
         (e, "fine-tune", s, m) for e in ("pretrained", "random_init") for s in ("2", "all")
         for m in ("auroc", "selected_epoch")}
+
+
+def test_a_fit_that_only_ever_answers_one_class_says_so():
+    # Inputs without any signal and three labels of 0 to one of 1: at every epoch the network
+    # answers the prior, class 0, for every validation volume.
+    encoder = _encoder()
+    with torch.no_grad():
+        tokens = frozen_prefix(encoder, 1, torch.zeros(16, 1, *IMAGE))
+    labels = torch.tensor([0, 0, 0, 1] * 4)
+    result = fine_tune(encoder, tokens, labels, tokens[:8], labels[:8], tokens[:4], 2, blocks=1, epochs=3,
+                       batch_size=4, lr=1e-3)
+    assert result.single_class
+    assert (result.test_probabilities.argmax(dim=1) == 0).all()

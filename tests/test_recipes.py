@@ -46,7 +46,7 @@ BAD_RECIPES = [
     ("image size of two values", replace("image_size = [8, 32, 32]", "image_size = [32, 32]"), [],
      "transform.image_size: expected an array of 3 values, got 2: [32, 32]"),
     ("missing dataset table", TINY_RECIPE.replace('[dataset]\nname = "synthetic-oct"\nn_volumes = 8\n', ""), [],
-     "[dataset]: missing; choose a dataset component: dicom, oct-vendor, prepared, synthetic-oct"),
+     "[dataset]: missing; choose a dataset component: dicom, oct-vendor, phantom-oct, prepared, synthetic-oct"),
     ("stage without a name", replace('[scheduler]\nname = "cosine-no-restart"', "[scheduler]"), [],
      "scheduler.name: required; choose a scheduler component: constant, cosine-no-restart"),
     ("component name not a string", replace('name = "vjepa3d"', "name = 3"), [],

@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE",
                         help="override a recipe value, e.g. --set evaluator.0.k=5 (repeatable)")
     parser.add_argument("--shots", metavar="K,K,...,all",
-                        help="label efficiency: fit each probe on K labelled volumes per class (seeded "
+                        help="label efficiency: fit each probe (or fine-tune) on K labelled volumes per class (seeded "
                              "draws; 'all': the whole train split), e.g. --shots 5,10,50,all; prints a "
                              "table, writes a PNG and a CSV")
     parser.add_argument("--draws", type=int, default=None, metavar="N",

@@ -309,6 +309,12 @@ class ValidatedFeatureEvaluator(FeatureEvaluator):
     def fit_positions(self) -> np.ndarray:
         return self.fit_val_positions()[0]
 
+    def _warn_single_class(self, who: str, volumes: int) -> None:
+        """Say that the choice on validation had only one-class candidates (``single_class`` = 1)."""
+        logger.warning("evaluator %s: %s predicts one class for all %s; its metrics are those of a "
+                       "classifier that learned nothing (reported as single_class = 1)",
+                       self.component, who, counted(volumes, "validation volume"))
+
 
 class AttentiveProbeEvaluator(ValidatedFeatureEvaluator):
     """Attentive probes on cached patch tokens; the grid member is chosen on a validation split.
@@ -346,9 +352,7 @@ class AttentiveProbeEvaluator(ValidatedFeatureEvaluator):
         selection = select_member(grid, val_tokens, val_targets)
         lr, weight_decay = grid.members[selection.chosen]
         if selection.degenerate:
-            logger.warning("evaluator %s: every member of the grid predicts one class for all %s; its "
-                           "metrics are those of a probe that learned nothing (reported as single_class = 1)",
-                           self.component, counted(len(val_targets), "validation volume"))
+            self._warn_single_class("every member of the grid", len(val_targets))
         extra = {"selected_lr": lr, "selected_weight_decay": weight_decay,
                  "val_balanced_accuracy": float(selection.balanced_accuracy[selection.chosen]),
                  "single_class": float(selection.degenerate),
@@ -402,9 +406,7 @@ class FineTuneEvaluator(ValidatedFeatureEvaluator):
                            batch_size=config.fit_batch_size, lr=config.lr, layer_decay=config.layer_decay,
                            weight_decay=config.weight_decay, seed=config.seed, eval_batch_size=config.batch_size)
         if result.single_class:
-            logger.warning("evaluator %s: at every epoch the network predicts one class for all %s; its "
-                           "metrics are those of a model that learned nothing (reported as single_class = 1)",
-                           self.component, counted(len(val_targets), "validation volume"))
+            self._warn_single_class("at every epoch the network", len(val_targets))
         extra = {"selected_epoch": float(result.selected_epoch),
                  "val_balanced_accuracy": result.val_balanced_accuracy,
                  "trained_parameters": float(result.trained_parameters),
