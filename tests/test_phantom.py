@@ -112,3 +112,53 @@ def test_the_package_imports_nothing_of_synthetic_oct():
         imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
         imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
         assert not [m for m in imported if m and m.startswith("octfw.data.synthetic")], source.name
+
+
+_WRITE = """
+import sys
+from octfw.data.phantom.cohort import write_phantom_cohort
+write_phantom_cohort(sys.argv[1], "held-out", int(sys.argv[2]), seed=4, labels=True)
+"""
+
+
+def _write_in_process(folder: Path, n: int):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _WRITE, str(folder), str(n)])
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*.dcm"))}
+
+
+def test_a_write_killed_mid_way_is_finished_by_the_next_and_two_writers_agree(tmp_path):
+    import os
+    import signal
+    import time
+
+    from octfw.data.phantom.cohort import write_phantom_cohort
+
+    reference = tmp_path / "reference"
+    write_phantom_cohort(str(reference), "held-out", 24, seed=4, labels=True)
+
+    # kill -9 once a few volumes are on disk: no record, so the cohort is not taken as complete
+    killed = tmp_path / "killed"
+    writer = _write_in_process(killed, 24)
+    deadline = time.monotonic() + 60
+    while len(list(killed.rglob("*.dcm"))) < 3 and time.monotonic() < deadline and writer.poll() is None:
+        time.sleep(0.01)
+    os.kill(writer.pid, signal.SIGKILL)
+    assert writer.wait() == -signal.SIGKILL  # killed, not finished
+    assert len(list(killed.rglob("*.dcm"))) < 24 and not (killed / "cohort.json").exists()
+    write_phantom_cohort(str(killed), "held-out", 24, seed=4, labels=True)
+    assert (killed / "cohort.json").exists() and _files(killed) == _files(reference)
+
+    # two processes writing the same cohort at once both succeed, with the same bytes
+    shared = tmp_path / "shared"
+    writers = [_write_in_process(shared, 24) for _ in range(2)]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    assert _files(shared) == _files(reference)
+    assert (shared / "manifest.jsonl").read_bytes() == (reference / "manifest.jsonl").read_bytes().replace(
+        str(reference).encode(), str(shared).encode())
