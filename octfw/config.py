@@ -52,7 +52,14 @@ class EngineConfig:
 
     per_device_batch: int = doc("Samples per device per micro-step.", default=1, validator=positive)
     grad_accum_steps: int = doc(
-        "Micro-steps accumulated into one update step.", default=1, validator=positive
+        "Micro-steps accumulated into one update step (derived from the devices when "
+        "`global_batch` is set).", default=1, validator=positive
+    )
+    global_batch: int | None = doc(
+        "Samples per update step over all devices, kept whatever the machine: `grad_accum_steps` "
+        "is then derived as global_batch / (per_device_batch x devices), and a count that does not "
+        "divide is refused. Leave out to train per_device_batch x devices x grad_accum_steps.",
+        default=None, validator=attrs.validators.optional(positive),
     )
     precision: str = doc(
         "auto (bf16 on xla and cuda, fp32 on the CPU), fp32 or bf16.",
@@ -106,8 +113,21 @@ class EngineConfig:
         "Warn when no update step completes for this many seconds.",
         default=600.0, validator=positive,
     )
+    collective_timeout_s: float = doc(
+        "Longest wait for another process of the job, in any collective and in the launcher's "
+        "rendezvous. A process that died or stopped answering ends the others within this bound, "
+        "exit 76, naming it. Must exceed save_deadline_s (the others wait for rank 0's final save).",
+        default=600.0, validator=positive,
+    )
 
     def __attrs_post_init__(self) -> None:
         for beta in self.betas:
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"engine.betas must each be in [0, 1), got {list(self.betas)}")
+        if self.global_batch is not None and self.grad_accum_steps != 1:
+            raise ValueError(f"set engine.global_batch ({self.global_batch}; the micro-steps follow from the "
+                             f"devices) or engine.grad_accum_steps ({self.grad_accum_steps}), not both")
+        if self.collective_timeout_s <= self.save_deadline_s:
+            raise ValueError(f"engine.collective_timeout_s ({self.collective_timeout_s:g}) must exceed "
+                             f"engine.save_deadline_s ({self.save_deadline_s:g}): the other processes wait "
+                             "for rank 0's final save")

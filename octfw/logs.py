@@ -59,7 +59,7 @@ from typing import Any
 
 from octfw.errors import OctfwWarning
 
-__all__ = ["LABEL", "LOG_FILE", "THIRD_PARTY_LEVELS", "setup_console_logging", "attach_run_log",
+__all__ = ["LABEL", "LOG_FILE", "THIRD_PARTY_LEVELS", "setup_console_logging", "silence_console", "attach_run_log",
            "detach_run_log"]
 
 #: Name of the run's log file, in the run directory.
@@ -172,6 +172,14 @@ def setup_console_logging(debug: bool = False) -> logging.Handler:
         elif quiet is not None and debug:
             library.removeHandler(quiet)
     return handler
+
+
+def silence_console() -> None:
+    """Nothing from octfw's loggers on the console (one process of a job speaks for it; the
+    others' records still reach the run log where they have one)."""
+    handler = _named(logging.getLogger(_ROOT), _CONSOLE)
+    if handler is not None:
+        handler.setLevel(logging.CRITICAL + 1)
 
 
 def _route_octfw_warnings() -> None:

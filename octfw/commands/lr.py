@@ -38,7 +38,7 @@ def schedule_for(recipe: Any, registry: Any, devices: int = 1) -> tuple[Any, int
     import attrs
 
     from octfw.engine.build import plan_update_steps
-    from octfw.engine.distributed import BatchLayout
+    from octfw.engine.distributed import layout_for
     from octfw.errors import UserError
 
     if devices < 1:
@@ -57,8 +57,8 @@ def schedule_for(recipe: Any, registry: Any, devices: int = 1) -> tuple[Any, int
                             "--set run.max_steps=N with run.epochs left out of the recipe") from None
         if len(dataset) == 0:
             raise UserError(f"dataset {recipe.dataset.name!r} lists no files")
-        layout = BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
-                             devices_per_process=devices)
+        layout = layout_for(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
+                            recipe.engine.global_batch, devices_per_process=devices)
         steps_per_epoch, total = plan_update_steps(recipe, len(dataset), layout)
     schedule = recipe.scheduler.build(attrs.evolve(ctx, total_update_steps=total))
     return schedule, total, steps_per_epoch

@@ -1,52 +1,152 @@
-"""``octfw run RECIPE [--set k=v ...] [--resume auto|PATH]``: train."""
+"""``octfw run RECIPE [--set k=v ...] [--resume auto|PATH] [--nproc-per-node N ...]``: train."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
+from pathlib import Path
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.errors import UserError, one_line
+from octfw.exit_codes import (FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
+                              SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "JOB_STATUS_ENV"]
 
 HELP = "Train: validate the recipe, build the components and run the engine."
+EPILOG = ("exit codes: 0 finished; 1 stopped by a guard; 2 a user mistake; 74 the final checkpoint could not be "
+          "written; 75 preempted, state saved (run it again with --resume auto); 76 a process of the job was "
+          "lost (run it again with --resume auto); 130 stopped at once by a second Ctrl-C. "
+          "Several processes: docs/distributed.md")
+#: Set by ``--nproc-per-node`` for its workers: the folder where each writes its final line, so that the
+#: launcher prints one line for the job instead of one per process.
+JOB_STATUS_ENV = "OCTFW_JOB_STATUS_DIR"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("run", help=HELP, description=HELP)
+    parser = subparsers.add_parser("run", help=HELP, description=HELP, epilog=EPILOG)
     add_recipe_arguments(parser)
     parser.add_argument("--resume", metavar="auto|PATH",
                         help="auto: continue the newest run of this recipe from its last complete checkpoint, "
                              "start a new run when there is none, and do nothing when it finished (safe to "
                              "repeat, e.g. in a preemptible VM's startup script); PATH: a checkpoint file")
+    job = parser.add_argument_group(
+        "several processes (DDP through torch.distributed's elastic agent, as torchrun; docs/distributed.md)")
+    job.add_argument("--nproc-per-node", metavar="N|auto",
+                     help="start N training processes on this node (auto: one per visible GPU) and wait for "
+                          "them; the job prints one status line and exits with the codes below")
+    job.add_argument("--nnodes", type=int, default=1, metavar="M",
+                     help="nodes of the job (default 1); every node runs the same command")
+    job.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                     help="where the nodes meet (several nodes: required, e.g. the first node's address)")
+    job.add_argument("--rdzv-id", metavar="ID",
+                     help="the job's name at the rendezvous, the same on every node (default: the recipe's name)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe, registry = load_recipe_from_args(args)
-    from octfw.engine.launch import AlreadyFinished, launch  # imports torch: only when the command runs
-    from octfw.engine.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
-    from octfw.engine.trainer import SAVE_FAILED_EXIT_CODE
+    # Signals are the run's from its first instruction: a SIGTERM while torch imports, the
+    # recipe builds or a cohort is written ends the start cleanly (exit 75), never with 143.
+    from octfw.engine.preemption import StoppedBeforeTraining, StopRequests
 
+    with StopRequests() as stop_requests:
+        try:
+            if args.nproc_per_node is not None:
+                return _launch_job(args, stop_requests)
+            return _run_this_process(args, stop_requests)
+        except StoppedBeforeTraining as stopped:
+            print(f"octfw: {stopped}", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+
+
+def _launch_job(args: argparse.Namespace, stop_requests) -> int:
+    recipe, _registry = load_recipe_from_args(args)  # a mistake is one line here, not one per process
+    from octfw.engine.launcher import launch_job
+
+    worker_argv = ["run", args.recipe, *(f"--set={item}" for item in args.set or ())]
+    if args.resume:
+        worker_argv += ["--resume", args.resume]
+    if args.debug:
+        worker_argv.insert(0, "--debug")
+    return launch_job(worker_argv, recipe, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                      resume_command=_resume_command(args))
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    job = []
+    if args.nproc_per_node is not None:
+        job = [f"--nproc-per-node={args.nproc_per_node}"]
+        if args.nnodes > 1:
+            job += [f"--nnodes={args.nnodes}", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+    return shlex.join(["octfw", "run", args.recipe, *(f"--set={item}" for item in args.set or ()), *job,
+                       "--resume", "auto"])
+
+
+def _run_this_process(args: argparse.Namespace, stop_requests) -> int:
+    from octfw.engine.preemption import StoppedBeforeTraining
+
+    if os.environ.get(JOB_STATUS_ENV) and int(os.environ.get("RANK", "0")) != 0:
+        from octfw.logs import silence_console
+
+        silence_console()  # one process of the job speaks: rank 0 (its final line goes to the launcher)
     try:
-        summary = launch(recipe, registry, resume=args.resume)
+        code, line = _train(args, stop_requests)
+    except StoppedBeforeTraining as stopped:
+        code, line = PREEMPTED_EXIT_CODE, f"octfw: {stopped}"
+    except UserError as mistake:  # the same one line on every process: the launcher prints it once
+        if args.debug:
+            raise
+        code, line = mistake.exit_code, mistake.console_text()
+    finally:
+        stop_requests.done()  # a launcher tearing down the job's last processes changes nothing now
+    if line:
+        _report(code, line)
+    return code
+
+
+def _train(args: argparse.Namespace, stop_requests) -> tuple[int, str | None]:
+    """(exit code, the final line) of this process."""
+    recipe, registry = load_recipe_from_args(args)
+    from octfw.engine.distributed import PeerLost
+    from octfw.engine.launch import AlreadyFinished, launch  # imports torch: only when the command runs
+
+    again = _resume_command(args)
+    try:
+        summary = launch(recipe, registry, resume=args.resume, stop_requests=stop_requests)
     except AlreadyFinished as done:  # --resume auto: nothing left to train
-        print(f"octfw: nothing to resume: {done}", file=sys.stderr)
-        return 1 if done.summary.get("stopped") else 0
-    again = shlex.join(["octfw", "run", args.recipe, *(f"--set={item}" for item in args.set or ()),
-                        "--resume", "auto"])
+        return (STOPPED_BY_GUARD if done.summary.get("stopped") else FINISHED), f"octfw: nothing to resume: {done}"
+    except PeerLost as lost:  # before the first update step: nothing of this attempt to save
+        return PEER_LOST_EXIT_CODE, f"octfw: error: {lost}; nothing was trained in this attempt. Run again: {again}"
+    if summary.peer_lost:
+        return PEER_LOST_EXIT_CODE, (
+            f"octfw: error: {summary.peer_lost}; stopped after update step {summary.update_steps}; nothing after "
+            f"the newest checkpoint ({summary.checkpoint or 'none yet'}) is saved. Run again: {again}")
     if summary.final_save_failed:
         kept = (f"the final state is in {summary.fallback_checkpoint}" if summary.fallback_checkpoint
                 else f"the newest complete checkpoint is {summary.checkpoint or '(none)'}")
-        print(f"octfw: error: the final checkpoint could not be written ({summary.failed_saves[-1]}); {kept}. "
-              f"When the checkpoint location works again, resume with: {again}", file=sys.stderr)
-        return SAVE_FAILED_EXIT_CODE
+        return SAVE_FAILED_EXIT_CODE, (
+            f"octfw: error: the final checkpoint could not be written ({summary.failed_saves[-1]}); {kept}. "
+            f"When the checkpoint location works again, resume with: {again}")
     if summary.preempted:
-        print(f"octfw: stopped by {summary.stopped}; checkpoint {summary.checkpoint or '(none written)'}. "
-              f"Resume with: {again}", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE if summary.interrupted else PREEMPTED_EXIT_CODE
+        code = INTERRUPTED_EXIT_CODE if summary.interrupted else PREEMPTED_EXIT_CODE
+        return code, (f"octfw: stopped by {summary.stopped}; checkpoint {summary.checkpoint or '(none written)'}. "
+                      f"Resume with: {again}")
     if summary.stopped:
-        print(f"stopped early: {summary.stopped}", file=sys.stderr)
-        return 1
-    return 0
+        return STOPPED_BY_GUARD, f"stopped early: {summary.stopped}"
+    return FINISHED, None
+
+
+def _report(code: int, line: str) -> None:
+    """Print the final line; under ``--nproc-per-node`` hand it to the launcher, which prints one
+    line for the job (rank 0's, else the lowest rank's that wrote one)."""
+    status_dir = os.environ.get(JOB_STATUS_ENV)
+    if status_dir:
+        path = Path(status_dir) / f"rank{int(os.environ.get('RANK', '0')):05d}.txt"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{code}\n{one_line(line)}\n", encoding="utf-8")
+        tmp.replace(path)
+        return
+    print(line, file=sys.stderr)

@@ -4,6 +4,7 @@ is spent."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.data import SampleSource, collate, domain_counts, float_views, listed
-from octfw.engine.distributed import BatchLayout
+from octfw.engine.distributed import BatchLayout, layout_for
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError
 from octfw.recipe import Recipe
@@ -53,6 +54,17 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | No
                                 f"[{int(both.min())}, {int(both.max())}]")
 
 
+def _step_time(layout: BatchLayout, global_batch: int | None, micro_step_s: float, kind: str) -> str:
+    """The global batch that will run on the checked layout, and what one update step costs here."""
+    pinned = (f"engine.global_batch = {global_batch} kept on {layout.devices} device(s) by "
+              f"{layout.grad_accum_steps} micro-steps" if global_batch is not None
+              else f"global batch {layout.global_batch} ({layout.grad_accum_steps} micro-steps)")
+    where = ("on this CPU" if kind == "cpu" else
+             f"on this CPU; the {kind} run is faster: measure it with octfw bench")
+    return (f"{pinned}; one micro-step of per_device_batch {layout.per_device_batch} took {micro_step_s:.3g} s "
+            f"{where}: one update step about {micro_step_s * layout.grad_accum_steps:.3g} s")
+
+
 def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print, *,
                  processes: int = 1, devices_per_process: int = 1, device_kind: str | None = None,
                  device_bytes: int | None = None) -> dict[str, Any]:
@@ -71,8 +83,8 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     kind = device_kind or resolve_device(recipe.run.device)  # the device the run is meant for
     refuse_compile_on_xla(recipe.engine.compile, kind)  # the Trainer's rule, before an accelerator hour
     torch.manual_seed(recipe.run.seed)
-    layout = BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
-                         processes=processes, devices_per_process=devices_per_process)
+    layout = layout_for(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps, recipe.engine.global_batch,
+                        processes=processes, devices_per_process=devices_per_process)
     parts = build_components(recipe, registry, run_dir=None, layout=layout, with_loggers=False)
     ctx = parts.ctx
     counts = domain_counts(parts.dataset)
@@ -101,6 +113,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     report("batch     " + ", ".join(f"{k} {_describe(batch[k])}" for k in BATCH_KEYS))
 
     model = parts.model
+    started = time.perf_counter()
     out = model(batch)
     if not isinstance(out, ModelOutput):
         raise ContractError(f"model {recipe.model.name!r} returned {type(out).__name__}; "
@@ -108,6 +121,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     if out.loss.dim() != 0 or not torch.isfinite(out.loss):
         raise ContractError(f"model loss must be a finite scalar, got {_describe(out.loss)} = {out.loss}")
     out.loss.backward()
+    micro_step_s = time.perf_counter() - started
     parameters = [p for p in model.parameters() if p.requires_grad]
     norm = float(grad_norm(parameters))
     if not norm > 0:
@@ -138,6 +152,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
            f"training step {flops['training_step'] / 1e9:.4g} GFLOP/sample")
 
     report(f"layout    {layout.describe()}")
+    report(f"step time {_step_time(layout, recipe.engine.global_batch, micro_step_s, kind)}")
     total = ctx.total_update_steps
     check_schedule(recipe, parts)
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from octfw.engine.data import float_views
-from octfw.engine.distributed import BatchLayout
+from octfw.engine.distributed import BatchLayout, Processes, layout_for
 from octfw.errors import UserError
 from octfw.types import DOMAIN_ID_KEY
 
@@ -63,10 +63,12 @@ class Backend:
         """Devices taking part in data parallelism, over all processes."""
         return self.world_size * self.local_devices
 
-    def batch_layout(self, per_device_batch: int, grad_accum_steps: int) -> BatchLayout:
-        """The global batch arithmetic of this run: processes x local devices x micro-steps."""
-        return BatchLayout(per_device_batch, grad_accum_steps, processes=self.world_size,
-                           devices_per_process=self.local_devices)
+    def batch_layout(self, per_device_batch: int, grad_accum_steps: int, global_batch: int | None = None
+                     ) -> BatchLayout:
+        """The global batch arithmetic of this run: processes x local devices x micro-steps
+        (``global_batch`` pinned: the micro-steps derived from the devices found)."""
+        return layout_for(per_device_batch, grad_accum_steps, global_batch, processes=self.world_size,
+                          devices_per_process=self.local_devices)
 
     def input_sharding(self) -> dict[str, Any] | None:
         """SPMD: how each batch tensor goes onto the mesh; None without SPMD.
@@ -175,15 +177,10 @@ class Backend:
             xm.wait_device_ops()
 
 
-def _xla_backend(precision: str) -> Backend:
-    try:
-        import torch_xla
-        import torch_xla.runtime as xr
-    except ImportError as exc:
-        raise UserError(
-            "run.device = \"xla\" needs torch_xla: pip install 'octfw[xla]' "
-            f"(torch_xla 2.9.0 with torch 2.9.0); import failed: {exc}"
-        ) from None
+def _xla_backend(precision: str, processes: Processes) -> Backend:
+    import torch_xla
+    import torch_xla.runtime as xr
+
     mesh, local = None, 1
     if xr.global_runtime_device_count() > 1:
         # SPMD: one process per host drives every local device; XLA inserts
@@ -198,8 +195,18 @@ def _xla_backend(precision: str) -> Backend:
         mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
         local = xr.addressable_runtime_device_count()
     return Backend(kind="xla", device=torch_xla.device(), precision=precision,
-                   rank=xr.process_index(), world_size=xr.process_count(),
-                   local_devices=local, mesh=mesh)
+                   rank=processes.rank, world_size=processes.world_size, local_devices=local, mesh=mesh)
+
+
+def require_torch_xla() -> None:
+    """A one-line error, not an ImportError traceback, where torch_xla is missing."""
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            "run.device = \"xla\" needs torch_xla: pip install 'octfw[xla]' "
+            f"(torch_xla 2.9.0 with torch 2.9.0); import failed: {exc}"
+        ) from None
 
 
 def refuse_compile_on_xla(compile: bool, kind: str) -> None:
@@ -210,22 +217,23 @@ def refuse_compile_on_xla(compile: bool, kind: str) -> None:
                         "storm); torch_xla compiles its graphs itself")
 
 
-def select_backend(requested: str, precision: str, compile: bool = False) -> Backend:
-    """The backend of ``run.device`` (``requested``: a resolved kind, or ``auto``)."""
-    from octfw.engine.distributed import init_process_group
-
-    kind = resolve_device(requested)
-    refuse_compile_on_xla(compile, kind)
+def select_backend(processes: Processes, precision: str, compile: bool = False) -> Backend:
+    """The backend of this process: its device was selected by :func:`octfw.engine.distributed.join`."""
+    refuse_compile_on_xla(compile, processes.kind)
     if precision == "auto":
-        precision = "fp32" if kind == "cpu" else "bf16"
+        precision = "fp32" if processes.kind == "cpu" else "bf16"
+    if processes.kind == "xla":
+        return _xla_backend(precision, processes)
+    return Backend(kind=processes.kind, device=processes.device, precision=precision,
+                   rank=processes.rank, world_size=processes.world_size)
+
+
+def single_process_backend(requested: str, precision: str, compile: bool = False) -> Backend:
+    """A backend for work outside a training job (evaluation, replay): this process alone."""
+    kind = resolve_device(requested)
     if kind == "xla":
-        return _xla_backend(precision)
-    if kind == "cuda" and not torch.cuda.is_available():
+        require_torch_xla()
+    elif kind == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device = \"cuda\" but torch sees no CUDA device; use \"cpu\" or \"auto\"")
-    rank, world = init_process_group(kind)
-    if kind == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return Backend(kind=kind, device=device, precision=precision, rank=rank, world_size=world)
+    device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", 0), "xla": None}[kind]
+    return select_backend(Processes(kind, device), precision, compile)

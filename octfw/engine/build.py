@@ -56,9 +56,10 @@ def build_components(
     ``layout``: the run's global batch arithmetic (default: one device)."""
     from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
-    from octfw.engine.distributed import BatchLayout
+    from octfw.engine.distributed import layout_for
 
-    layout = layout or BatchLayout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps)
+    layout = layout or layout_for(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
+                                  recipe.engine.global_batch)
     ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=layout.devices,
                                writable_cache=True)
     dataset = recipe.dataset.build(ctx)

@@ -148,15 +148,27 @@ class BackgroundSaver:
     def _give_up(self, update_step: int, stopping: bool, reason: str = "") -> bool:
         """Give up the final save (False): on a stop-now request, cancel the write in flight."""
         if stopping:
-            cancel = getattr(self.checkpointer, "cancel", None)
-            if cancel is not None:
-                cancel()
-            if self._in_flight is not None:  # a cancelled write ends at its next block
-                self._in_flight.finished.wait(5.0)
-            reason = "not written: stopped at once by a second Ctrl-C (the last complete checkpoint is kept)"
+            self.cancel_in_flight(update_step)
+            return False
         self._in_flight = None
         self._fail(update_step, reason)
         return False
+
+    def cancel_in_flight(self, update_step: int) -> None:
+        """Stop now (a second signal): the write in flight is cancelled (its temporary file
+        removed), and the last complete checkpoint stays the newest."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and in_flight.finished.is_set():
+            self._in_flight = in_flight
+            self._settle()  # it finished after all: it is complete, and counts
+            return
+        cancel = getattr(self.checkpointer, "cancel", None)
+        if in_flight is not None and cancel is not None:
+            cancel()
+            in_flight.finished.wait(5.0)  # a cancelled write ends at its next block
+        self.failed.append(f"step {update_step}: cancelled by a second stop signal")
+        logger.warning("the checkpoint of update step %d was not written: stopped at once by a second signal "
+                       "(the last complete checkpoint, %s, is kept)", update_step, self.latest or "none of this run")
 
     def _settle(self) -> None:
         save, self._in_flight = self._in_flight, None

@@ -1,29 +1,44 @@
-"""Scale-out on existing engines.
+"""Scale-out on existing engines, and the decisions every process of a job shares.
 
-- GPUs and CPUs: torch.distributed data parallel (DDP) under ``torchrun``;
-  the process group comes from the usual environment (RANK, WORLD_SIZE,
-  MASTER_ADDR), gloo on the CPU, NCCL on CUDA.
+- GPUs and CPUs: torch.distributed data parallel (DDP), one process per
+  device, started by ``octfw run --nproc-per-node`` (:mod:`octfw.engine.launcher`),
+  torchrun or Slurm's srun; gloo on the CPU, NCCL on CUDA.
 - TPUs: XLA SPMD in one process per host, driving all of that host's
   devices; multi-host through PJRT (every host runs the same ``octfw run``).
   Each host loads only its own part of every global batch
   (:class:`BatchLayout`); docs/tpu-pods.md says how to launch and resume.
 
-Only rank 0 logs, writes files and talks to W&B; every rank takes the same
-skip decision.
+:func:`join` works out once who this process is (:class:`Processes`: rank,
+world, local rank, device) and selects the device *before* the process
+group exists (NCCL collectives run on the current device). It returns the
+job's :class:`Peers`: a gloo group of its own, on the CPU, through which
+every decision that stops, skips or resumes the run is agreed before any
+process acts on it, so the GPU stream is never waited on for it. Every wait
+on a peer is bounded by ``engine.collective_timeout_s``; a peer that dies or
+stops answering ends the wait with :class:`PeerLost`, which names it.
+
+Only rank 0 logs, writes files and talks to W&B.
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
-from typing import Any
+import threading
+import time
+from typing import Any, Sequence
 
 import attrs
 import torch
 
+from octfw.errors import UserError
 from octfw.tables import counted
 
-__all__ = ["BatchLayout", "init_process_group", "is_ddp", "broadcast_object", "all_reduce_",
-           "min_across_ranks"]
+__all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "is_ddp", "all_reduce_", "min_across_ranks",
+           "layout_for"]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -78,33 +93,117 @@ class BatchLayout:
                 f"{self.process_batch} per update step")
 
 
-def init_process_group(kind: str) -> tuple[int, int]:
-    """Join the torchrun process group when WORLD_SIZE > 1; returns (rank, world size)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or kind == "xla":
-        return 0, 1
+def layout_for(per_device_batch: int, grad_accum_steps: int, global_batch: int | None, *,
+               processes: int = 1, devices_per_process: int = 1) -> BatchLayout:
+    """The run's :class:`BatchLayout` on the devices found. With ``engine.global_batch`` pinned,
+    ``grad_accum_steps`` is derived from the device count (the seeds' formula, ``global_batch /
+    (per_device_batch x devices)``), and refused in one line when it does not divide."""
+    if global_batch is not None:
+        devices = processes * devices_per_process
+        per_micro_step = per_device_batch * devices
+        if global_batch % per_micro_step:
+            raise UserError(
+                f"engine.global_batch = {global_batch} does not divide over {counted(devices, 'device')} x "
+                f"engine.per_device_batch {per_device_batch} = {per_micro_step} samples per micro-step; "
+                f"choose a multiple of {per_micro_step}")
+        grad_accum_steps = global_batch // per_micro_step
+    return BatchLayout(per_device_batch, grad_accum_steps, processes=processes,
+                       devices_per_process=devices_per_process)
+
+
+@attrs.frozen
+class Processes:
+    """Who this process is among the job's processes, worked out once by :func:`join`.
+
+    ``rank`` and ``world_size`` count data-parallel processes: one per device
+    under DDP, one per host under XLA SPMD (whose devices are counted by the
+    backend). ``device`` is the torch device this process trains on.
+    """
+
+    kind: str  #: "cpu", "cuda" or "xla"
+    device: torch.device | None = None  #: None on xla until torch_xla is imported (the backend's job)
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class PeerLost(RuntimeError):
+    """A process of the job died or stopped answering; the message names it where it can."""
+
+
+def _environment() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's variables, else from srun's.
+
+    srun starts one task per process and sets ``SLURM_PROCID``, ``SLURM_NTASKS`` and
+    ``SLURM_LOCALID``; the rendezvous address comes from ``MASTER_ADDR``/``MASTER_PORT``,
+    which the batch script exports (docs/distributed.md)."""
+    env = os.environ
+    if "WORLD_SIZE" in env:
+        return int(env.get("RANK", "0")), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
+    return 0, 1, 0
+
+
+def join(kind: str, timeout_s: float) -> tuple[Processes, "Peers"]:
+    """Who this process is, with its device selected, and the job's peers (one process: alone).
+
+    On CUDA the device is ``cuda:LOCAL_RANK``, made current *before* the process group
+    exists and passed as its ``device_id``, so NCCL never starts every rank on ``cuda:0``.
+    ``timeout_s`` bounds every collective and the process group's own rendezvous."""
+    if kind == "xla":
+        return _join_xla(timeout_s)
+    rank, world, local_rank = _environment()
+    device = torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("run.device = \"cuda\" but torch sees no CUDA device; use \"cpu\" or \"auto\"")
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"LOCAL_RANK {local_rank} but this node has {counted(torch.cuda.device_count(), 'GPU')}; "
+                            "start at most one process per GPU (--nproc-per-node auto)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before any collective: NCCL uses the current device
+    processes = Processes(kind, device, rank, world, local_rank)
+    if world <= 1:
+        return processes, Peers(processes)
     import torch.distributed as dist
 
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+        os.environ.setdefault("RANK", str(rank))  # srun's tasks: env:// reads these
+        os.environ.setdefault("WORLD_SIZE", str(world))
+        if kind == "cuda":
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
+
+
+def _join_xla(timeout_s: float) -> tuple[Processes, "Peers"]:
+    """XLA: one process per host. With several hosts, the host-side decisions travel over a gloo
+    group that torch_xla's coordinator sets up (``xla://``), beside SPMD's device collectives."""
+    import torch_xla.runtime as xr
+
+    processes = Processes("xla", None, xr.process_index(), xr.process_count(), 0)
+    if processes.world_size <= 1:
+        return processes, Peers(processes)
+    import torch.distributed as dist
+    import torch_xla.distributed.xla_backend  # noqa: F401 - registers the xla:// init method
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="xla://", timeout=timeout)
+    return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
 
 
 def is_ddp() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def broadcast_object(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (e.g. the run directory it created)."""
-    if not is_ddp():
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def all_reduce_(*tensors: torch.Tensor) -> None:
@@ -125,3 +224,159 @@ def min_across_ranks(verdict: torch.Tensor) -> torch.Tensor:
     value = verdict.float()
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return value > 0
+
+
+#: What the messages of collectives that lost a peer contain (gloo and NCCL raise RuntimeError).
+_COLLECTIVE_ERRORS = ("gloo", "NCCL", "c10d", "Connection reset", "Connection closed", "Timed out")
+
+#: Seconds between two liveness marks of a process (a thread of its own, so a long step does not
+#: look like a lost process; a stopped or killed process stops marking).
+LIVENESS_INTERVAL_S = 1.0
+
+
+class Peers:
+    """The job's processes agreeing on host-side decisions, over a gloo group of their own.
+
+    Every method is a collective: every process calls it at the same point
+    of the run, or the others wait (at most ``timeout_s``). In a single
+    process each is the identity. CPU tensors only: the device stream is
+    never waited on. A failed collective (a peer killed, stopped, or its
+    host gone) raises :class:`PeerLost` naming the processes that stopped
+    marking themselves alive in the job's store.
+    """
+
+    def __init__(self, processes: Processes, group: Any = None, timeout_s: float = 0.0):
+        self.processes, self.group, self.timeout_s = processes, group, timeout_s
+        self._liveness = _Liveness(processes) if group is not None else None
+
+    @property
+    def alone(self) -> bool:
+        return self.group is None
+
+    def _collective(self, run: Any) -> Any:
+        try:
+            return run()
+        except (RuntimeError, ValueError) as exc:  # gloo: timeouts and closed connections
+            raise PeerLost(self._lost(exc)) from exc
+
+    def lost(self, exc: BaseException) -> PeerLost | None:
+        """``exc`` as a :class:`PeerLost` when a collective of the job raised it (DDP's gradient
+        all-reduce, the metrics' sums), else None: a bug of this process, which keeps its traceback."""
+        if self.alone or not isinstance(exc, RuntimeError):
+            return None
+        import torch.distributed as dist
+
+        text = str(exc)
+        if isinstance(exc, dist.DistError) or any(word in text for word in _COLLECTIVE_ERRORS):
+            return PeerLost(self._lost(exc))
+        return None
+
+    def _lost(self, exc: BaseException) -> str:
+        missing = self._liveness.missing() if self._liveness else None
+        who = (f"the {'process' if len(missing) == 1 else 'processes'} of rank {', '.join(map(str, missing))}"
+               if missing else "a process of the job")
+        seen = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        seen = seen.split("] ", 1)[-1][:160]  # gloo's source location says nothing to a user
+        return (f"{who} stopped answering (waited at most engine.collective_timeout_s = {self.timeout_s:g} s; "
+                f"rank {self.processes.rank} saw: {seen})")
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every process (a run folder, a resume decision, a save's outcome)."""
+        if self.alone:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        self._collective(lambda: dist.broadcast_object_list(box, src=0, group=self.group))
+        return box[0]
+
+    def max(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of every process's ``values`` (small counts and flags)."""
+        if self.alone:
+            return list(values)
+        import torch.distributed as dist
+
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        self._collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group))
+        return tensor.tolist()
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's ``value``, in rank order (rare: the reasons behind a shared stop)."""
+        if self.alone:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.processes.world_size
+        self._collective(lambda: dist.all_gather_object(values, value, group=self.group))
+        return values
+
+    def all_agree(self, ok: bool) -> bool:
+        """True when ``ok`` is true on every process."""
+        return not self.max([0 if ok else 1])[0]
+
+    def barrier(self) -> None:
+        self.max([0])
+
+    def close(self) -> None:
+        if self._liveness is not None:
+            self._liveness.stop()
+
+
+class _Liveness:
+    """Each process marks itself alive in the job's store every second from a thread of its
+    own; after a failed collective, the marks that stopped moving name the lost processes."""
+
+    def __init__(self, processes: Processes):
+        self.processes = processes
+        self._store = self._connect()
+        self._stopped = threading.Event()
+        if self._store is not None:
+            threading.Thread(target=self._mark, name="octfw-liveness", daemon=True).start()
+
+    @staticmethod
+    def _connect() -> Any:
+        """A client of the job's store of its own (the training thread keeps the default one)."""
+        import torch.distributed as dist
+
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not (host and port):  # xla:// and other init methods: no named store; no names
+            return None
+        try:
+            return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+        except (RuntimeError, ValueError) as exc:
+            logger.debug("no liveness marks: the job's store at %s:%s did not answer", host, port, exc_info=exc)
+            return None
+
+    def _key(self, rank: int) -> str:
+        return f"octfw/alive/{rank}"
+
+    def _mark(self) -> None:
+        beat = 0
+        while not self._stopped.wait(LIVENESS_INTERVAL_S):
+            beat += 1
+            try:
+                self._store.set(self._key(self.processes.rank), str(beat))
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to mark
+                return
+
+    def _read(self) -> dict[int, str | None]:
+        marks: dict[int, str | None] = {}
+        for rank in range(self.processes.world_size):
+            key = self._key(rank)
+            marks[rank] = self._store.get(key).decode() if self._store.check([key]) else None
+        return marks
+
+    def missing(self) -> list[int] | None:
+        """The ranks whose mark did not move in three intervals; None when the store is gone too."""
+        if self._store is None:
+            return None
+        try:
+            before = self._read()
+            time.sleep(3 * LIVENESS_INTERVAL_S)
+            after = self._read()
+        except Exception:  # noqa: BLE001 - the store lived with a lost process
+            return None
+        return [rank for rank in after if rank != self.processes.rank and after[rank] == before[rank]]
+
+    def stop(self) -> None:
+        self._stopped.set()

@@ -1,8 +1,12 @@
-"""Start one training job: pick the run directory on rank 0, then train.
+"""Start one training job: join the job's processes, pick the run directory on rank 0, then train.
 
 ``octfw run`` and ``octfw bench`` (each grid point in its own process) both
 start training here, so the run directory and resume rules exist once. While
 it trains, rank 0 writes the run's ``octfw.log`` (:func:`octfw.logs.attach_run_log`).
+
+Rank 0 takes every decision below and the other processes of the job hear it
+(:class:`octfw.engine.distributed.Peers`), a refusal included: no process
+starts training on a decision another did not take.
 
 One process writes a run folder: rank 0 holds it for the run's life
 (:class:`octfw.storage.owner.FolderOwner`), and a second ``octfw run`` into
@@ -22,8 +26,9 @@ script, a queued job that is requeued), and never goes backwards:
 - that run finished (or a guard stopped it): nothing is trained again, and
   :class:`AlreadyFinished` carries its summary; unless the recipe now asks
   for another length (``run.max_steps`` or ``run.epochs`` changed), which
-  extends it from its last checkpoint. A run whose final save failed, or that
-  was preempted or interrupted, is not finished: it continues;
+  extends it from its last checkpoint. A run whose final save failed, that
+  was preempted or interrupted, or that lost a process, is not finished: it
+  continues;
 - no run has either: a new run folder, which starts from the checkpointer's
   newest checkpoint if it has one (a ``gs://`` folder that outlived the VM,
   as on a recreated spot TPU), else from scratch.
@@ -37,10 +42,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from octfw.engine.backend import resolve_device
+from octfw.engine.backend import require_torch_xla, resolve_device
 from octfw.engine.cadence import cadence_warnings
-from octfw.engine.distributed import broadcast_object, init_process_group
+from octfw.engine.distributed import join
+from octfw.engine.preemption import StopRequests
 from octfw.engine.trainer import FALLBACK_DIR, RunSummary, train
+from octfw.errors import UserError
 from octfw.logs import attach_run_log, detach_run_log
 from octfw.recipe import Recipe, read_with_extends
 from octfw.registry import Registry
@@ -69,7 +76,7 @@ def _finished(run_dir: Path, recipe: Recipe) -> dict[str, Any] | None:
     if not summary_file.exists():
         return None
     summary = json.loads(summary_file.read_text(encoding="utf-8"))
-    if summary.get("preempted") or summary.get("interrupted") or summary.get("final_save_failed"):
+    if any(summary.get(key) for key in ("preempted", "interrupted", "final_save_failed", "peer_lost")):
         return None
     recorded = read_with_extends(run_dir / "recipe.toml").get("run", {})
     extended = (recorded.get("max_steps"), recorded.get("epochs")) != (recipe.run.max_steps, recipe.run.epochs)
@@ -111,40 +118,56 @@ def _failed_start(run_dir: Path) -> bool:
     return all(p.name in START_FILES for p in run_dir.rglob("*") if p.is_file())
 
 
-def launch(recipe: Recipe, registry: Registry, resume: str | None = None) -> RunSummary:
+def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
+           stop_requests: StopRequests | None = None) -> RunSummary:
     """Train ``recipe``; ``resume`` is None, ``"auto"`` (see the module docstring) or a
-    checkpoint location. Raises :class:`AlreadyFinished` when ``auto`` has nothing to do."""
-    # Under torchrun every process runs this; rank 0 picks the run directory.
-    device = resolve_device(recipe.run.device)  # once per process, passed down
-    rank, _world = init_process_group(device)
-    run_dir, finished, owner, created = None, None, None, False
-    if rank == 0:
-        for warning in cadence_warnings(recipe.engine):
-            logger.warning(warning)
-        if resume == "auto":
-            run_dir, finished = _resumable_run(recipe, registry)
-        if run_dir is None:
-            # A new run folder; with "auto" the checkpointer is still asked for its newest
-            # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
-            run_dir, created = create_run_dir(recipe, registry), True
-        if finished is None:  # rank 0 writes the folder: it holds it until the run ends
-            owner = FolderOwner(run_dir, "run folder")
-            owner.acquire()
-    run_dir, resume, finished = broadcast_object((run_dir, resume, finished))  # every rank decides alike
-    if finished is not None:
-        raise AlreadyFinished(run_dir, finished)
-    run_log = attach_run_log(run_dir) if rank == 0 else None
+    checkpoint location. Raises :class:`AlreadyFinished` when ``auto`` has nothing to do.
+    ``stop_requests``: the command's signal handling, installed since it started."""
+    # Every process of the job runs this: it works out who it is once (device first), then
+    # rank 0 decides where the run goes and every process hears the same decision.
+    kind = resolve_device(recipe.run.device)
+    if kind == "xla":
+        require_torch_xla()
+    processes, peers = join(kind, recipe.engine.collective_timeout_s)
+    run_dir, finished, owner, created, refusal = None, None, None, False, None
     try:
-        return train(recipe, registry, run_dir, resume=resume, device=device)
-    except BaseException:
-        if run_log is not None:
-            detach_run_log(run_log)
-            run_log = None
-        if created and _failed_start(run_dir):  # leave nothing --resume auto could take for a run
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+        if processes.is_main:
+            try:
+                for warning in cadence_warnings(recipe.engine):
+                    logger.warning(warning)
+                if resume == "auto":
+                    run_dir, finished = _resumable_run(recipe, registry)
+                if run_dir is None:
+                    # A new run folder; with "auto" the checkpointer is still asked for its newest
+                    # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
+                    run_dir, created = create_run_dir(recipe, registry), True
+                if finished is None:  # rank 0 writes the folder: it holds it until the run ends
+                    owner = FolderOwner(run_dir, "run folder")
+                    owner.acquire()
+            except UserError as exc:  # the others hear of it, and stop too
+                refusal = exc
+        run_dir, finished, refused = peers.broadcast((run_dir, finished, None if refusal is None else str(refusal)))
+        if refusal is not None:
+            raise refusal
+        if refused is not None:
+            raise UserError(refused)
+        if finished is not None:
+            raise AlreadyFinished(run_dir, finished)
+        run_log = attach_run_log(run_dir) if processes.is_main else None
+        try:
+            return train(recipe, registry, run_dir, resume=resume, processes=processes, peers=peers,
+                         stop_requests=stop_requests)
+        except BaseException:
+            if run_log is not None:
+                detach_run_log(run_log)
+                run_log = None
+            if created and _failed_start(run_dir):  # leave nothing --resume auto could take for a run
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        finally:
+            if run_log is not None:
+                detach_run_log(run_log)
     finally:
-        if run_log is not None:
-            detach_run_log(run_log)
         if owner is not None:
             owner.release()
+        peers.close()

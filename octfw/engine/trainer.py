@@ -9,6 +9,12 @@ that it can take a checkpoint (a probe write; room on a local disk). If the
 final save fails anyway, the state goes to ``<run_dir>/fallback/`` and the
 run ends with :data:`SAVE_FAILED_EXIT_CODE`; ``--resume auto`` continues from
 that copy and writes it to the checkpointer once it can.
+
+Many processes train as one run: every decision that stops, skips or
+resumes it (a signal on any process, a guard's stop or done, which
+checkpoint to continue, the final save's outcome) is agreed through
+:class:`~octfw.engine.distributed.Peers` before anyone acts on it, so every
+process stops after the same update step, and rank 0 alone writes.
 """
 
 from __future__ import annotations
@@ -26,16 +32,16 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.engine.backend import Backend, select_backend
+from octfw.engine.backend import Backend, select_backend, single_process_backend
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
 from octfw.engine.data import (Quarantine, SampleSource, domain_report, loader_workers, make_loader,
                                provenance_record)
-from octfw.engine.distributed import all_reduce_, is_ddp, min_across_ranks
+from octfw.engine.distributed import Peers, PeerLost, Processes, all_reduce_, is_ddp, min_across_ranks
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
 from octfw.engine.optim import GatedAdamW
-from octfw.engine.preemption import StopRequests
+from octfw.engine.preemption import StopNow, StopRequests
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.update import grad_norm, step_unless_vetoed
@@ -44,15 +50,16 @@ from octfw.schedules import effective_lr
 from octfw.registry import Registry
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.failures import storage_cause
+from octfw.errors import UserError
 from octfw.tables import counted
+from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining, TrainingDone
 
 __all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR"]
 
 PROVENANCE_WINDOW = 8  # update steps whose sample URLs are kept for guard reports
-#: Exit code of a run whose final checkpoint could not be written to the checkpointer
-#: (EX_IOERR): the final state is in FALLBACK_DIR if that could be written; resume it.
-SAVE_FAILED_EXIT_CODE = 74
+#: An update step estimated to take longer than this is announced (with its time) at the start.
+SLOW_UPDATE_S = 60.0
 #: Folder of the run directory that takes the final state when the checkpointer cannot.
 FALLBACK_DIR = "fallback"
 
@@ -79,6 +86,8 @@ class RunSummary:
     skipped_saves: int = 0  #: checkpoints skipped because the previous save was still being written
     preempted: bool = False  #: stopped by SIGTERM/SIGINT or a TPU preemption notice, after saving
     interrupted: bool = False  #: stopped at once by a second signal, without the final save
+    #: a process of the job died or stopped answering (the line names it); nothing saved after ``checkpoint``
+    peer_lost: str | None = None
     final_save_failed: bool = False  #: the checkpointer could not take the final state
     fallback_checkpoint: str | None = None  #: where the final state went instead (None: nowhere)
     encoder: str | None = None  #: RUN/encoder, the exported target encoder of a finished run
@@ -166,16 +175,22 @@ class DeviceTotals:
 
 
 class Trainer:
-    """``device``: the device kind ``launch`` resolved for this process (else ``run.device``)."""
+    """``processes`` and ``peers``: who this process is and the job's other processes, from
+    :func:`octfw.engine.distributed.join` (default: this process alone, on ``run.device``).
+    ``stop_requests``: the signal handling of the command (default: one for the training loop)."""
 
-    def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None,
-                 device: str | None = None):
+    def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None, *,
+                 processes: Processes | None = None, peers: Peers | None = None,
+                 stop_requests: StopRequests | None = None):
         seed_everything(recipe.run.seed)
         self.recipe, self.run_dir = recipe, run_dir
         engine = recipe.engine
-        self.backend = backend = select_backend(device or recipe.run.device, engine.precision, engine.compile)
+        self.backend = backend = (select_backend(processes, engine.precision, engine.compile) if processes
+                                  else single_process_backend(recipe.run.device, engine.precision, engine.compile))
+        self.peers = peers or Peers(Processes(backend.kind, backend.device))
         #: the global batch arithmetic, worked out once: build, resume, data position, throughput
-        self.layout = layout = backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps)
+        self.layout = layout = backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps,
+                                                    engine.global_batch)
         self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank, layout=layout)
         check_schedule(recipe, parts)
         self.model = parts.model.to(backend.device)
@@ -193,10 +208,9 @@ class Trainer:
         self.start_step, self.samples_done = 0, 0
         #: the final state, when the checkpointer could not take it (a full disk, a store away)
         self.fallback = CheckpointStorage(str(run_dir / FALLBACK_DIR), keep_last=1)
-        fallback = self.fallback.latest() if resume == "auto" else None
+        fallback, location = self._resume_location(resume)
         #: resumed from the fallback: the final save must reach the checkpointer, even with no step left
         self.upload_fallback = fallback is not None
-        location = fallback or (parts.checkpointer.latest() if resume == "auto" else resume)
         if fallback is not None:
             log.warning("--resume auto: continuing from %s, the final state the checkpointer could not take; "
                         "it is written to the checkpointer at the end of this run", fallback)
@@ -222,10 +236,16 @@ class Trainer:
         self.quarantine, self.guard_log = Quarantine(writes), GuardLog(writes)
         self.totals = DeviceTotals(backend.device, len(parts.domains))
         self._applied = torch.ones((), dtype=torch.bool, device=backend.device)  # the verdict without guards
+        self._vetoed = torch.zeros((), dtype=torch.bool, device=backend.device)  # a guard that stopped the run
         self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
         self.first_loss = self.last_loss = None
         self.saver = BackgroundSaver(parts.checkpointer)
-        self.stop_requests = StopRequests(backend.kind)
+        #: the command's signal handling, or one of the loop's own (``octfw.train`` in a notebook)
+        self.stop_requests, self._own_stop_requests = ((stop_requests, False) if stop_requests
+                                                       else (StopRequests(), True))
+        #: a guard's or logger's StopTraining/TrainingDone on this process, acted on once every
+        #: process has heard of it (end of the update step)
+        self._pending: StopTraining | None = None
         self._last_log = (time.perf_counter(), self.start_step)
         self._skipped_seen = 0.0
         self._step_listeners = [lg for lg in parts.loggers if hasattr(lg, "on_step")]
@@ -235,6 +255,20 @@ class Trainer:
             backend.kind, backend.device, recipe.engine.peak_flops_per_device)
         self.flops_per_sample: int | None = None  # counted once, on meta tensors, at the first log
         self._batch_shapes: Any = None
+
+    def _resume_location(self, resume: str | None) -> tuple[str | None, str | None]:
+        """(the fallback copy to continue, or None; the checkpoint to load, or None), decided by
+        rank 0 (its disk holds the run folder) and the same on every process. Every process must
+        be able to read it, or the run is refused before anyone loads anything."""
+        fallback = location = None
+        if self.backend.is_main_process:
+            fallback = self.fallback.latest() if resume == "auto" else None
+            location = fallback or (self.parts.checkpointer.latest() if resume == "auto" else resume)
+        fallback, location = self.peers.broadcast((fallback, location))
+        if location is not None and not self.peers.all_agree(_readable(location)):
+            raise UserError(f"the checkpoint to resume, {location}, cannot be read by every process of the job; "
+                            "put checkpointer.dir on storage that every node reads (gs://, a shared file system)")
+        return fallback, location
 
     # --- one update step ------------------------------------------------
 
@@ -258,7 +292,8 @@ class Trainer:
 
         step_loss = torch.zeros((), device=backend.device)
         provenance = []
-        for micro in range(engine.grad_accum_steps):
+        accum = self.layout.grad_accum_steps
+        for micro in range(accum):
             self.heartbeat.waiting_on("the data loader")
             wait_started = time.perf_counter()
             batch = next(self.batches)
@@ -269,14 +304,16 @@ class Trainer:
             self.quarantine.record(batch["quarantined"])
             provenance += batch["provenance"]
             self._batch_shapes = batch["tensors"]
-            last_micro = micro == engine.grad_accum_steps - 1
+            last_micro = micro == accum - 1
             # DDP all-reduces gradients on the last micro-step only.
             sync = self.forward.no_sync() if is_ddp() and not last_micro else contextlib.nullcontext()
             with sync:
                 with backend.autocast():
                     out: ModelOutput = self.forward(batch["tensors"])
-                (out.loss / engine.grad_accum_steps).backward()
-            step_loss += out.loss.detach().float() / engine.grad_accum_steps
+                (out.loss / accum).backward()
+            step_loss += out.loss.detach().float() / accum
+            if update_step == self.start_step and micro == 0:
+                self._announce_step_time(time.perf_counter() - wait_started)
             self._add_domain_losses(out, batch["tensors"][DOMAIN_ID_KEY])
             if not last_micro:
                 # One XLA graph per micro-step, so that a graph holds one
@@ -297,7 +334,7 @@ class Trainer:
                              effective_lr(schedule, update_step, engine.base_lr))
         verdict = None
         for guard in guards:
-            vote = guard.before_step(inputs)
+            vote = self._deferring_stops(guard.before_step, inputs, veto=self._vetoed)
             if vote is not None:
                 verdict = vote if verdict is None else verdict & vote
         if verdict is not None:
@@ -315,6 +352,28 @@ class Trainer:
         totals.applied += ok.float()
         backend.step_boundary()
         return norm, out
+
+    def _deferring_stops(self, call: Any, *args: Any, veto: Any = None) -> Any:
+        """``call(*args)``, keeping a StopTraining (or TrainingDone) it raises for the end of the
+        update step, when every process acts on it together; ``veto`` is then its result."""
+        try:
+            return call(*args)
+        except StopTraining as reason:
+            self._pending = self._pending or reason
+            return veto
+
+    def _announce_step_time(self, micro_step_s: float) -> None:
+        """After the run's first micro-step: what one update step will take, where it is long or
+        the global batch is pinned (a recipe written for more devices than this machine has)."""
+        layout, engine = self.layout, self.recipe.engine
+        estimate = micro_step_s * layout.grad_accum_steps
+        if not (self.backend.is_main_process and (engine.global_batch is not None or estimate > SLOW_UPDATE_S)):
+            return
+        pinned = (f"engine.global_batch = {engine.global_batch} kept on {counted(layout.devices, 'device')} by "
+                  if engine.global_batch is not None else f"global batch {layout.global_batch}: ")
+        log.warning("%s%s of %d x %s each; one update step will take about %s (the first micro-step, "
+                    "compilation included, took %.3g s)", pinned, counted(layout.grad_accum_steps, "micro-step"),
+                    layout.per_device_batch, counted(layout.devices, "device"), _duration(estimate), micro_step_s)
 
     def _add_domain_losses(self, out: ModelOutput, domain_ids: torch.Tensor) -> None:
         per_sample = out.per_sample_loss.detach().float()
@@ -350,9 +409,9 @@ class Trainer:
             self.first_loss = metrics["loss"] if self.first_loss is None else self.first_loss
             self.last_loss = metrics["loss"]
         for logger in self.parts.loggers:
-            logger.log(done, metrics)
+            self._deferring_stops(logger.log, done, metrics)
         for guard in self.parts.guards:
-            guard.at_log_step(done, metrics)
+            self._deferring_stops(guard.at_log_step, done, metrics)
         self.totals.reset_interval()
         self._last_log = (now, done)
 
@@ -441,10 +500,35 @@ class Trainer:
         if self.backend.is_main_process and hasattr(checkpointer, "claim"):  # before an hour is spent
             checkpointer.claim(checkpoint_nbytes(self.model, self.parameters))
         try:
+            if self._own_stop_requests:
+                with self.stop_requests:
+                    return self.train_loop()
             return self.train_loop()
         finally:
             if hasattr(checkpointer, "release"):
                 checkpointer.release()
+
+    def agree_to_stop(self, done: int) -> tuple[str | None, str]:
+        """After update step ``done``: (why every process stops now, or None; what stops it:
+        "guard", "target" (a target reached) or "signal"). One tiny all-reduce of host values over the peers' own gloo group: the
+        device stream is never waited on. The reason travels only when there is one."""
+        pending = self._pending
+        signal_vote = self.stop_requests.local_vote(done)
+        stop, finished, signalled = self.peers.max([
+            int(pending is not None and not isinstance(pending, TrainingDone)),
+            int(isinstance(pending, TrainingDone)), signal_vote])
+        if signalled > signal_vote:  # a peer's signal: this process stops as if it had it
+            self.stop_requests.signals = max(self.stop_requests.signals, signalled)
+            self.stop_requests.signal_name = self.stop_requests.signal_name or "a stop request on another process"
+        if stop or finished:
+            reasons = self.peers.gather(None if pending is None else str(pending))
+            first = next((r, rank) for rank, r in enumerate(reasons) if r is not None)
+            reason = first[0] if first[1] == self.backend.rank or self.peers.alone else f"{first[0]} (on rank {first[1]})"
+            self.guard_log.write(done, reason)
+            return reason, "guard" if stop else "target"
+        if signalled:
+            return f"{self.stop_requests.signal_name} at update step {done}", "signal"
+        return None, ""
 
     def train_loop(self) -> RunSummary:
         from octfw.rundir import write_summary
@@ -462,39 +546,51 @@ class Trainer:
             log.info("data loader: %s per process (%s)", counted(workers, "worker"), why)
         for logger in self.parts.loggers:
             logger.start(total, self.run_dir, self.parts.ctx.recipe)
-        started, done, stopped, preempted = time.perf_counter(), self.start_step, None, False
-        finished_early = None
-        with self.heartbeat, self.stop_requests:
+        started, done, stopped, finished_early, peer_lost = time.perf_counter(), self.start_step, None, None, None
+        preempted = False
+        stops = self.stop_requests
+        with self.heartbeat:
+            stops.start_training(self.backend.kind)
             try:
                 for update_step in range(self.start_step, total):
                     norm, out = self.update(update_step)
                     done = update_step + 1
                     self.heartbeat.beat(done)
                     for logger in self._step_listeners:
-                        logger.on_step(done)
+                        self._deferring_stops(logger.on_step, done)
                     if self.is_log_step(done):
                         self.log(done, norm, out)
                     self.evaluate(done)
                     self.saver.poll()  # reports a finished background save (no wait)
-                    if self.stop_requests.should_stop(done):
-                        preempted = True
-                        stopped = f"{self.stop_requests.signal_name} at update step {done}"
+                    reason, by = self.agree_to_stop(done)
+                    if reason is not None:
+                        finished_early, stopped = (reason, None) if by == "target" else (None, reason)
+                        preempted = by == "signal"
                         break
                     every = engine.checkpoint_every_steps
                     if every and done % every == 0 and done != total:
                         self.save_checkpoint(done)
-            except TrainingDone as reason:  # a target reached: done, not a failure
-                finished_early = str(reason)
-                self.guard_log.write(done, finished_early)
-            except StopTraining as reason:
-                stopped = str(reason)
-                self.guard_log.write(done, stopped)
-            # The last checkpoint of the run (end, guard stop or preemption), awaited with a deadline.
+            except StopNow as why:
+                preempted, stopped = True, f"{why} during update step {done + 1} (abandoned; step {done} is the last)"
+            except PeerLost as lost:
+                peer_lost = stopped = str(lost)
+            except RuntimeError as exc:  # DDP's own collectives: a lost peer, or a bug (re-raised)
+                lost = self.peers.lost(exc)
+                if lost is None:
+                    raise
+                log.debug("the collective that lost a peer", exc_info=exc)
+                peer_lost = stopped = str(lost)
+            stops.closing()
+            # The last checkpoint of the run (end, guard stop or preemption), awaited with a deadline,
+            # and its outcome shared: every process ends the same way. Not after a lost peer: the
+            # others cannot hear the outcome.
             final_save_failed, fallback = False, None
-            if done > self.start_step or self.upload_fallback:
-                final_save_failed, fallback = self.save_final(done)
+            if peer_lost is None and not stops.stop_now and (done > self.start_step or self.upload_fallback):
+                final_save_failed, fallback = self.peers.broadcast(self.save_final(done))
+            elif self.backend.is_main_process and stops.stop_now:
+                self.saver.cancel_in_flight(done)
             finished = done == total or finished_early is not None
-            encoder = self.export_encoder(done) if finished and not final_save_failed else None
+            encoder = self.export_encoder(done) if finished and not final_save_failed and not peer_lost else None
 
         elapsed = time.perf_counter() - started
         samples_per_s = (done - self.start_step) * self.samples_per_update / max(elapsed, 1e-9)
@@ -503,10 +599,11 @@ class Trainer:
             first_loss=self.first_loss, last_loss=self.last_loss,
             skipped_updates=int(self.totals.skipped.cpu().item()),
             samples_per_s=samples_per_s, elapsed_s=elapsed,
-            checkpoint=self.saver.latest, failed_saves=self.saver.failed,
+            checkpoint=self.saver.latest or self._newest_complete_checkpoint(any_rank=peer_lost is not None),
+            failed_saves=self.saver.failed,
             skipped_saves=len(self.saver.skipped), preempted=preempted,
-            interrupted=self.stop_requests.stop_now, final_save_failed=final_save_failed,
-            fallback_checkpoint=fallback, encoder=encoder,
+            interrupted=stops.stop_now, final_save_failed=final_save_failed,
+            fallback_checkpoint=fallback, encoder=encoder, peer_lost=peer_lost,
             data_wait_share=round(min(self._data_wait_total_s / elapsed, 1.0), 4) if elapsed > 0 else None,
             quarantined=len(self.quarantine), stopped=stopped, finished_early=finished_early,
             device=self.device_name,
@@ -516,9 +613,41 @@ class Trainer:
             write_summary(self.run_dir, summary.as_dict(), self.quarantine)
         for logger in self.parts.loggers:
             logger.finish(summary.as_dict())
+        if peer_lost is None:  # every process leaves together, after rank 0 has written everything
+            self.peers.barrier()
+        stops.done()
         return summary
+
+    def _newest_complete_checkpoint(self, any_rank: bool = False) -> str | None:
+        """The newest complete checkpoint on disk (checked, not assumed), for the summary of a
+        run that wrote none in this attempt: a resumed run, or one stopped before its first save.
+        ``any_rank``: rank 0 may be the lost process; another one says where the run stands."""
+        if not (self.backend.is_main_process or any_rank):
+            return None
+        try:
+            return self.parts.checkpointer.latest()
+        except Exception:  # noqa: BLE001 - the store is away: the summary says none was found
+            return None
+
+
+def _readable(location: str) -> bool:
+    """Whether this process sees the checkpoint file ``location`` (a path or an fsspec URL)."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(location)
+        return bool(fs.exists(path))
+    except Exception:  # noqa: BLE001 - unreachable counts as unreadable; the refusal says where
+        return False
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds < 120 else f"{seconds / 60:.3g} min" if seconds < 7200 \
+        else f"{seconds / 3600:.3g} h"
 
 
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,
-          device: str | None = None) -> RunSummary:
-    return Trainer(recipe, registry, run_dir, resume, device).run()
+          processes: Processes | None = None, peers: Peers | None = None,
+          stop_requests: StopRequests | None = None) -> RunSummary:
+    return Trainer(recipe, registry, run_dir, resume, processes=processes, peers=peers,
+                   stop_requests=stop_requests).run()

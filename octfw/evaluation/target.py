@@ -226,9 +226,9 @@ def with_interval(scores: Mapping[str, float], key: str, column: str) -> dict[st
 
 
 def eval_device(recipe: EvalRecipe) -> torch.device:
-    from octfw.engine.backend import select_backend
+    from octfw.engine.backend import single_process_backend
 
-    return select_backend(recipe.run.device, "fp32").device
+    return single_process_backend(recipe.run.device, "fp32").device
 
 
 def build_evaluators(target: EvalTarget, recipe: EvalRecipe, registry: Registry) -> list[tuple[str, Any]]:

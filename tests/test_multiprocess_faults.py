@@ -1,0 +1,405 @@
+"""Many processes, one run, faulted for real: ``octfw run --nproc-per-node N`` (torch's elastic
+agent, gloo on the CPU), two launcher agents meeting on 127.0.0.1 as two nodes, and processes
+started as srun starts them. Signals are real (to one rank, to the whole process group as Slurm
+and Kubernetes send them), processes are killed with SIGKILL and stopped with SIGSTOP, a disk
+fills on a real tmpfs. After each fault, ``--resume auto`` must finish the run with the losses
+of an uninterrupted one, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_RECIPE, make_dist
+from test_engine import PROBE_PLUGIN
+from octfw.exit_codes import (INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
+                              SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 14
+TIMEOUT_S = 12  # engine.collective_timeout_s of these jobs: a lost process ends the others this soon
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a real full disk) needs root; "
+                                                          "CI runs as root")
+
+# A test plugin: a model whose collapse metric falls on one rank only, and a guard that fills a disk.
+FAULT_PLUGIN = '''
+import os, attrs, torch
+from octfw.hookspecs import hookimpl
+from octfw.types import ModelOutput
+
+@attrs.frozen
+class CollapsingConfig:
+    patch_size: tuple[int, int, int] = (4, 16, 16)
+    rank: int = 1  # the rank whose features "collapse"
+
+class Collapsing(torch.nn.Module):
+    def __init__(self, inner, collapsed):
+        super().__init__()
+        self.inner, self.collapsed = inner, collapsed
+    def forward(self, batch):
+        out = self.inner(batch)
+        metrics = dict(out.metrics)
+        if self.collapsed:
+            metrics["effective_rank"] = torch.ones((), device=out.loss.device)
+        return ModelOutput(out.loss, out.per_sample_loss, metrics)
+    def ema_update(self, momentum):
+        self.inner.ema_update(momentum)
+    def param_groups(self, weight_decay):
+        return self.inner.param_groups(weight_decay)
+
+def build_model(config, ctx):
+    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    return Collapsing(build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx), ctx.rank == config.rank)
+
+@attrs.frozen
+class FillerConfig:
+    at_step: int = 3
+
+class Filler:
+    def __init__(self, at_step, rank):
+        self.at_step, self.rank = at_step, rank
+    def before_step(self, inputs):
+        return None
+    def at_log_step(self, update_step, metrics):
+        if update_step == self.at_step and self.rank == 0:  # another job's files fill the disk
+            with open(os.environ["FILL_PATH"], "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"x" * 65536)
+                except OSError:
+                    pass
+
+@hookimpl
+def octfw_register_models(register):
+    register("collapsing", CollapsingConfig, build_model, "vjepa3d whose effective rank reads 1 on one rank")
+
+@hookimpl
+def octfw_register_guards(register):
+    register("filler", FillerConfig, lambda c, ctx: Filler(c.at_step, ctx.rank), "fills a disk at a log step")
+'''
+
+
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY_RECIPE)
+    (tmp_path / "site").mkdir()
+    make_dist(tmp_path / "site", "octfw-faults", "plug_faults", FAULT_PLUGIN)
+    make_dist(tmp_path / "site", "octfw-probe", "plug_probe", PROBE_PLUGIN)  # the checksum guard
+    return Job(tmp_path)
+
+
+class Job:
+    """``octfw run tiny.toml --nproc-per-node N`` in its own process group, as a shell starts it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join([str(root / "site"), str(REPO)])}
+
+    def command(self, out: str, *args: str, nproc: int | None = 2) -> list[str]:
+        launch = [f"--nproc-per-node={nproc}"] if nproc else []
+        return [sys.executable, "-m", "octfw.cli", "run", str(self.root / "tiny.toml"), *launch,
+                f"--set=run.output_dir={self.root / out}", "--set=engine.per_device_batch=1",
+                f"--set=run.max_steps={STEPS}", "--set=engine.checkpoint_every_steps=4",
+                f"--set=engine.collective_timeout_s={TIMEOUT_S}", "--set=engine.save_deadline_s=5", *args]
+
+    def start(self, out: str, *args: str, nproc: int | None = 2, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen(self.command(out, *args, nproc=nproc), cwd=self.root, env={**self.env, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def run(self, out: str, *args: str, nproc: int | None = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+        process = self.start(out, *args, nproc=nproc, env=env)
+        stdout, stderr = process.communicate(timeout=600)
+        return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+    def run_dir(self, out: str) -> Path:
+        [run_dir] = list((self.root / out / "tiny").iterdir())  # one job, one run folder
+        return run_dir
+
+    def wait_for_step(self, out: str, step: int, process: subprocess.Popen, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()
+            files = list((self.root / out).glob("tiny/*/metrics.jsonl"))
+            if files and len(files[0].read_text().splitlines()) >= step:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"no update step {step} within {timeout_s} s")
+
+    def rank_pid(self, out: str, rank: int) -> int:
+        """The worker of ``rank`` (by its environment, as torch's agent set it)."""
+        for pid in subprocess.run(["pgrep", "-f", f"run.output_dir={self.root / out}"], capture_output=True,
+                                  text=True).stdout.split():
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if f"RANK={rank}" in environ and "TORCHELASTIC_RUN_ID" in " ".join(environ) or \
+                    f"SLURM_PROCID={rank}" in environ:
+                return int(pid)
+        raise AssertionError(f"no process of rank {rank}")
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Update step -> loss, the last line of each step (a resumed run logs its steps again)."""
+    return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def job_lines(stderr: str) -> list[str]:
+    """The job's status lines (not the progress lines of rank 0's log)."""
+    return [line for line in stderr.splitlines() if line.startswith(("octfw: error:", "octfw: stopped", "stopped early"))]
+
+
+@pytest.fixture
+def reference(job):
+    """The uninterrupted run of the same job: 2 processes, global batch 2."""
+    done = job.run("reference")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert job_lines(done.stderr) == []
+    return losses(job.run_dir("reference"))
+
+
+def resume_until_done(job: Job, out: str, reference: dict[int, float], *args: str, nproc: int = 2) -> Path:
+    resumed = job.run(out, "--resume", "auto", *args, nproc=nproc)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_dir = job.run_dir(out)
+    assert losses(run_dir) == reference  # bit for bit, every update step
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["update_steps"] == STEPS and not summary["preempted"] and summary["peer_lost"] is None
+    return run_dir
+
+
+def checkpoint_steps(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.pt"))
+
+
+# --- signals ------------------------------------------------------------------------------
+
+
+def test_sigterm_to_the_whole_process_group_saves_once_exits_75_and_resumes_bitwise(job, reference):
+    """Slurm's scancel and Ctrl-C reach every process, the launcher too, which forwards it: the
+    repeat is not a second signal, so the final save is written, not cancelled."""
+    process = job.start("group")
+    job.wait_for_step("group", 5, process)
+    os.killpg(process.pid, signal.SIGTERM)
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    [line] = job_lines(err)  # one status line for the job
+    assert line.startswith("octfw: stopped by SIGTERM at update step ") and "--resume auto" in line
+    assert "Traceback" not in err and "received again" not in err
+    run_dir = job.run_dir("group")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stop = summary["update_steps"]
+    assert summary["preempted"] and not summary["interrupted"]
+    assert summary["checkpoint"].endswith(f"step_{stop:08d}.pt")
+    assert f"step_{stop:08d}.pt" in checkpoint_steps(run_dir)
+    resumed = resume_until_done(job, "group", reference)
+    assert len(checkpoint_steps(resumed)) == len(set(checkpoint_steps(resumed)))
+
+
+def test_sigterm_to_one_of_four_ranks_stops_all_after_the_same_step(job):
+    """A spot VM's notice reaching one process of four: every process hears of it at the end of
+    the update step, and all stop after that step; rank 0 alone writes the checkpoint."""
+    process = job.start("one", '--set=guard=[{name="checksum"}]', "--set=engine.log_every_steps=1", nproc=4)
+    job.wait_for_step("one", 3, process)
+    os.kill(job.rank_pid("one", 2), signal.SIGTERM)
+    _out, err = process.communicate(timeout=180)
+    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    run_dir = job.run_dir("one")
+    last = {rank: (run_dir / f"checksum_rank{rank}.txt").read_text().splitlines()[-1] for rank in range(4)}
+    assert len(set(last.values())) == 1  # the same step, the same parameters, on every rank
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["update_steps"] == int(last[0].split()[0])
+    assert "a stop request on another process" in summary["stopped"]
+
+
+# --- lost processes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_a_lost_rank_ends_the_job_in_bounded_time_naming_it_and_resume_auto_continues_bitwise(
+        job, reference, fault):
+    out = fault.name.lower()
+    process = job.start(out)
+    job.wait_for_step(out, 6, process)
+    victim = job.rank_pid(out, 1)
+    faulted = time.monotonic()
+    os.kill(victim, fault)
+    try:
+        _out, err = process.communicate(timeout=TIMEOUT_S + 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    waited = time.monotonic() - faulted
+    assert process.returncode == PEER_LOST_EXIT_CODE, err[-3000:]
+    assert waited < TIMEOUT_S + 30  # the collective timeout, the liveness census, the agent's close
+    [line] = job_lines(err)
+    assert "rank 1" in line and "stopped answering" in line or "rank 1 ended with killed by SIGKILL" in line, line
+    run_dir = job.run_dir(out)
+    newest = sorted(checkpoint_steps(run_dir))[-1]
+    assert newest in line  # the last good checkpoint, named
+    resume_until_done(job, out, reference)
+
+
+# --- decisions taken on one rank ----------------------------------------------------------
+
+
+def test_a_collapse_stop_on_one_rank_stops_every_rank_at_the_same_step(job):
+    """The collapse guard reads rank 1's own metrics; it stops the run there, and rank 0 hears it
+    at the end of the same update step: no hang, one final save, exit 1 everywhere."""
+    result = job.run("collapse", "--set=model.name=collapsing", "--set=engine.log_every_steps=1",
+                     '--set=guard=[{name="collapse",action="stop",patience=2,min_effective_rank=1.5}]')
+    assert result.returncode == STOPPED_BY_GUARD, result.stderr[-3000:]
+    [line] = job_lines(result.stderr)
+    assert line.startswith("stopped early: collapse: metric/effective_rank = 1") and "(on rank 1)" in line
+    run_dir = job.run_dir("collapse")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["update_steps"] == 2 and summary["checkpoint"].endswith("step_00000002.pt")
+    assert checkpoint_steps(run_dir) == ["step_00000002.pt"]
+    again = job.run("collapse", "--resume", "auto", "--set=model.name=collapsing", "--set=engine.log_every_steps=1",
+                    '--set=guard=[{name="collapse",action="stop",patience=2,min_effective_rank=1.5}]')
+    assert again.returncode == STOPPED_BY_GUARD and "nothing to resume" in again.stderr
+
+
+@needs_root
+def test_a_final_save_that_fails_on_rank_0_exits_74_on_the_whole_job_and_resume_uploads_it(job, reference):
+    disk = job.root / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], check=True)
+    try:
+        env = {"FILL_PATH": str(disk / "other-job.bin")}
+        sets = (f"--set=checkpointer.dir={disk / 'ckpt'}", '--set=guard=[{name="nan-skip"},{name="filler",at_step=3}]',
+                "--set=engine.log_every_steps=1")
+        failed = job.run("full", *sets, env=env)
+        assert failed.returncode == SAVE_FAILED_EXIT_CODE, failed.stderr[-3000:]
+        [line] = job_lines(failed.stderr)
+        assert f"no space left on device at {disk / 'ckpt'}" in line
+        run_dir = job.run_dir("full")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["final_save_failed"] and summary["fallback_checkpoint"] == str(
+            run_dir / "fallback" / f"step_{STEPS:08d}.pt")
+        (disk / "other-job.bin").unlink()
+        again = job.run("full", "--resume", "auto", f"--set=checkpointer.dir={disk / 'ckpt'}",
+                        '--set=guard=[{name="nan-skip"},{name="filler",at_step=0}]', "--set=engine.log_every_steps=1",
+                        env=env)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert (disk / "ckpt" / f"step_{STEPS:08d}.pt").exists() and not (run_dir / "fallback").exists()
+        assert losses(run_dir) == reference
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+# --- other launchers ----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launcher_agents_meet_on_127_0_0_1_as_two_nodes_and_stop_together(job, reference):
+    """Two nodes of one process each: the run is the 2-process run, bit for bit. A SIGTERM to one
+    node's process group stops both nodes after the same step, and both resume."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes"]
+    first, second = (job.start("nodes", *nodes, nproc=1) for _ in range(2))
+    job.wait_for_step("nodes", 4, first)
+    os.killpg(second.pid, signal.SIGTERM)
+    results = [p.communicate(timeout=180) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [PREEMPTED_EXIT_CODE] * 2, [e[-2000:] for _o, e in results]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes-again"]
+    again = [job.start("nodes", "--resume", "auto", *nodes, nproc=1) for _ in range(2)]
+    for p in again:
+        _o, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    assert losses(job.run_dir("nodes")) == reference
+
+
+def test_processes_started_as_srun_starts_them_train_one_run(job, reference):
+    """srun starts each task itself and sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; the
+    batch script exports MASTER_ADDR and MASTER_PORT (docs/distributed.md). No Slurm here: the
+    two tasks are started with exactly that environment."""
+    port = str(_free_port())
+    tasks = [job.start("srun", nproc=None, env={"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+                                                "SLURM_LOCALID": str(rank), "SLURM_JOB_ID": "1",
+                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in range(2)]
+    for task in tasks:
+        _o, err = task.communicate(timeout=300)
+        assert task.returncode == 0, err[-3000:]
+    assert losses(job.run_dir("srun")) == reference
+
+
+# --- stops in the start and in long steps ----------------------------------------------------
+
+
+def test_a_sigterm_during_the_start_exits_75_and_leaves_no_run_folder(job):
+    process = job.start("early", nproc=None)
+    time.sleep(1.5)  # torch is still importing: nothing is built yet
+    os.killpg(process.pid, signal.SIGTERM)
+    _out, err = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    assert "stopped by SIGTERM before training began; nothing to save" in err and "Traceback" not in err
+    assert not list((job.root / "early").glob("tiny/*/checkpoints/*.pt"))
+
+
+SLOW_PLUGIN = '''
+import os, time, attrs
+from octfw.hookspecs import hookimpl
+
+@attrs.frozen
+class SlowConfig:
+    patch_size: tuple[int, int, int] = (4, 16, 16)
+    seconds: float = 60.0
+
+def build_model(config, ctx):
+    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    model = build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx)
+    forward = model.forward
+    def slow_forward(batch):  # one long CPU step: an op that holds the interpreter for a while
+        open(os.environ["SLOW_MARK"], "w").close()
+        deadline = time.monotonic() + config.seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return forward(batch)
+    model.forward = slow_forward
+    return model
+
+@hookimpl
+def octfw_register_models(register):
+    register("slow", SlowConfig, build_model, "vjepa3d whose forward takes a minute")
+'''
+
+
+def test_a_second_ctrl_c_stops_within_seconds_in_the_middle_of_a_long_cpu_step(job):
+    make_dist(job.root / "site", "octfw-slow", "plug_slow", SLOW_PLUGIN)
+    mark = job.root / "in-the-step"
+    process = job.start("slow", "--set=model.name=slow", nproc=None, env={"SLOW_MARK": str(mark)})
+    deadline = time.monotonic() + 120
+    while not mark.exists():  # the first, minute-long update step has begun
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    time.sleep(1)
+    os.kill(process.pid, signal.SIGINT)
+    time.sleep(1.5)
+    second = time.monotonic()
+    os.kill(process.pid, signal.SIGINT)
+    _out, err = process.communicate(timeout=60)
+    assert time.monotonic() - second < 10
+    assert process.returncode == INTERRUPTED_EXIT_CODE, err[-3000:]
+    assert "received again: stopping now" in err and "Traceback" not in err
