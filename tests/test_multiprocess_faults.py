@@ -403,3 +403,41 @@ def test_a_second_ctrl_c_stops_within_seconds_in_the_middle_of_a_long_cpu_step(j
     assert time.monotonic() - second < 10
     assert process.returncode == INTERRUPTED_EXIT_CODE, err[-3000:]
     assert "received again: stopping now" in err and "Traceback" not in err
+
+
+def test_a_node_that_never_comes_ends_the_rendezvous_within_the_timeout(job):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    alone = job.run("alone", "--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-id=alone", nproc=1)
+    assert time.monotonic() - started < TIMEOUT_S + 30
+    assert alone.returncode == PEER_LOST_EXIT_CODE, alone.stderr[-3000:]
+    [line] = job_lines(alone.stderr)
+    assert line.startswith(f"octfw: error: the job's processes could not start: not all 2 nodes met at {endpoint} "
+                           f"within engine.collective_timeout_s = {TIMEOUT_S} s")
+    assert "Traceback" not in alone.stderr
+
+
+def test_a_user_mistake_is_one_line_for_the_whole_job_exit_2(job):
+    """Every process meets it (rank 0 decides what to resume, no process can read it); the
+    job says it once."""
+    missing = job.root / "no-such-checkpoint.pt"
+    refused = job.run("mistake", "--resume", str(missing))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    [line] = job_lines(refused.stderr)
+    assert str(missing) in line and "cannot be read by every process" in line and "Traceback" not in refused.stderr
+
+
+def test_plain_torchrun_still_trains_and_a_group_sigterm_still_saves(job):
+    """torchrun forwards the SIGTERM its process group already delivered; the workers count it
+    once, so the final save is written. torchrun itself exits 1 (its own SignalException)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", *job.command("torchrun", nproc=None)[2:], "--set=run.max_steps=300"]
+    process = subprocess.Popen(command, cwd=job.root, env=job.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    job.wait_for_step("torchrun", 4, process)
+    os.killpg(process.pid, signal.SIGTERM)
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == 1  # torchrun's, whatever the workers returned
+    summary = json.loads((job.run_dir("torchrun") / "summary.json").read_text())
+    assert summary["preempted"] and not summary["interrupted"], err[-3000:]
+    assert summary["checkpoint"].endswith(f"step_{summary['update_steps']:08d}.pt")

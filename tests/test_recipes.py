@@ -211,7 +211,11 @@ def test_multi_domain_recipe_carries_the_seeds_numbers(registry):
     assert recipe.transform.config.image_size == (64, 384, 384)
     assert recipe.model.config.patch_size == (4, 16, 16)
     assert recipe.transform.config.mask.ratio == 0.6
-    assert (recipe.engine.per_device_batch, recipe.engine.grad_accum_steps) == (1, 2)
+    assert (recipe.engine.per_device_batch, recipe.engine.global_batch) == (1, 32)
+    from octfw.engine.distributed import layout_for
+
+    v4_32 = layout_for(1, recipe.engine.grad_accum_steps, recipe.engine.global_batch, processes=4, devices_per_process=4)
+    assert v4_32.grad_accum_steps == 2  # 1 per device x 16 devices x 2 accumulation steps
     assert (recipe.engine.base_lr, recipe.engine.weight_decay, recipe.engine.betas) == (1e-4, 0.05, (0.9, 0.95))
     assert recipe.run.epochs == 150 and recipe.scheduler.config.ema_start == 0.996
     assert [g.config.max_norm for g in recipe.guards if g.name == "grad-clip"] == [0.01]

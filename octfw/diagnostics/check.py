@@ -12,7 +12,7 @@ import torch
 
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.data import SampleSource, collate, domain_counts, float_views, listed
-from octfw.engine.distributed import BatchLayout, layout_for
+from octfw.engine.distributed import layout_for, step_time
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError
 from octfw.recipe import Recipe
@@ -52,17 +52,6 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | No
         if both.min() < 0 or both.max() >= num_patches:
             raise ContractError(f"patch indices must lie in [0, {num_patches}), got "
                                 f"[{int(both.min())}, {int(both.max())}]")
-
-
-def _step_time(layout: BatchLayout, global_batch: int | None, micro_step_s: float, kind: str) -> str:
-    """The global batch that will run on the checked layout, and what one update step costs here."""
-    pinned = (f"engine.global_batch = {global_batch} kept on {layout.devices} device(s) by "
-              f"{layout.grad_accum_steps} micro-steps" if global_batch is not None
-              else f"global batch {layout.global_batch} ({layout.grad_accum_steps} micro-steps)")
-    where = ("on this CPU" if kind == "cpu" else
-             f"on this CPU; the {kind} run is faster: measure it with octfw bench")
-    return (f"{pinned}; one micro-step of per_device_batch {layout.per_device_batch} took {micro_step_s:.3g} s "
-            f"{where}: one update step about {micro_step_s * layout.grad_accum_steps:.3g} s")
 
 
 def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print, *,
@@ -152,7 +141,8 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
            f"training step {flops['training_step'] / 1e9:.4g} GFLOP/sample")
 
     report(f"layout    {layout.describe()}")
-    report(f"step time {_step_time(layout, recipe.engine.global_batch, micro_step_s, kind)}")
+    where = "on this CPU" + ("" if kind == "cpu" else f"; a {kind} device is faster: measure it with octfw bench")
+    report(f"step time {step_time(layout, recipe.engine.global_batch, micro_step_s)}, {where}")
     total = ctx.total_update_steps
     check_schedule(recipe, parts)
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})

@@ -36,7 +36,7 @@ from octfw.errors import UserError
 from octfw.tables import counted
 
 __all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "is_ddp", "all_reduce_", "min_across_ranks",
-           "layout_for"]
+           "layout_for", "step_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,21 @@ class BatchLayout:
                 f"{counted(self.devices, 'device')} x grad_accum_steps {self.grad_accum_steps}; {split} "
                 f"{counted(self.process_micro_batch, 'sample')} per micro-step, "
                 f"{self.process_batch} per update step")
+
+
+def step_time(layout: BatchLayout, global_batch: int | None, micro_step_s: float) -> str:
+    """One line: the global batch that will run on this layout, and what one update step takes
+    (``micro_step_s`` measured on one micro-step). ``octfw check`` and ``octfw run`` say it."""
+    batch = (f"engine.global_batch = {global_batch} kept on {counted(layout.devices, 'device')}"
+             if global_batch is not None else f"global batch {layout.global_batch} on {counted(layout.devices, 'device')}")
+    return (f"{batch}: {counted(layout.grad_accum_steps, 'micro-step')} of per_device_batch {layout.per_device_batch} "
+            f"per update step; one update step about {_duration(micro_step_s * layout.grad_accum_steps)} "
+            f"(one micro-step: {_duration(micro_step_s)})")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds < 120 else f"{seconds / 60:.3g} min" if seconds < 7200 \
+        else f"{seconds / 3600:.3g} h"
 
 
 def layout_for(per_device_batch: int, grad_accum_steps: int, global_batch: int | None, *,

@@ -98,8 +98,11 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
     try:
         result = agent.run()
     except Exception as exc:  # noqa: BLE001 - the rendezvous timed out or a node left: one line
-        print(f"octfw: error: the job's processes could not start: {one_line(str(exc).splitlines()[0])} "
-              f"(waited at most engine.collective_timeout_s = {timeout_s:g} s for {nnodes} nodes)", file=sys.stderr)
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        log.debug("the job's rendezvous failed", exc_info=exc)
+        print(f"octfw: error: the job's processes could not start: not all {nnodes} nodes met at "
+              f"{rdzv_endpoint or 'this node'} within engine.collective_timeout_s = {timeout_s:g} s "
+              f"({type(exc).__name__}{': ' + one_line(detail) if detail else ''})", file=sys.stderr)
         return PEER_LOST_EXIT_CODE
     finally:
         agent.forwarder.uninstall()

@@ -37,7 +37,8 @@ from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
 from octfw.engine.data import (Quarantine, SampleSource, domain_report, loader_workers, make_loader,
                                provenance_record)
-from octfw.engine.distributed import Peers, PeerLost, Processes, all_reduce_, is_ddp, min_across_ranks
+from octfw.engine.distributed import (Peers, PeerLost, Processes, all_reduce_, is_ddp, min_across_ranks,
+                                     step_time)
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
 from octfw.engine.optim import GatedAdamW
@@ -365,15 +366,11 @@ class Trainer:
     def _announce_step_time(self, micro_step_s: float) -> None:
         """After the run's first micro-step: what one update step will take, where it is long or
         the global batch is pinned (a recipe written for more devices than this machine has)."""
-        layout, engine = self.layout, self.recipe.engine
-        estimate = micro_step_s * layout.grad_accum_steps
-        if not (self.backend.is_main_process and (engine.global_batch is not None or estimate > SLOW_UPDATE_S)):
-            return
-        pinned = (f"engine.global_batch = {engine.global_batch} kept on {counted(layout.devices, 'device')} by "
-                  if engine.global_batch is not None else f"global batch {layout.global_batch}: ")
-        log.warning("%s%s of %d x %s each; one update step will take about %s (the first micro-step, "
-                    "compilation included, took %.3g s)", pinned, counted(layout.grad_accum_steps, "micro-step"),
-                    layout.per_device_batch, counted(layout.devices, "device"), _duration(estimate), micro_step_s)
+        engine = self.recipe.engine
+        slow = micro_step_s * self.layout.grad_accum_steps > SLOW_UPDATE_S
+        if self.backend.is_main_process and (engine.global_batch is not None or slow):
+            log.warning("%s; the first micro-step includes compilation and warm-up",
+                        step_time(self.layout, engine.global_batch, micro_step_s))
 
     def _add_domain_losses(self, out: ModelOutput, domain_ids: torch.Tensor) -> None:
         per_sample = out.per_sample_loss.detach().float()
@@ -639,11 +636,6 @@ def _readable(location: str) -> bool:
         return bool(fs.exists(path))
     except Exception:  # noqa: BLE001 - unreachable counts as unreadable; the refusal says where
         return False
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.3g} s" if seconds < 120 else f"{seconds / 60:.3g} min" if seconds < 7200 \
-        else f"{seconds / 3600:.3g} h"
 
 
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,
