@@ -6,7 +6,8 @@ On a CUDA machine (``--device cuda``, or ``auto`` with a GPU visible):
 1. ``pytest -m cuda`` (a subprocess): bf16 autocast, the device-side skip
    leaving parameters, moments and EMA bitwise unchanged, GatedAdamW against
    torch's fused AdamW, checkpoints moved between CUDA and the CPU
-   (``tests/test_cuda_paths.py``).
+   (``tests/test_cuda_paths.py``), and the launcher on the GPUs: one process per GPU, each on
+   ``cuda:LOCAL_RANK`` (``tests/test_multiprocess_faults.py``).
 2. Attention: the scaled-dot-product-attention kernel the model's attention
    runs at 9,216 tokens for each preset's encoder and predictor heads, in bf16
    and fp32 (:mod:`octfw.diagnostics.attention`; the kernel that really ran, seen
@@ -77,7 +78,7 @@ CUDA_DTYPE = torch.bfloat16
 CPU_PRESETS = ("tiny", "small")
 CPU_IMAGE = [32, 128, 128]  # 512 patches: about 1 s per small update step on 2 cores
 CPU_DTYPE = torch.float32
-CUDA_TESTS = ["tests/test_cuda_paths.py"]  # where the cuda-marked tests live
+CUDA_TESTS = ["tests/test_cuda_paths.py", "tests/test_multiprocess_faults.py"]  # where the cuda-marked tests live
 MMAP_THRESHOLD = "65536"
 
 GIB = 1024**3

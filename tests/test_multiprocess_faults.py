@@ -82,6 +82,18 @@ class Filler:
                 except OSError:
                     pass
 
+class DeviceReport:
+    """Writes which device this rank trains on, and which is current, at every log step."""
+    def __init__(self, ctx):
+        self.rank, self.run_dir, self.device = ctx.rank, ctx.run_dir, None
+    def before_step(self, inputs):
+        self.device = inputs.parameters[0].device
+        return None
+    def at_log_step(self, update_step, metrics):
+        current = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        with open(self.run_dir / f"device_rank{self.rank}.txt", "w") as f:
+            f.write(f"{self.device} {current} {os.environ.get('LOCAL_RANK')}")
+
 @hookimpl
 def octfw_register_models(register):
     register("collapsing", CollapsingConfig, build_model, "vjepa3d whose effective rank reads 1 on one rank")
@@ -89,6 +101,7 @@ def octfw_register_models(register):
 @hookimpl
 def octfw_register_guards(register):
     register("filler", FillerConfig, lambda c, ctx: Filler(c.at_step, ctx.rank), "fills a disk at a log step")
+    register("device-report", FillerConfig, lambda c, ctx: DeviceReport(ctx), "writes each rank's device")
 '''
 
 
@@ -109,18 +122,19 @@ class Job:
         self.env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": os.pathsep.join([str(root / "site"), str(REPO)])}
 
-    def command(self, out: str, *args: str, nproc: int | None = 2) -> list[str]:
+    def command(self, out: str, *args: str, nproc: int | str | None = 2) -> list[str]:
         launch = [f"--nproc-per-node={nproc}"] if nproc else []
         return [sys.executable, "-m", "octfw.cli", "run", str(self.root / "tiny.toml"), *launch,
                 f"--set=run.output_dir={self.root / out}", "--set=engine.per_device_batch=1",
                 f"--set=run.max_steps={STEPS}", "--set=engine.checkpoint_every_steps=4",
                 f"--set=engine.collective_timeout_s={TIMEOUT_S}", "--set=engine.save_deadline_s=5", *args]
 
-    def start(self, out: str, *args: str, nproc: int | None = 2, env: dict | None = None) -> subprocess.Popen:
+    def start(self, out: str, *args: str, nproc: int | str | None = 2, env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen(self.command(out, *args, nproc=nproc), cwd=self.root, env={**self.env, **(env or {})},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    def run(self, out: str, *args: str, nproc: int | None = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    def run(self, out: str, *args: str, nproc: int | str | None = 2, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
         process = self.start(out, *args, nproc=nproc, env=env)
         stdout, stderr = process.communicate(timeout=600)
         return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
@@ -441,3 +455,23 @@ def test_plain_torchrun_still_trains_and_a_group_sigterm_still_saves(job):
     summary = json.loads((job.run_dir("torchrun") / "summary.json").read_text())
     assert summary["preempted"] and not summary["interrupted"], err[-3000:]
     assert summary["checkpoint"].endswith(f"step_{summary['update_steps']:08d}.pt")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                    reason="needs a CUDA device (run scripts/accelerator_suite.sh on a GPU machine)")
+def test_on_gpus_each_process_trains_on_the_gpu_of_its_local_rank(job):
+    """--nproc-per-node auto: one process per visible GPU, each on cuda:LOCAL_RANK, selected before
+    the NCCL group exists (with one GPU: the single-GPU path of the launcher)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    done = job.run("gpus", "--set=run.device=cuda", '--set=guard=[{name="nan-skip"},{name="device-report"}]',
+                   "--set=run.max_steps=4", "--set=engine.log_every_steps=1", nproc="auto")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = job.run_dir("gpus")
+    for rank in range(gpus):
+        device, current, local_rank = (run_dir / f"device_rank{rank}.txt").read_text().split()
+        assert device == f"cuda:{local_rank}" and current == local_rank
+    assert sorted((run_dir / f"device_rank{r}.txt").read_text().split()[0] for r in range(gpus)) == \
+        sorted(f"cuda:{r}" for r in range(gpus))

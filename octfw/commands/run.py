@@ -9,20 +9,18 @@ import sys
 from pathlib import Path
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.engine.launcher import JOB_STATUS_ENV  # light: torch is imported when a job starts
 from octfw.errors import UserError, one_line
 from octfw.exit_codes import (FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
 
-__all__ = ["add_parser", "JOB_STATUS_ENV"]
+__all__ = ["add_parser"]
 
 HELP = "Train: validate the recipe, build the components and run the engine."
 EPILOG = ("exit codes: 0 finished; 1 stopped by a guard; 2 a user mistake; 74 the final checkpoint could not be "
           "written; 75 preempted, state saved (run it again with --resume auto); 76 a process of the job was "
           "lost (run it again with --resume auto); 130 stopped at once by a second Ctrl-C. "
           "Several processes: docs/distributed.md")
-#: Set by ``--nproc-per-node`` for its workers: the folder where each writes its final line, so that the
-#: launcher prints one line for the job instead of one per process.
-JOB_STATUS_ENV = "OCTFW_JOB_STATUS_DIR"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -235,5 +235,9 @@ def single_process_backend(requested: str, precision: str, compile: bool = False
         require_torch_xla()
     elif kind == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device = \"cuda\" but torch sees no CUDA device; use \"cpu\" or \"auto\"")
-    device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", 0), "xla": None}[kind]
+    if kind == "xla":  # the host's place in the runtime, as torch_xla reports it; no peers to agree with
+        from octfw.engine.distributed import xla_processes
+
+        return select_backend(xla_processes(), precision, compile)
+    device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", 0)}[kind]
     return select_backend(Processes(kind, device), precision, compile)

@@ -198,12 +198,17 @@ def join(kind: str, timeout_s: float) -> tuple[Processes, "Peers"]:
     return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
 
 
+def xla_processes() -> Processes:
+    """This host among the hosts of an XLA runtime (a TPU pod slice: one process per host)."""
+    import torch_xla.runtime as xr
+
+    return Processes("xla", None, xr.process_index(), xr.process_count(), 0)
+
+
 def _join_xla(timeout_s: float) -> tuple[Processes, "Peers"]:
     """XLA: one process per host. With several hosts, the host-side decisions travel over a gloo
     group that torch_xla's coordinator sets up (``xla://``), beside SPMD's device collectives."""
-    import torch_xla.runtime as xr
-
-    processes = Processes("xla", None, xr.process_index(), xr.process_count(), 0)
+    processes = xla_processes()
     if processes.world_size <= 1:
         return processes, Peers(processes)
     import torch.distributed as dist

@@ -35,9 +35,13 @@ from typing import Any
 from octfw.errors import UserError, one_line
 from octfw.exit_codes import FINISHED, PEER_LOST_EXIT_CODE, describe
 
-__all__ = ["launch_job", "processes_per_node"]
+__all__ = ["launch_job", "processes_per_node", "JOB_STATUS_ENV"]
 
 log = logging.getLogger(__name__)
+
+#: Set for the workers: the folder where each writes its final line (exit code, then the line), so
+#: that the launcher prints one line for the job instead of one per process.
+JOB_STATUS_ENV = "OCTFW_JOB_STATUS_DIR"
 
 #: The codes an octfw worker exits with on purpose: rank 0's is the job's.
 _OCTFW_CODES = {0, 1, 2, 74, 75, 76, 130}
@@ -72,7 +76,6 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
-    from octfw.commands.run import JOB_STATUS_ENV
     from octfw.engine.backend import resolve_device
 
     nproc = processes_per_node(nproc_per_node, resolve_device(recipe.run.device))
