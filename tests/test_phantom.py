@@ -129,8 +129,10 @@ def _write_in_process(folder: Path, n: int):
 
 
 def _files(folder: Path) -> dict[str, str]:
+    """The cohort's volumes. A writer killed inside a write leaves its hidden ``.tmp-*`` file
+    (atomic writes: never renamed, never listed in the manifest); it is not part of the cohort."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*.dcm"))}
+            for p in sorted(folder.rglob("*.dcm")) if not p.name.startswith(".tmp-")}
 
 
 def test_a_write_killed_mid_way_is_finished_by_the_next_and_two_writers_agree(tmp_path):
@@ -154,6 +156,7 @@ def test_a_write_killed_mid_way_is_finished_by_the_next_and_two_writers_agree(tm
     assert len(list(killed.rglob("*.dcm"))) < 24 and not (killed / "cohort.json").exists()
     write_phantom_cohort(str(killed), "held-out", 24, seed=4, labels=True)
     assert (killed / "cohort.json").exists() and _files(killed) == _files(reference)
+    assert ".tmp-" not in (killed / "manifest.jsonl").read_text()
 
     # two processes writing the same cohort at once both succeed, with the same bytes
     shared = tmp_path / "shared"

@@ -59,6 +59,12 @@ class Backend:
         return self.rank == 0
 
     @property
+    def ddp(self) -> bool:
+        """Data parallel over processes through torch.distributed (under SPMD, XLA inserts the
+        all-reduce itself, and the hosts' gloo group carries host-side decisions only)."""
+        return self.kind != "xla" and self.world_size > 1
+
+    @property
     def device_count(self) -> int:
         """Devices taking part in data parallelism, over all processes."""
         return self.world_size * self.local_devices

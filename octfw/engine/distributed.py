@@ -35,7 +35,7 @@ import torch
 from octfw.errors import UserError
 from octfw.tables import counted
 
-__all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "is_ddp", "all_reduce_", "min_across_ranks",
+__all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "all_reduce_", "min_across_ranks",
            "layout_for", "step_time"]
 
 logger = logging.getLogger(__name__)
@@ -220,25 +220,16 @@ def _join_xla(timeout_s: float) -> tuple[Processes, "Peers"]:
     return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
 
 
-def is_ddp() -> bool:
+def all_reduce_(*tensors: torch.Tensor) -> None:
+    """Sum in place across DDP processes (the caller knows it is one: ``Backend.ddp``)."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def all_reduce_(*tensors: torch.Tensor) -> None:
-    """Sum in place across DDP ranks (no-op in a single process)."""
-    if is_ddp():
-        import torch.distributed as dist
-
-        for t in tensors:
-            dist.all_reduce(t)
+    for t in tensors:
+        dist.all_reduce(t)
 
 
 def min_across_ranks(verdict: torch.Tensor) -> torch.Tensor:
-    """A boolean verdict that is True only if it is True on every rank."""
-    if not is_ddp():
-        return verdict
+    """A boolean verdict that is True only if it is True on every DDP process."""
     import torch.distributed as dist
 
     value = verdict.float()

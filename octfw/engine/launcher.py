@@ -165,12 +165,12 @@ class _SignalForwarder:
         and lose the first one's clean stop)."""
         self.pids = pids
         for sig in (signal.SIGTERM, signal.SIGINT):
-            previous = signal.signal(sig, self._forward)
-            self._previous.setdefault(sig, previous)
+            self._previous[sig] = signal.signal(sig, self._forward)
 
     def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        """The job is over: the launcher ignores signals while it says how it ended."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
         self._previous.clear()
 
     def _forward(self, signum: int, frame: Any) -> None:

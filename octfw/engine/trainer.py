@@ -37,7 +37,7 @@ from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
 from octfw.engine.data import (Quarantine, SampleSource, domain_report, loader_workers, make_loader,
                                provenance_record)
-from octfw.engine.distributed import (Peers, PeerLost, Processes, all_reduce_, is_ddp, min_across_ranks,
+from octfw.engine.distributed import (Peers, PeerLost, Processes, all_reduce_, min_across_ranks,
                                      step_time)
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
@@ -163,8 +163,10 @@ class DeviceTotals:
     def read(self, backend: Backend, **extra: torch.Tensor) -> dict[str, Any]:
         """The interval's means, summed over DDP ranks, and ``extra``, in one
         device-to-host transfer. Note: a sync point (log steps only)."""
-        all_reduce_(self.loss, self.applied, self.domain_loss, self.domain_count)  # DDP: sums
-        ranks = backend.world_size if is_ddp() else 1
+        ranks = 1
+        if backend.ddp:  # sums over the processes; SPMD's are global already
+            all_reduce_(self.loss, self.applied, self.domain_loss, self.domain_count)
+            ranks = backend.world_size
         return backend.read({
             "loss": self.loss / self.applied.clamp(min=1.0),
             "applied": self.applied / ranks,
@@ -198,7 +200,7 @@ class Trainer:
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, recipe, backend)
         self.forward = torch.compile(self.model) if recipe.engine.compile else self.model
-        if is_ddp():  # gradients averaged across torchrun processes
+        if backend.ddp:  # gradients averaged across the processes
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.total = parts.ctx.total_update_steps
         #: samples one update step consumes on every device of the run (throughput, MFU)
@@ -307,7 +309,7 @@ class Trainer:
             self._batch_shapes = batch["tensors"]
             last_micro = micro == accum - 1
             # DDP all-reduces gradients on the last micro-step only.
-            sync = self.forward.no_sync() if is_ddp() and not last_micro else contextlib.nullcontext()
+            sync = self.forward.no_sync() if backend.ddp and not last_micro else contextlib.nullcontext()
             with sync:
                 with backend.autocast():
                     out: ModelOutput = self.forward(batch["tensors"])
@@ -324,7 +326,7 @@ class Trainer:
                 backend.step_boundary()
         self.samples_done += self.local_samples_per_update
         self.guard_log.remember(update_step + 1, provenance)
-        if is_ddp():  # every rank's guards see the same (mean) loss; SPMD's is global already
+        if backend.ddp:  # every rank's guards see the same (mean) loss; SPMD's is global already
             all_reduce_(step_loss)
             step_loss /= backend.world_size
 
@@ -338,7 +340,7 @@ class Trainer:
             vote = self._deferring_stops(guard.before_step, inputs, veto=self._vetoed)
             if vote is not None:
                 verdict = vote if verdict is None else verdict & vote
-        if verdict is not None:
+        if verdict is not None and backend.ddp:
             verdict = min_across_ranks(verdict)  # every rank takes the same decision
         step_unless_vetoed(self.optimizer, verdict)
         ok = self._applied if verdict is None else verdict
@@ -517,10 +519,11 @@ class Trainer:
         if signalled > signal_vote:  # a peer's signal: this process stops as if it had it
             self.stop_requests.signals = max(self.stop_requests.signals, signalled)
             self.stop_requests.signal_name = self.stop_requests.signal_name or "a stop request on another process"
-        if stop or finished:
+        if stop or finished:  # the reason of the lowest rank that has one, named where it is another's
             reasons = self.peers.gather(None if pending is None else str(pending))
-            first = next((r, rank) for rank, r in enumerate(reasons) if r is not None)
-            reason = first[0] if first[1] == self.backend.rank or self.peers.alone else f"{first[0]} (on rank {first[1]})"
+            rank, reason = next((rank, r) for rank, r in enumerate(reasons) if r is not None)
+            if not self.peers.alone:
+                reason = f"{reason} (on rank {rank})"
             self.guard_log.write(done, reason)
             return reason, "guard" if stop else "target"
         if signalled:
@@ -583,7 +586,11 @@ class Trainer:
             # others cannot hear the outcome.
             final_save_failed, fallback = False, None
             if peer_lost is None and not stops.stop_now and (done > self.start_step or self.upload_fallback):
-                final_save_failed, fallback = self.peers.broadcast(self.save_final(done))
+                final_save_failed, fallback = self.save_final(done)  # rank 0's outcome: (False, None) elsewhere
+                try:
+                    final_save_failed, fallback = self.peers.broadcast((final_save_failed, fallback))
+                except PeerLost as lost:  # rank 0 keeps what it knows; the others cannot know it
+                    peer_lost = stopped = str(lost)
             elif self.backend.is_main_process and stops.stop_now:
                 self.saver.cancel_in_flight(done)
             finished = done == total or finished_early is not None
@@ -596,7 +603,7 @@ class Trainer:
             first_loss=self.first_loss, last_loss=self.last_loss,
             skipped_updates=int(self.totals.skipped.cpu().item()),
             samples_per_s=samples_per_s, elapsed_s=elapsed,
-            checkpoint=self.saver.latest or self._newest_complete_checkpoint(any_rank=peer_lost is not None),
+            checkpoint=self._newest_checkpoint(peer_lost is not None),
             failed_saves=self.saver.failed,
             skipped_saves=len(self.saver.skipped), preempted=preempted,
             interrupted=stops.stop_now, final_save_failed=final_save_failed,
@@ -611,16 +618,22 @@ class Trainer:
         for logger in self.parts.loggers:
             logger.finish(summary.as_dict())
         if peer_lost is None:  # every process leaves together, after rank 0 has written everything
-            self.peers.barrier()
+            try:
+                self.peers.barrier()
+            except PeerLost as lost:  # the run is saved and summarised: a peer gone now changes nothing
+                log.warning("%s after the run ended", lost)
         stops.done()
         return summary
 
-    def _newest_complete_checkpoint(self, any_rank: bool = False) -> str | None:
-        """The newest complete checkpoint on disk (checked, not assumed), for the summary of a
-        run that wrote none in this attempt: a resumed run, or one stopped before its first save.
-        ``any_rank``: rank 0 may be the lost process; another one says where the run stands."""
-        if not (self.backend.is_main_process or any_rank):
-            return None
+    def _newest_checkpoint(self, peer_lost: bool) -> str | None:
+        """The newest complete checkpoint, for the summary and the final line: the one this run
+        wrote last, else the newest on disk (a resumed run, a stop before the first save). After a
+        lost process, read from the disk once a save still in flight has settled (checked, not
+        assumed), by any rank: rank 0 may be the one lost."""
+        if peer_lost:
+            self.saver.wait(self.recipe.engine.save_deadline_s)
+        elif self.saver.latest or not self.backend.is_main_process:
+            return self.saver.latest
         try:
             return self.parts.checkpointer.latest()
         except Exception:  # noqa: BLE001 - the store is away: the summary says none was found
