@@ -475,3 +475,17 @@ def test_on_gpus_each_process_trains_on_the_gpu_of_its_local_rank(job):
         assert device == f"cuda:{local_rank}" and current == local_rank
     assert sorted((run_dir / f"device_rank{r}.txt").read_text().split()[0] for r in range(gpus)) == \
         sorted(f"cuda:{r}" for r in range(gpus))
+
+
+def test_two_plain_torchrun_nodes_meeting_on_127_0_0_1_train_the_same_run(job, reference):
+    """Multi-node torchrun keeps working: two agents, one process each, c10d rendezvous."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=torchrun-nodes",
+               "-m", *job.command("torchrun-nodes", nproc=None)[2:]]
+    nodes = [subprocess.Popen(command, cwd=job.root, env=job.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for _ in range(2)]
+    for node in nodes:
+        _out, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    assert losses(job.run_dir("torchrun-nodes")) == reference

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 #: that the launcher prints one line for the job instead of one per process.
 JOB_STATUS_ENV = "OCTFW_JOB_STATUS_DIR"
 
+#: Seconds a process needs, beyond the collective timeout, to name a lost peer and end (the liveness
+#: census, the newest checkpoint read back, the interpreter's exit).
+LOST_PEER_REPORT_S = 20.0
 #: The codes an octfw worker exits with on purpose: rank 0's is the job's.
 _OCTFW_CODES = {0, 1, 2, 74, 75, 76, 130}
 
@@ -95,7 +99,7 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
                       rdzv_handler=rendezvous_registry.get_rendezvous_handler(parameters),
                       max_restarts=0, monitor_interval=0.1)
     agent = _Agent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(status_dir / "agent")),
-                   forwarder=_SignalForwarder())
+                   forwarder=_SignalForwarder(), grace_s=timeout_s + LOST_PEER_REPORT_S)
     log.info("job: %s on this node%s", _processes(nproc),
              f", {nnodes} nodes meeting at {rdzv_endpoint}" if nnodes > 1 else "")
     try:
@@ -196,9 +200,9 @@ def _agent_class() -> Any:
     class Agent(LocalElasticAgent):
         """torch's local agent, with octfw's signal forwarding once its workers run."""
 
-        def __init__(self, spec: Any, logs_specs: Any, forwarder: _SignalForwarder):
+        def __init__(self, spec: Any, logs_specs: Any, forwarder: _SignalForwarder, grace_s: float):
             super().__init__(spec, logs_specs=logs_specs)
-            self.forwarder = forwarder
+            self.forwarder, self.grace_s, self.grace_given = forwarder, grace_s, False
 
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             pids = super()._start_workers(worker_group)
@@ -206,14 +210,19 @@ def _agent_class() -> Any:
             return pids
 
         def _monitor_workers(self, worker_group: Any) -> Any:
-            # When a worker has ended with a failure the agent closes the others with SIGTERM and,
-            # 30 s later, SIGKILL. A stopped (SIGSTOP) worker would sit out those 30 s: continued
-            # first, it finds its peer gone at once and ends, naming it, within the bound.
+            # When a worker has ended with a failure, the agent closes the others at once with
+            # SIGTERM (which they would take for a stop request) and SIGKILLs them 30 s later. The
+            # others end by themselves within engine.collective_timeout_s, each saying why: they
+            # get that long first. A stopped (SIGSTOP) one is continued, so it finds its peer gone.
             handlers = getattr(self._pcontext, "subprocess_handlers", {})
-            if any(h.proc.poll() not in (None, 0) for h in handlers.values()):
-                for handler in handlers.values():
-                    if handler.proc.returncode is None:
-                        _kill(handler.proc.pid, signal.SIGCONT)
+            if not self.grace_given and any(h.proc.poll() not in (None, 0) for h in handlers.values()):
+                self.grace_given = True
+                running = [h.proc for h in handlers.values() if h.proc.poll() is None]
+                for proc in running:
+                    _kill(proc.pid, signal.SIGCONT)
+                deadline = time.monotonic() + self.grace_s
+                while time.monotonic() < deadline and any(proc.poll() is None for proc in running):
+                    time.sleep(0.1)
             return super()._monitor_workers(worker_group)
 
         def exit_codes(self) -> dict[int, int]:
@@ -230,5 +239,6 @@ def _agent_class() -> Any:
     return Agent
 
 
-def _Agent(spec: Any, *, logs_specs: Any, forwarder: _SignalForwarder) -> Any:  # noqa: N802 - a class, made lazily
-    return _agent_class()(spec, logs_specs, forwarder)
+def _Agent(spec: Any, *, logs_specs: Any, forwarder: _SignalForwarder, grace_s: float) -> Any:  # noqa: N802
+    """The agent (its class is made lazily: it imports torch)."""
+    return _agent_class()(spec, logs_specs, forwarder, grace_s)
