@@ -208,11 +208,13 @@ def summary_of(recipe: Path) -> dict:
 
 def test_training_checkpoints_to_gcs_and_resume_auto_continues(bucket, tiny_recipe):
     url = f"gs://{BUCKET}/train"
-    sets = ["--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}"]
+    # extended below (--allow-recipe-change): a constant LR cannot rise when the run grows
+    sets = ["--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}", "--set", "scheduler.name=constant",
+            "--set", "scheduler.ema_shape=constant"]
     assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=2") == 0
     assert summary_of(tiny_recipe)["checkpoint"] == f"{url}/step_00000002.pt"
 
-    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=3", "--resume", "auto") == 0
+    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=3", "--resume", "auto", "--allow-recipe-change") == 0
     summary = summary_of(tiny_recipe)
     assert summary["update_steps"] == 3 and summary["failed_saves"] == []
     assert summary["checkpoint"] == f"{url}/step_00000003.pt"
@@ -263,10 +265,12 @@ def test_resume_auto_on_a_fresh_disk_continues_from_the_gcs_checkpoint(bucket, t
     import shutil
 
     url = f"gs://{BUCKET}/spot"
-    sets = ["--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}"]
+    # extended below (--allow-recipe-change): a constant LR cannot rise when the run grows
+    sets = ["--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}", "--set", "scheduler.name=constant",
+            "--set", "scheduler.ema_shape=constant"]
     assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=2") == 0
     shutil.rmtree(tiny_recipe.parent / "runs")
-    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=3", "--resume", "auto") == 0
+    assert octfw_run(tiny_recipe, *sets, "--set", "run.max_steps=3", "--resume", "auto", "--allow-recipe-change") == 0
     summary = summary_of(tiny_recipe)
     assert summary["update_steps"] == 3 and summary["checkpoint"] == f"{url}/step_00000003.pt"
     steps = [json.loads(line)["step"] for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

@@ -306,7 +306,7 @@ def test_a_final_save_that_fails_on_rank_0_exits_74_on_the_whole_job_and_resume_
         assert summary["final_save_failed"] and summary["fallback_checkpoint"] == str(
             run_dir / "fallback" / f"step_{STEPS:08d}.pt")
         (disk / "other-job.bin").unlink()
-        again = job.run("full", "--resume", "auto", f"--set=checkpointer.dir={disk / 'ckpt'}",
+        again = job.run("full", "--resume", "auto", "--allow-recipe-change", f"--set=checkpointer.dir={disk / 'ckpt'}",
                         '--set=guard=[{name="nan-skip"},{name="filler",at_step=0}]', "--set=engine.log_every_steps=1",
                         env=env)
         assert again.returncode == 0, again.stderr[-3000:]

@@ -37,11 +37,22 @@ def test_a_checkpoint_cut_short_is_a_user_error(tiny_recipe, checkpoint, tmp_pat
 
 
 def test_the_same_run_shape_resumes(tiny_recipe, checkpoint, capsys):
-    assert main(["run", str(tiny_recipe), "--set", "run.max_steps=3", "--resume", str(checkpoint)]) == 0
+    assert main(["run", str(tiny_recipe), "--resume", str(checkpoint), "--set", "run.max_steps=2",
+                 "--set", "engine.log_every_steps=2"]) == 0
+    assert "resumed with a changed recipe: engine.log_every_steps: 1 -> 2" in capsys.readouterr().err
+
+
+def test_a_longer_run_is_a_change_of_training_refused_unless_accepted(tiny_recipe, checkpoint, capsys):
+    longer = ["run", str(tiny_recipe), "--set", "run.max_steps=3", "--resume", str(checkpoint)]
+    assert main(longer) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint was trained with another recipe" in err and "  run.max_steps: 2 -> 3" in err
+    assert main([*longer, "--allow-recipe-change"]) == 0
+    assert "run.max_steps: 2 -> 3 (changes training; accepted)" in capsys.readouterr().err
 
 
 def test_turning_on_activation_checkpointing_resumes(tiny_recipe, checkpoint, capsys):
     """It changes how memory is spent, not the weights or the numbers: the way
     out of an out-of-memory crash is allowed on --resume."""
-    assert main(["run", str(tiny_recipe), "--set", "run.max_steps=3", "--set",
-                 "model.activation_checkpointing=true", "--resume", str(checkpoint)]) == 0
+    assert main(["run", str(tiny_recipe), "--set", "model.activation_checkpointing=true", "--set", "run.max_steps=2",
+                 "--resume", str(checkpoint)]) == 0

@@ -142,6 +142,7 @@ def test_preempt_then_a_failed_start_then_resume_auto_continues_the_preempted_ru
     leftover = root / "29991231-235959"
     leftover.mkdir()
     (leftover / "recipe.toml").write_text((run_dir / "recipe.toml").read_text())
+    (leftover / "run.json").write_text('{"id": "leftover", "sequence": 99}')  # recorded as started later
 
     resumed = _run(tmp_path, tiny_recipe, *steps, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr
@@ -186,10 +187,10 @@ def test_a_checkpoint_with_flipped_bytes_is_never_loaded(tiny_recipe, tmp_path):
 
     # --resume auto falls back to the previous good checkpoint, with a warning naming the bad one.
     longer = _run(tmp_path, tiny_recipe, "--set", "run.max_steps=6", "--set", "engine.checkpoint_every_steps=2",
-                  "--resume", "auto")
+                  "--resume", "auto", "--allow-recipe-change")
     assert longer.returncode == 0, longer.stderr
     assert f"checkpoint {newest} is damaged" in longer.stderr
-    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3, 4, 3, 4, 5, 6]  # from step 2, not 4
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3, 4, 5, 6]  # from step 2, not 4: one line a step
 
 
 # --- a full disk, a read-only folder ------------------------------------------------------
@@ -258,7 +259,7 @@ def octfw_register_guards(register):
         # The other job's files go; --resume auto treats the run as unfinished and uploads the state.
         (disk / "other-job.bin").unlink()
         tiny_recipe.write_text(tiny_recipe.read_text().replace('name = "filler"', 'name = "filler"\nat_step = 0'))
-        resumed = _run(tmp_path, tiny_recipe, *sets, "--resume", "auto", env=env)
+        resumed = _run(tmp_path, tiny_recipe, *sets, "--resume", "auto", "--allow-recipe-change", env=env)
         assert resumed.returncode == 0, resumed.stderr
         assert (disk / "ckpt" / "step_00000004.pt").exists() and not (run_dir / "fallback").exists()
         assert json.loads((run_dir / "summary.json").read_text())["final_save_failed"] is False

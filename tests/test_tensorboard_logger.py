@@ -98,7 +98,8 @@ def test_a_run_killed_after_its_checkpoint_resumes_showing_each_step_once(tiny_r
     assert before[:3] == [1, 2, 3]  # the killed attempt wrote past its checkpoint
 
     tiny_recipe.write_text(recipe + '\n[[guard]]\nname = "killer"\nat_step = 0\n')
-    resumed = subprocess.run([sys.executable, "-m", "octfw.cli", "run", str(tiny_recipe), *sets, "--resume", "auto"],
+    resumed = subprocess.run([sys.executable, "-m", "octfw.cli", "run", str(tiny_recipe), *sets, "--resume", "auto",
+                              "--allow-recipe-change"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     loss = read_scalars(run_dir / "tensorboard")["loss"]

@@ -86,7 +86,9 @@ def run_folders(recipe: Path) -> tuple[Path, list[Path]]:
 def test_offline_run_leaves_one_run_folder_with_the_metrics_and_a_resume_continues_its_id(
         offline, tiny_recipe):
     tiny_recipe.write_text(tiny_recipe.read_text() + WANDB_LOGGER)
-    sets = ["--set", "engine.checkpoint_every_steps=2"]
+    # A constant LR and EMA: extending the finished run below (--allow-recipe-change) cannot make them restart.
+    sets = ["--set", "engine.checkpoint_every_steps=2", "--set", "scheduler.name=constant",
+            "--set", "scheduler.ema_shape=constant"]
     assert main(["run", str(tiny_recipe), *sets, "--set", "run.max_steps=4"]) == 0
     run_dir, folders = run_folders(tiny_recipe)
     assert len(folders) == 1
@@ -100,7 +102,8 @@ def test_offline_run_leaves_one_run_folder_with_the_metrics_and_a_resume_continu
     assert first["summary"]["update_steps"] == 4 and first["summary"]["failed_saves"] == []
     assert "stopped" not in first["summary"]  # None values are left out, never "None"
 
-    assert main(["run", str(tiny_recipe), *sets, "--set", "run.max_steps=6", "--resume", "auto"]) == 0
+    assert main(["run", str(tiny_recipe), *sets, "--set", "run.max_steps=6", "--resume", "auto",
+                 "--allow-recipe-change"]) == 0
     resumed_dir, folders = run_folders(tiny_recipe)
     assert resumed_dir == run_dir and len(folders) == 2  # offline: one folder per process...
     second = read_run(folders[1])

@@ -30,6 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: continue the newest run of this recipe from its last complete checkpoint, "
                              "start a new run when there is none, and do nothing when it finished (safe to "
                              "repeat, e.g. in a preemptible VM's startup script); PATH: a checkpoint file")
+    parser.add_argument("--allow-recipe-change", action="store_true",
+                        help="continue a run whose recipe now trains otherwise (another LR, length, model, ...): "
+                             "every change is listed, and the whole schedule must still pass the pre-flight "
+                             "check from the resumed step; without it such a resume is refused")
     job = parser.add_argument_group(
         "several processes (DDP through torch.distributed's elastic agent, as torchrun; docs/distributed.md)")
     job.add_argument("--nproc-per-node", metavar="N|auto",
@@ -66,6 +70,8 @@ def _launch_job(args: argparse.Namespace, stop_requests) -> int:
     worker_argv = ["run", args.recipe, *(f"--set={item}" for item in args.set or ())]
     if args.resume:
         worker_argv += ["--resume", args.resume]
+    if args.allow_recipe_change:
+        worker_argv.append("--allow-recipe-change")
     if args.debug:
         worker_argv.insert(0, "--debug")
     return launch_job(worker_argv, recipe, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
@@ -113,7 +119,8 @@ def _train(args: argparse.Namespace, stop_requests) -> tuple[int, str | None]:
 
     again = _resume_command(args)
     try:
-        summary = launch(recipe, registry, resume=args.resume, stop_requests=stop_requests)
+        summary = launch(recipe, registry, resume=args.resume, stop_requests=stop_requests,
+                         allow_recipe_change=args.allow_recipe_change)
     except AlreadyFinished as done:  # --resume auto: nothing left to train
         return (STOPPED_BY_GUARD if done.summary.get("stopped") else FINISHED), f"octfw: nothing to resume: {done}"
     except PeerLost as lost:  # before the first update step: nothing of this attempt to save

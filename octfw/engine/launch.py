@@ -32,6 +32,14 @@ script, a queued job that is requeued), and never goes backwards:
 - no run has either: a new run folder, which starts from the checkpointer's
   newest checkpoint if it has one (a ``gs://`` folder that outlived the VM,
   as on a recreated spot TPU), else from scratch.
+
+"Newest" is the run started last by its recorded sequence
+(:func:`octfw.rundir.run_dirs`), never a folder name or a clock.
+
+**A resumed run is the run that was started**: the trainer compares the
+recipe with the one that trained the checkpoint it continues, and refuses a
+change that shapes training unless ``allow_recipe_change``
+(:meth:`octfw.engine.trainer.Trainer.check_recipe_change`).
 """
 
 from __future__ import annotations
@@ -119,10 +127,11 @@ def _failed_start(run_dir: Path) -> bool:
 
 
 def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
-           stop_requests: StopRequests | None = None) -> RunSummary:
+           stop_requests: StopRequests | None = None, allow_recipe_change: bool = False) -> RunSummary:
     """Train ``recipe``; ``resume`` is None, ``"auto"`` (see the module docstring) or a
     checkpoint location. Raises :class:`AlreadyFinished` when ``auto`` has nothing to do.
-    ``stop_requests``: the command's signal handling, installed since it started."""
+    ``stop_requests``: the command's signal handling, installed since it started.
+    ``allow_recipe_change``: continue a run with a recipe that trains otherwise."""
     # Every process of the job runs this: it works out who it is once (device first), then
     # rank 0 decides where the run goes and every process hears the same decision.
     kind = resolve_device(recipe.run.device)
@@ -156,7 +165,7 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
         run_log = attach_run_log(run_dir) if processes.is_main else None
         try:
             return train(recipe, registry, run_dir, resume=resume, processes=processes, peers=peers,
-                         stop_requests=stop_requests)
+                         stop_requests=stop_requests, allow_recipe_change=allow_recipe_change)
         except BaseException:
             if run_log is not None:
                 detach_run_log(run_log)

@@ -89,8 +89,9 @@ def _component_states(components: list[Any]) -> list[Any]:
 
 def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             update_step: int, samples_done: int, *, global_batch_size: int,
-            fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The training state at ``update_step`` as a host copy the loop no longer touches."""
+            fingerprint: dict[str, Any], run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The training state at ``update_step`` as a host copy the loop no longer touches.
+    ``run``: what the run's summary carries across attempts (its first loss)."""
     from octfw.rundir import versions
 
     return {
@@ -106,6 +107,7 @@ def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Op
         "rng": host_copy(_rng_state()),
         "recipe": parts.ctx.recipe,
         "versions": versions(),
+        "run": dict(run or {}),
     }
 
 
@@ -144,11 +146,19 @@ def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
                        "training continues with them in the same order", where)
 
 
+def _names(recipe: Any, stage: str) -> list[str] | None:
+    """The component names of a stage array in a resolved recipe (None: not recorded)."""
+    if not isinstance(recipe, dict):
+        return None
+    return [table.get("name") for table in recipe.get(stage) or []]
+
+
 def restore(location: str, parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-            global_batch_size: int, fingerprint: dict[str, Any]) -> tuple[int, int]:
+            global_batch_size: int, fingerprint: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Load the checkpoint at ``location`` into the built components; returns
-    (update_step, samples_done). A file that cannot be read (cut short, not a
-    checkpoint) is a user error naming it, never a partial load."""
+    (update_step, the run's record: ``capture``'s ``run`` and, as ``recipe``, the resolved
+    recipe that trained it). A file that cannot be read (cut short, not a checkpoint) is a
+    user error naming it, never a partial load."""
     try:
         state = parts.checkpointer.load(location)
     except FileNotFoundError:
@@ -166,8 +176,12 @@ def restore(location: str, parts: Components, model: torch.nn.Module, optimizer:
         first = str(exc).strip().splitlines()[0]
         raise UserError(f"--resume {location}: its weights do not fit this model ({first})") from None
     optimizer.load_state_dict(state["optimizer"])
-    for component, saved in zip(parts.guards + parts.loggers, state["guards"] + state["loggers"]):
-        if saved is not None and hasattr(component, "load_state_dict"):
-            component.load_state_dict(saved)
+    for stage, components, saved_states in (("guard", parts.guards, state["guards"]),
+                                            ("logger", parts.loggers, state["loggers"])):
+        if _names(state.get("recipe"), stage) != _names(parts.ctx.recipe, stage):
+            continue  # the stage's components changed (an accepted recipe change): each starts afresh
+        for component, saved in zip(components, saved_states):
+            if saved is not None and hasattr(component, "load_state_dict"):
+                component.load_state_dict(saved)
     _set_rng_state(state["rng"])
-    return int(state["update_step"]), int(state["samples_done"])
+    return int(state["update_step"]), {**(state.get("run") or {}), "recipe": state.get("recipe")}

@@ -46,12 +46,13 @@ from octfw.engine.preemption import StopNow, StopRequests
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.update import grad_norm, step_unless_vetoed
-from octfw.recipe import Recipe
+from octfw.recipe import Recipe, to_toml
 from octfw.schedules import effective_lr
 from octfw.registry import Registry
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.failures import storage_cause
-from octfw.errors import UserError
+from octfw.errors import RecipeError, UserError
+from octfw.recipe.changes import recipe_changes
 from octfw.tables import counted
 from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining, TrainingDone
@@ -184,7 +185,7 @@ class Trainer:
 
     def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None, *,
                  processes: Processes | None = None, peers: Peers | None = None,
-                 stop_requests: StopRequests | None = None):
+                 stop_requests: StopRequests | None = None, allow_recipe_change: bool = False):
         seed_everything(recipe.run.seed)
         self.recipe, self.run_dir = recipe, run_dir
         engine = recipe.engine
@@ -208,7 +209,7 @@ class Trainer:
         #: this process's share of them (its data loader's position, ``samples_done``)
         self.local_samples_per_update = layout.process_batch
         self.fingerprint = dataset_fingerprint(parts.dataset)
-        self.start_step, self.samples_done = 0, 0
+        self.start_step, self.samples_done, run_record = 0, 0, {}
         #: the final state, when the checkpointer could not take it (a full disk, a store away)
         self.fallback = CheckpointStorage(str(run_dir / FALLBACK_DIR), keep_last=1)
         fallback, location = self._resume_location(resume)
@@ -220,12 +221,15 @@ class Trainer:
         if resume == "auto" and location is None:  # a new run, or one killed before its first save
             log.info("--resume auto: no complete checkpoint yet; training from the start")
         if location is not None:
-            self.start_step, _ = restore(location, parts, self.model, self.optimizer,
-                                         global_batch_size=self.samples_per_update, fingerprint=self.fingerprint)
+            self.start_step, run_record = restore(location, parts, self.model, self.optimizer,
+                                                  global_batch_size=self.samples_per_update,
+                                                  fingerprint=self.fingerprint)
             # From the update step, not the checkpoint's per-process count: the global batch is the
             # checkpoint's (restore refuses another), so this is exact with any number of hosts.
             self.samples_done = self.start_step * self.local_samples_per_update
         self.resumed_from = location  #: the checkpoint this run continues (None: from the start)
+        if location is not None:
+            self.check_recipe_change(run_record.get("recipe"), registry, allow_recipe_change)
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
         self.loader_workers = loader_workers(recipe.engine.num_workers, backend.kind)
@@ -241,7 +245,8 @@ class Trainer:
         self._applied = torch.ones((), dtype=torch.bool, device=backend.device)  # the verdict without guards
         self._vetoed = torch.zeros((), dtype=torch.bool, device=backend.device)  # a guard that stopped the run
         self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
-        self.first_loss = self.last_loss = None
+        #: the run's first logged loss (carried by its checkpoints across attempts) and its latest
+        self.first_loss, self.last_loss = run_record.get("first_loss"), None
         self.saver = BackgroundSaver(parts.checkpointer)
         #: the command's signal handling, or one of the loop's own (``octfw.train`` in a notebook)
         self.stop_requests, self._own_stop_requests = ((stop_requests, False) if stop_requests
@@ -272,6 +277,43 @@ class Trainer:
             raise UserError(f"the checkpoint to resume, {location}, cannot be read by every process of the job; "
                             "put checkpointer.dir on storage that every node reads (gs://, a shared file system)")
         return fallback, location
+
+    def check_recipe_change(self, trained_with: dict[str, Any] | None, registry: Registry, allow: bool) -> None:
+        """A resumed run is the run that was started. The recipe is compared key by key with the
+        one that trained the checkpoint (:mod:`octfw.recipe.changes`); every process holds that
+        checkpoint, so every process decides alike. A change that shapes training is refused, one
+        line per key with the old and new value, unless ``allow`` (``--allow-recipe-change``), and
+        then the whole schedule (the old one up to the resumed step, the new one after it) must
+        pass the pre-flight check: a longer cosine that would rise again is still refused. Every
+        change is listed; the run folder keeps each recipe it ran with, by the update step it
+        began at (``RUN/recipes/step_N.toml``)."""
+        if not trained_with:  # a checkpoint of an octfw that did not record its recipe
+            return
+        changes = recipe_changes(trained_with, self.recipe.to_dict())
+        trains = [str(c) for c in changes if c.trains]
+        where = f"--resume {self.resumed_from}"
+        if trains and not allow:
+            raise RecipeError(f"{where}: the checkpoint was trained with another recipe; these changes would change "
+                              "its training (resume with the recipe it began with, start a new run, or accept them "
+                              "with --allow-recipe-change)", trains)
+        if trains:
+            problem = _changed_schedule_problem(trained_with, self.recipe, registry, self.parts, self.layout,
+                                                self.start_step)
+            if problem is not None:
+                raise UserError(f"{where} --allow-recipe-change: {problem}")
+        if not changes:
+            return
+        if self.backend.is_main_process:
+            for change in changes:
+                (log.warning if change.trains else log.info)("resumed with a changed recipe: %s%s", change,
+                                                             " (changes training; accepted)" if change.trains else "")
+            history = self.run_dir / "recipes"
+            history.mkdir(exist_ok=True)
+            if not any(history.iterdir()):  # the recipe the run began with
+                (history / "step_00000000.toml").write_text(to_toml(trained_with), encoding="utf-8")
+            text = to_toml(self.recipe.to_dict())
+            (history / f"step_{self.start_step:08d}.toml").write_text(text, encoding="utf-8")
+            (self.run_dir / "recipe.toml").write_text(text, encoding="utf-8")
 
     # --- one update step ------------------------------------------------
 
@@ -436,8 +478,9 @@ class Trainer:
 
     def _capture(self, done: int) -> dict[str, Any]:
         """The host copy of the training state: all a checkpoint step costs the loop."""
-        return capture(self.parts, self.model, self.optimizer, done, self.samples_done,
-                       global_batch_size=self.samples_per_update, fingerprint=self.fingerprint)
+        return capture(self.parts, self.model, self.optimizer, done, done * self.local_samples_per_update,
+                       global_batch_size=self.samples_per_update, fingerprint=self.fingerprint,
+                       run={"first_loss": self.first_loss})
 
     def save_checkpoint(self, done: int) -> None:
         """Hand a checkpoint to the background saver (rank 0 only); skipped, without a copy,
@@ -640,6 +683,49 @@ class Trainer:
             return None
 
 
+class _ResumedSchedule:
+    """The schedule a resumed run follows: the old one before ``start``, the new one from it
+    (LRs of None resolved to each recipe's base LR), for the pre-flight check."""
+
+    def __init__(self, old: Any, old_base_lr: float, new: Any, new_base_lr: float, start: int):
+        self.parts, self.start = ((old, old_base_lr), (new, new_base_lr)), start
+        self.warmup_steps = getattr(old, "warmup_steps", None)
+
+    def _at(self, step: int) -> tuple[Any, float]:
+        return self.parts[step >= self.start]
+
+    def lr(self, step: int) -> float:
+        schedule, base = self._at(step)
+        value = schedule.lr(step)
+        return base if value is None else value
+
+    def weight_decay(self, step: int) -> float | None:
+        return self._at(step)[0].weight_decay(step)
+
+    def ema_momentum(self, step: int) -> float | None:
+        return self._at(step)[0].ema_momentum(step)
+
+
+def _changed_schedule_problem(trained_with: dict[str, Any], recipe: Recipe, registry: Registry, parts: Any,
+                              layout: Any, start: int) -> str | None:
+    """None when the old schedule up to ``start`` and the new one after it make a schedule that
+    the pre-flight check takes; else why not, in one line."""
+    from octfw.engine.build import plan_update_steps
+    from octfw.recipe import validate
+    from octfw.schedules import validate_schedule
+
+    old_recipe = validate(trained_with, registry, recipe.source)
+    _per_epoch, old_total = plan_update_steps(old_recipe, len(parts.dataset), layout)
+    old = old_recipe.scheduler.build(attrs.evolve(parts.ctx, total_update_steps=old_total))
+    combined = _ResumedSchedule(old, old_recipe.engine.base_lr, parts.scheduler, recipe.engine.base_lr, start)
+    problems = validate_schedule(combined, parts.ctx.total_update_steps, recipe.engine.base_lr,
+                                 combined.warmup_steps)
+    if not problems:
+        return None
+    return (f"the run's schedule up to update step {start} followed by the new one is refused: "
+            f"{'; '.join(problems)}")
+
+
 def _readable(location: str) -> bool:
     """Whether this process sees the checkpoint file ``location`` (a path or an fsspec URL)."""
     import fsspec
@@ -653,6 +739,6 @@ def _readable(location: str) -> bool:
 
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,
           processes: Processes | None = None, peers: Peers | None = None,
-          stop_requests: StopRequests | None = None) -> RunSummary:
+          stop_requests: StopRequests | None = None, allow_recipe_change: bool = False) -> RunSummary:
     return Trainer(recipe, registry, run_dir, resume, processes=processes, peers=peers,
-                   stop_requests=stop_requests).run()
+                   stop_requests=stop_requests, allow_recipe_change=allow_recipe_change).run()

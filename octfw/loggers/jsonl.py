@@ -51,11 +51,23 @@ class JsonlLogger:
     def __init__(self, filename: str = "metrics.jsonl"):
         self.filename = filename
         self.path: Path | None = None
+        self.last_step: int | None = None  #: the last update step written; restored on resume
+        self._resumed = False
         self._file: IO[str] | None = None
+
+    # --- checkpointed state: one line per log step across crashes and resumes ---------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self.last_step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.last_step, self._resumed = state.get("last_step"), True
 
     def start(self, total_update_steps: int, run_dir: Path, recipe: Mapping[str, Any]) -> None:
         self.path = Path(run_dir) / self.filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._resumed and self.path.exists():  # drop what a killed attempt wrote after the checkpoint
+            _truncate_after(self.path, self.last_step)
         # buffering=1: line-buffered, each record reaches the OS when its newline is written.
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
 
@@ -81,11 +93,28 @@ class JsonlLogger:
         record["time"] = time.time()
         # allow_nan=False: a non-finite value that slipped through fails here, not in a reader.
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self.last_step = int(update_step)
 
     def finish(self, summary: Mapping[str, Any]) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _truncate_after(path: Path, last_step: int | None) -> None:
+    """Keep the lines of steps up to ``last_step`` (None: the checkpoint came before the first
+    log step, keep none) and drop a last line a kill cut short; written atomically."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # the half line of a process killed while writing it
+        if last_step is not None and step <= last_step:
+            kept.append(line)
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    temp.replace(path)
 
 
 def build(config: JsonlConfig, ctx: BuildContext) -> JsonlLogger:
