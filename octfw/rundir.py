@@ -101,6 +101,9 @@ def create_run_dir(recipe: Recipe, registry: Registry) -> Path:
         shutil.rmtree(run_dir, ignore_errors=True)
         cause = storage_cause(exc, str(run_dir)) or f"{type(exc).__name__}: {exc}"
         raise UserError(f"run.output_dir: cannot write the run folder: {cause}") from None
+    except BaseException:  # a stop signal while the folder is written: nothing half-made is left
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     return run_dir
 
 

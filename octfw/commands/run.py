@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     # recipe builds or a cohort is written ends the start cleanly (exit 75), never with 143.
     from octfw.engine.preemption import StoppedBeforeTraining, StopRequests
 
-    with StopRequests() as stop_requests:
+    with StopRequests(exit_before_training=True) as stop_requests:
+        # A stop while starting ends the process from the handler: it says so first.
+        stop_requests.abandon_hooks.append(lambda stopped: _report(PREEMPTED_EXIT_CODE, f"octfw: {stopped}"))
         try:
             if args.nproc_per_node is not None:
                 return _launch_job(args, stop_requests)

@@ -9,9 +9,10 @@ as they are: atomic files, the ``latest`` pointer written last.
 Rules:
 
 - At most one save is in flight. A save that comes due while the previous
-  one is still being written is *skipped* (noted in ``octfw.log``, counted in
-  the summary); the next due save tries again. So a slow or unreachable store
-  makes checkpoints rarer, never training slower.
+  one is still being written is *skipped*: one warning line when it happens,
+  and it counts among the failed saves of the summary (a save that did not
+  happen); the next due save tries again. So a slow or unreachable store
+  makes checkpoints rarer, never training slower, and never silently.
 - A failed save is reported once: one warning line on the console naming
   the cause (no space left, with bytes free and needed; permission denied;
   store unreachable), the traceback in ``octfw.log``, and a line in the run
@@ -100,8 +101,10 @@ class BackgroundSaver:
         touches); False, without calling ``capture``, if the save is skipped."""
         if self.busy:
             self.skipped.append(update_step)
-            logger.debug("checkpoint at update step %d skipped: the save of step %d is still being written",
-                         update_step, self._in_flight.update_step)
+            reason = (f"not written: the save of update step {self._in_flight.update_step} was still being "
+                      "written (a slow or unreachable store)")
+            self.failed.append(f"step {update_step}: {reason}")
+            logger.warning("checkpoint at update step %d %s; the next due save tries again", update_step, reason)
             return False
         state = capture()
         self._in_flight = _Save(update_step, lambda: self.checkpointer.save(update_step, state),
@@ -149,7 +152,7 @@ class BackgroundSaver:
         """Give up the final save (False): on a stop-now request, cancel the write in flight."""
         if stopping:
             self.cancel_in_flight(update_step)
-            return False
+            return self.written_step == update_step  # the write may have completed all the same
         self._in_flight = None
         self._fail(update_step, reason)
         return False
@@ -166,6 +169,10 @@ class BackgroundSaver:
         if in_flight is not None and cancel is not None:
             cancel()
             in_flight.finished.wait(5.0)  # a cancelled write ends at its next block
+            if in_flight.finished.is_set() and in_flight.error is None:  # it completed all the same
+                self._in_flight = in_flight
+                self._settle()
+                return
         self.failed.append(f"step {update_step}: cancelled by a second stop signal")
         logger.warning("the checkpoint of update step %d was not written: stopped at once by a second signal "
                        "(the last complete checkpoint, %s, is kept)", update_step, self.latest or "none of this run")

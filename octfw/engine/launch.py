@@ -122,8 +122,9 @@ def _resumable_run(recipe: Recipe, registry: Registry) -> tuple[Path | None, dic
 
 
 def _failed_start(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds only what a start writes: nothing trained, nothing saved."""
-    return all(p.name in START_FILES for p in run_dir.rglob("*") if p.is_file())
+    """Whether ``run_dir`` holds only what a start writes (its start files, and files the
+    loggers opened but never wrote): nothing trained, nothing saved."""
+    return all(p.name in START_FILES or p.stat().st_size == 0 for p in run_dir.rglob("*") if p.is_file())
 
 
 def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
@@ -139,6 +140,13 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
         require_torch_xla()
     processes, peers = join(kind, recipe.engine.collective_timeout_s)
     run_dir, finished, owner, created, refusal = None, None, None, False, None
+
+    def remove_failed_start(*_: Any) -> None:  # a refusal, a failure or a stop before the first update
+        if created and run_dir is not None and _failed_start(run_dir):  # nothing --resume auto could take
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    if stop_requests is not None:
+        stop_requests.abandon_hooks.append(remove_failed_start)
     try:
         if processes.is_main:
             try:
@@ -166,16 +174,12 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
         try:
             return train(recipe, registry, run_dir, resume=resume, processes=processes, peers=peers,
                          stop_requests=stop_requests, allow_recipe_change=allow_recipe_change)
-        except BaseException:
-            if run_log is not None:
-                detach_run_log(run_log)
-                run_log = None
-            if created and _failed_start(run_dir):  # leave nothing --resume auto could take for a run
-                shutil.rmtree(run_dir, ignore_errors=True)
-            raise
         finally:
             if run_log is not None:
                 detach_run_log(run_log)
+    except BaseException:
+        remove_failed_start()
+        raise
     finally:
         if owner is not None:
             owner.release()

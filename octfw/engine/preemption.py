@@ -6,9 +6,13 @@ Spot and preemptible VMs get a SIGTERM about 30 s before they stop; Slurm's
 ``octfw run`` to its last, and what a signal means depends on where the run
 is (:attr:`StopRequests.phase`):
 
-- **starting** (imports, build, cohort, compile, resume): the start is
-  abandoned at once (:class:`StoppedBeforeTraining`): exit 75, "stopped before
-  training began; nothing to save";
+- **starting** (imports, build, cohort, resume, and the first update step
+  with its compilation): the start is abandoned at once: exit 75, "stopped
+  before training began; nothing to save". ``octfw run`` ends the process
+  from the handler, after its clean-up hooks (a run folder the start made is
+  removed): an exception raised into an import half done would leave the
+  interpreter broken. In a notebook (``octfw.train``)
+  :class:`StoppedBeforeTraining` is raised instead;
 - **training**: the first signal is a request that the loop reads after each
   update step. Every process agrees on it before acting
   (:class:`octfw.engine.distributed.Peers`), so all stop after the same update
@@ -83,8 +87,12 @@ class StopRequests:
     :meth:`closing` and :meth:`done` move it through the phases.
     """
 
-    def __init__(self, duplicate_window_s: float | None = None):
+    def __init__(self, duplicate_window_s: float | None = None, exit_before_training: bool = False):
         self.signal_name: str | None = None
+        #: end the process (exit 75) on a signal while starting, after :attr:`abandon_hooks`
+        self.exit_before_training = exit_before_training
+        #: called with the StoppedBeforeTraining when a start is abandoned (clean-up, the final line)
+        self.abandon_hooks: list[Any] = []
         self.signals = 0  #: how many stop signals arrived; 2 or more: stop now, without the final save
         self.phase = STARTING
         self.duplicate_window_s = (DUPLICATE_WINDOW_S if _launched() else 0.0) if duplicate_window_s is None \
@@ -118,8 +126,7 @@ class StopRequests:
         if backend_kind == "xla" and _activate_xla_preemption_sync():
             self._xla_sync = True  # its sigaction replaced ours: never install ours over it again
         self.phase = TRAINING
-        if self.signals:  # arrived between the last start-up check and now
-            raise StoppedBeforeTraining(self.signal_name or "a signal")
+        self.abandon_hooks.clear()
 
     def closing(self) -> None:
         self.phase = CLOSING
@@ -154,7 +161,7 @@ class StopRequests:
         if self.signals == 1:
             self.signal_name = self.signal_name or name
         if self.phase == STARTING:
-            raise StoppedBeforeTraining(self.signal_name or name)
+            self._abandon(StoppedBeforeTraining(self.signal_name or name))
         if self.signals == 1:
             logger.warning("%s received: finishing this update step, then saving a checkpoint and stopping "
                            "(Ctrl-C again to stop at once, keeping the last complete checkpoint)", name)
@@ -167,6 +174,17 @@ class StopRequests:
                            "is kept", name)
         elif from_signal == signal.SIGINT:  # a step that never ends (a hung collective): the way out
             raise KeyboardInterrupt
+
+    def _abandon(self, stopped: StoppedBeforeTraining) -> None:
+        if not self.exit_before_training:
+            raise stopped
+        for hook in reversed(self.abandon_hooks):
+            try:
+                hook(stopped)
+            except Exception as exc:  # noqa: BLE001 - the process ends now whatever a hook did
+                logger.debug("a clean-up hook failed while abandoning the start", exc_info=exc)
+        logging.shutdown()  # flush the run log
+        os._exit(PREEMPTED_EXIT_CODE)
 
     def local_vote(self, update_step: int) -> int:
         """This process's stop vote after ``update_step``: 0 go on, 1 stop after it, 2 stop now.

@@ -42,7 +42,7 @@ from octfw.engine.distributed import (Peers, PeerLost, Processes, all_reduce_, m
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
 from octfw.engine.optim import GatedAdamW
-from octfw.engine.preemption import StopNow, StopRequests
+from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
 from octfw.engine.update import grad_norm, step_unless_vetoed
@@ -62,6 +62,8 @@ __all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_
 PROVENANCE_WINDOW = 8  # update steps whose sample URLs are kept for guard reports
 #: An update step estimated to take longer than this is announced (with its time) at the start.
 SLOW_UPDATE_S = 60.0
+#: What a run folder cannot lose while it trains; gone, the run stops (exit 74) and puts them back.
+START_FILES_KEPT = ("recipe.toml", "run.json", "versions.json", "git.json")
 #: Folder of the run directory that takes the final state when the checkpointer cannot.
 FALLBACK_DIR = "fallback"
 
@@ -245,6 +247,9 @@ class Trainer:
         self._applied = torch.ones((), dtype=torch.bool, device=backend.device)  # the verdict without guards
         self._vetoed = torch.zeros((), dtype=torch.bool, device=backend.device)  # a guard that stopped the run
         self.heartbeat = Heartbeat(recipe.engine.heartbeat_s)
+        #: the run folder's start files, to put a folder deleted under the run back (rank 0)
+        self._start_files = {name: (run_dir / name).read_bytes() for name in START_FILES_KEPT
+                             if backend.is_main_process and (run_dir / name).exists()}
         #: the run's first logged loss (carried by its checkpoints across attempts) and its latest
         self.first_loss, self.last_loss = run_record.get("first_loss"), None
         self.saver = BackgroundSaver(parts.checkpointer)
@@ -502,15 +507,39 @@ class Trainer:
             return False, None
         if stop_now():
             return False, None
+        return True, self.save_fallback(done, "the final checkpoint could not be written to the checkpointer")
+
+    def save_fallback(self, done: int, why: str) -> str | None:
+        """The final state into RUN/fallback (rank 0): where it went, or None (said why)."""
         try:
             location = self.fallback.save(done, self._capture(done))
         except Exception as exc:  # noqa: BLE001 - said on the console; the exit code says it too
             cause = storage_cause(exc, str(self.fallback.url)) or f"{type(exc).__name__}: {exc}"
-            log.error("the final state could not be written to the fallback folder either: %s", cause, exc_info=exc)
-            return True, None
-        log.warning("the final checkpoint could not be written to the checkpointer; the final state is in %s",
-                    location)
-        return True, location
+            log.error("%s, and the final state could not be written to the fallback folder either: %s; the newest "
+                      "complete checkpoint is %s", why, cause, self._newest_checkpoint(False) or "none", exc_info=exc)
+            return None
+        log.warning("%s; the final state is in %s", why, location)
+        return location
+
+    def _vanished(self) -> list[str]:
+        """The start files gone from the run folder (rank 0; empty while it is whole)."""
+        return [name for name in self._start_files if not (self.run_dir / name).exists()]
+
+    def _restore_run_folder(self, done: int, gone: list[str]) -> str | None:
+        """The run folder was deleted under the run: put its start files back, so that
+        ``--resume auto`` finds it, and the final state into its fallback (never a checkpointer
+        inside a folder that is being removed); the run then ends with exit 74."""
+        why = f"the run folder {self.run_dir} vanished during the run ({', '.join(gone)} gone)"
+        self.saver.failed.append(f"step {done}: {why}")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for name, data in self._start_files.items():
+                if not (self.run_dir / name).exists():
+                    (self.run_dir / name).write_bytes(data)
+        except OSError as exc:
+            log.error("%s, and it could not be made again: %s", why, storage_cause(exc, str(self.run_dir)) or exc)
+            return None
+        return self.save_fallback(done, why)
 
     def export_encoder(self, done: int) -> str | None:
         """RUN/encoder: the target encoder of a finished run as a Hub-style folder (rank 0,
@@ -552,13 +581,16 @@ class Trainer:
 
     def agree_to_stop(self, done: int) -> tuple[str | None, str]:
         """After update step ``done``: (why every process stops now, or None; what stops it:
-        "guard", "target" (a target reached) or "signal"). One tiny all-reduce of host values over the peers' own gloo group: the
+        "guard", "target" (a target reached), "signal" or "vanished" (the run folder was deleted). One tiny all-reduce of host values over the peers' own gloo group: the
         device stream is never waited on. The reason travels only when there is one."""
         pending = self._pending
         signal_vote = self.stop_requests.local_vote(done)
-        stop, finished, signalled = self.peers.max([
+        gone = self._vanished() if self.backend.is_main_process else []  # a stat per file: cheap
+        stop, finished, signalled, vanished = self.peers.max([
             int(pending is not None and not isinstance(pending, TrainingDone)),
-            int(isinstance(pending, TrainingDone)), signal_vote])
+            int(isinstance(pending, TrainingDone)), signal_vote, int(bool(gone))])
+        if vanished:
+            return f"the run folder {self.run_dir} vanished at update step {done}", "vanished"
         if signalled > signal_vote:  # a peer's signal: this process stops as if it had it
             self.stop_requests.signals = max(self.stop_requests.signals, signalled)
             self.stop_requests.signal_name = self.stop_requests.signal_name or "a stop request on another process"
@@ -592,12 +624,14 @@ class Trainer:
         started, done, stopped, finished_early, peer_lost = time.perf_counter(), self.start_step, None, None, None
         preempted = False
         stops = self.stop_requests
+        vanished = False
         with self.heartbeat:
-            stops.start_training(self.backend.kind)
             try:
                 for update_step in range(self.start_step, total):
                     norm, out = self.update(update_step)
                     done = update_step + 1
+                    if done == self.start_step + 1:  # compiled, warmed up: a signal now stops after a step
+                        stops.start_training(self.backend.kind)
                     self.heartbeat.beat(done)
                     for logger in self._step_listeners:
                         self._deferring_stops(logger.on_step, done)
@@ -608,13 +642,17 @@ class Trainer:
                     reason, by = self.agree_to_stop(done)
                     if reason is not None:
                         finished_early, stopped = (reason, None) if by == "target" else (None, reason)
-                        preempted = by == "signal"
+                        preempted, vanished = by == "signal", by == "vanished"
                         break
                     every = engine.checkpoint_every_steps
                     if every and done % every == 0 and done != total:
                         self.save_checkpoint(done)
             except StopNow as why:
                 preempted, stopped = True, f"{why} during update step {done + 1} (abandoned; step {done} is the last)"
+            except StoppedBeforeTraining as why:  # in the first update step: nothing of it to save
+                for logger in self.parts.loggers:
+                    logger.finish({"update_steps": self.start_step, "stopped": str(why)})
+                raise
             except PeerLost as lost:
                 peer_lost = stopped = str(lost)
             except RuntimeError as exc:  # DDP's own collectives: a lost peer, or a bug (re-raised)
@@ -628,7 +666,10 @@ class Trainer:
             # and its outcome shared: every process ends the same way. Not after a lost peer: the
             # others cannot hear the outcome.
             final_save_failed, fallback = False, None
-            if peer_lost is None and not stops.stop_now and (done > self.start_step or self.upload_fallback):
+            if vanished:  # every process: exit 74; rank 0 puts the folder back with the final state
+                gone = self._vanished() if self.backend.is_main_process else []
+                final_save_failed, fallback = True, self._restore_run_folder(done, gone) if gone else None
+            elif peer_lost is None and not stops.stop_now and (done > self.start_step or self.upload_fallback):
                 final_save_failed, fallback = self.save_final(done)  # rank 0's outcome: (False, None) elsewhere
                 try:
                     final_save_failed, fallback = self.peers.broadcast((final_save_failed, fallback))
@@ -657,7 +698,11 @@ class Trainer:
             mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),
         )
         if self.backend.is_main_process:
-            write_summary(self.run_dir, summary.as_dict(), self.quarantine)
+            try:
+                write_summary(self.run_dir, summary.as_dict(), self.quarantine)
+            except OSError as exc:  # out of space or inodes: the exit code and the final line still say it
+                log.error("summary.json could not be written: %s",
+                          storage_cause(exc, str(self.run_dir)) or f"{type(exc).__name__}: {exc}")
         for logger in self.parts.loggers:
             logger.finish(summary.as_dict())
         if peer_lost is None:  # every process leaves together, after rank 0 has written everything

@@ -15,7 +15,7 @@ import errno
 import os
 import shutil
 
-__all__ = ["storage_cause", "free_bytes", "format_bytes"]
+__all__ = ["storage_cause", "free_bytes", "free_inodes", "format_bytes"]
 
 _PERMISSION = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
                errno.EROFS: "read-only file system"}
@@ -41,6 +41,18 @@ def free_bytes(path: str) -> int | None:
         return None
 
 
+def free_inodes(path: str) -> int | None:
+    """Files that can still be created on the disk that holds ``path`` (None: not told)."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        stats = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return stats.f_favail if stats.f_files else None  # some file systems have no inode count
+
+
 def _chain(exc: BaseException):
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -61,6 +73,10 @@ def storage_cause(exc: BaseException, location: str, needed_bytes: int | None = 
             link = TimeoutError(str(link))
         number = getattr(link, "errno", None)
         if number in (errno.ENOSPC, errno.EDQUOT):
+            if free_inodes(location) == 0:  # bytes may be free: no file can be made
+                free = free_bytes(location)
+                return (f"no free inodes left on device at {location} (no file can be created"
+                        + (f"; {format_bytes(free)} free" if free is not None else "") + ")")
             free = free_bytes(location)
             detail = [f"{format_bytes(free)} free"] if free is not None else []
             if needed_bytes:
