@@ -275,6 +275,28 @@ def test_a_damaged_volume_is_quarantined_never_trained_on(prepared, write_recipe
     assert listed == {victim.source, dataset.rows[1].source}
 
 
+def test_a_flipped_byte_in_the_first_volumes_metadata_quarantines_that_volume_only(prepared, write_recipe, tmp_path):
+    """zarr.json is the same for every volume of a dtype; one damaged and read first must stay that
+    volume's damage, not make the whole store unusable (all 10 failed, quarantine empty, before)."""
+    from octfw.data.prepared.store import ARRAY_METADATA
+
+    dataset = PreparedDataset.open(str(prepared))
+    victim = dataset.rows[0]
+    metadata = prepared / "volumes" / victim.key / ARRAY_METADATA
+    data = bytearray(metadata.read_bytes())
+    data[0] ^= 0xFF  # no longer JSON
+    metadata.write_bytes(bytes(data))
+    with pytest.raises(CorruptFile, match=f"its prepared volume {victim.key} does not decode"):
+        dataset.load(0)
+    assert all(dataset.load(i).volume.shape == tuple(IMAGE) for i in range(1, len(dataset)))
+
+    assert main(["run", str(prepared_recipe(write_recipe, str(prepared))), "--set", "run.max_steps=3"]) == 0
+    run_dir = next((tmp_path / "runs" / "prepared").iterdir())
+    quarantine = run_dir / "quarantine.jsonl"
+    listed = [json.loads(line)["url"] for line in quarantine.read_text().splitlines()] if quarantine.exists() else []
+    assert set(listed) <= {victim.source}  # quarantined when read before a good one; never another volume
+
+
 def test_building_reads_the_index_only(prepared):
     shutil.rmtree(prepared / "volumes")  # no volume can be read: building must not try
     dataset = PreparedDataset.open(str(prepared))

@@ -82,7 +82,7 @@ def replay(run_dir: Path, step: int, registry: Registry, report: Callable[[str],
     recipe = load_recipe(recipe_file, REPLAY_OVERRIDES, registry)
     start, location = _nearest_checkpoint(recipe, registry, run_dir, step)
     with tempfile.TemporaryDirectory(prefix="octfw-replay-") as scratch:
-        trainer = Trainer(recipe, registry, Path(scratch), resume=location)
+        trainer = Trainer(recipe, registry, Path(scratch), resume=location, compare_recipe=False)
         if step > trainer.total:
             raise UserError(f"--step {step}: the run has {trainer.total} update steps")
         report(f"replay of update step {step} on the CPU, from "

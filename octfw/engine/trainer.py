@@ -183,11 +183,13 @@ class DeviceTotals:
 class Trainer:
     """``processes`` and ``peers``: who this process is and the job's other processes, from
     :func:`octfw.engine.distributed.join` (default: this process alone, on ``run.device``).
-    ``stop_requests``: the signal handling of the command (default: one for the training loop)."""
+    ``stop_requests``: the signal handling of the command (default: one for the training loop).
+    ``compare_recipe``: False for a replay, which changes the device and precision on purpose."""
 
     def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None, *,
                  processes: Processes | None = None, peers: Peers | None = None,
-                 stop_requests: StopRequests | None = None, allow_recipe_change: bool = False):
+                 stop_requests: StopRequests | None = None, allow_recipe_change: bool = False,
+                 compare_recipe: bool = True):
         seed_everything(recipe.run.seed)
         self.recipe, self.run_dir = recipe, run_dir
         engine = recipe.engine
@@ -230,7 +232,7 @@ class Trainer:
             # checkpoint's (restore refuses another), so this is exact with any number of hosts.
             self.samples_done = self.start_step * self.local_samples_per_update
         self.resumed_from = location  #: the checkpoint this run continues (None: from the start)
-        if location is not None:
+        if location is not None and compare_recipe:
             self.check_recipe_change(run_record.get("recipe"), registry, allow_recipe_change)
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)

@@ -46,8 +46,8 @@ class PreparedDataset:
         self.header = header
         self.rows: tuple[IndexRow, ...] = tuple(rows)
         self.cache = cache  #: a DiskCache of compressed chunks, or None
-        # zarr.json is the same for every volume of one dtype (same shape and
-        # codecs), so each process reads it once per dtype, not once per sample.
+        # zarr.json is the same for every volume of one dtype (same shape and codecs), so each
+        # process keeps the first that decodes, per dtype, instead of reading one per sample.
         self._metadata: dict[str, bytes] = {}
 
     @classmethod
@@ -130,18 +130,23 @@ class PreparedDataset:
         row = self.rows[index]
         fs, root = open_filesystem(self.location)
         chunk = self._chunk(fs, root, row)
+        # A volume's own zarr.json until one of its dtype has decoded: a damaged one is that
+        # volume's damage (quarantined), never the store's, whichever volume is read first.
         metadata = self._metadata.get(row.dtype)
-        if metadata is None:
-            metadata = self._metadata[row.dtype] = self._read(fs, root, row, ARRAY_METADATA)
+        own = metadata is None
+        if own:
+            metadata = self._read(fs, root, row, ARRAY_METADATA)
         try:
             stored = decode_volume(metadata, chunk)
         except Exception as exc:  # noqa: BLE001 - any decoding failure quarantines the sample
             raise CorruptFile(row.source, f"its prepared volume {row.key} does not decode "
-                                          f"({type(exc).__name__}: {exc})") from None
+                                          f"({type(exc).__name__}: {str(exc)[:200]})") from None
         if tuple(stored.shape) != self.header.image_size or str(stored.dtype) != row.dtype:
             raise CorruptFile(row.source, f"its prepared volume {row.key} is {stored.dtype} "
                                           f"{list(stored.shape)}, the index says {row.dtype} "
                                           f"{list(self.header.image_size)}")
+        if own:  # decoded to what the index says: the metadata every volume of this dtype shares
+            self._metadata[row.dtype] = metadata
         # As stored (uint8 or float16): the transform converts what it uses, and unaugmented uint8
         # views travel as bytes to the device (octfw.types.BATCH_KEYS).
         return Sample(volume=stored, provenance=row.provenance, prepared_key=self.prepared_key)
