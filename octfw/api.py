@@ -68,12 +68,14 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, registry: Re
 
 
 def train(recipe: Recipe | str | Path, *, resume: str | Path | None = None,
-          registry: Registry | None = None) -> TrainResult:
+          registry: Registry | None = None, allow_recipe_change: bool = False) -> TrainResult:
     """Train ``recipe`` (a loaded recipe or a recipe file) as ``octfw run`` does.
 
     ``resume``: None (a new run), ``"auto"`` (continue the newest run of this
     recipe from its last complete checkpoint; a run that finished is returned
-    as it is) or a checkpoint file. Raises :class:`~octfw.errors.RunNotFinished`
+    as it is) or a checkpoint file. A resumed run is the run that was started: a recipe
+    that trains otherwise is refused (:class:`~octfw.errors.RecipeError`, one line per key)
+    unless ``allow_recipe_change``. Raises :class:`~octfw.errors.RunNotFinished`
     when a guard stopped the run, it was preempted or interrupted, or its
     final checkpoint could not be written.
     """
@@ -83,7 +85,8 @@ def train(recipe: Recipe | str | Path, *, resume: str | Path | None = None,
     if not hasattr(recipe, "build_context"):
         recipe = load_recipe(recipe, registry=registry)
     try:
-        summary = launch(recipe, registry, resume=None if resume is None else str(resume))
+        summary = launch(recipe, registry, resume=None if resume is None else str(resume),
+                         allow_recipe_change=allow_recipe_change)
     except AlreadyFinished as done:
         result = TrainResult(Path(done.run_dir), dict(done.summary), done.summary.get("checkpoint"))
         if done.summary.get("stopped"):

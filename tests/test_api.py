@@ -52,7 +52,9 @@ def test_recipe_mistakes_are_raised_as_typed_one_line_errors(tiny_recipe):
 
 
 def test_train_resume_evaluate_export_and_load_from_python(tiny_recipe, tmp_path):
-    recipe = octfw.load_recipe(tiny_recipe, ["run.max_steps=3", "engine.checkpoint_every_steps=2"])
+    # A constant LR and EMA: the run can be extended below without either restarting.
+    constant = ["scheduler.name=constant", "scheduler.ema_shape=constant"]
+    recipe = octfw.load_recipe(tiny_recipe, ["run.max_steps=3", "engine.checkpoint_every_steps=2", *constant])
     result = octfw.train(recipe)
     assert isinstance(result, octfw.TrainResult)
     assert result.run_dir.is_dir() and (result.run_dir / "summary.json").is_file()
@@ -62,8 +64,10 @@ def test_train_resume_evaluate_export_and_load_from_python(tiny_recipe, tmp_path
     again = octfw.train(recipe, resume="auto")  # finished: returned as it is, nothing trained
     assert again.run_dir == result.run_dir and again.summary["update_steps"] == 3
 
-    longer = octfw.load_recipe(tiny_recipe, ["run.max_steps=5", "engine.checkpoint_every_steps=2"])
-    resumed = octfw.train(longer, resume="auto")  # the same run, continued to step 5
+    longer = octfw.load_recipe(tiny_recipe, ["run.max_steps=5", "engine.checkpoint_every_steps=2", *constant])
+    with pytest.raises(octfw.RecipeError, match="run.max_steps: 3 -> 5"):  # another length: said, refused
+        octfw.train(longer, resume="auto")
+    resumed = octfw.train(longer, resume="auto", allow_recipe_change=True)  # the same run, continued to step 5
     assert resumed.run_dir == result.run_dir and resumed.summary["update_steps"] == 5
 
     eval_path = tmp_path / "eval.toml"

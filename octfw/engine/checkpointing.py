@@ -90,6 +90,7 @@ class BackgroundSaver:
         self.failed: list[str] = []  #: "step N: error", one per failed save
         self.skipped: list[int] = []  #: update steps whose save was skipped (one in flight)
         self._in_flight: _Save | None = None
+        self._overrun_cause: str | None = None  #: why saves overrun, until one settles
 
     @property
     def busy(self) -> bool:
@@ -102,7 +103,7 @@ class BackgroundSaver:
         if self.busy:
             self.skipped.append(update_step)
             reason = (f"not written: the save of update step {self._in_flight.update_step} was still being "
-                      "written (a slow or unreachable store)")
+                      f"written ({self._store_state()})")
             self.failed.append(f"step {update_step}: {reason}")
             logger.warning("checkpoint at update step %d %s; the next due save tries again", update_step, reason)
             return False
@@ -139,7 +140,8 @@ class BackgroundSaver:
         if in_flight is None or in_flight.update_step != update_step:  # not already being written
             if not self.wait(deadline_s, stop_now):  # only ever False with a save in flight
                 return self._give_up(update_step, stop_now(), f"not written: the save of update step "
-                                     f"{in_flight.update_step} was still being written after {deadline_s:g} s")
+                                     f"{in_flight.update_step} was still being written after {deadline_s:g} s "
+                                     f"({self._store_state()})")
             if stop_now():
                 return self._give_up(update_step, stopping=True)
             self.submit(update_step, capture)
@@ -147,6 +149,16 @@ class BackgroundSaver:
             return self._give_up(update_step, stop_now(), f"still being written after engine.save_deadline_s "
                                  f"= {deadline_s:g} s; the run ends without it (an unfinished write is never loaded)")
         return self.written_step == update_step
+
+    def _store_state(self) -> str:
+        """Why a save overruns, asked once per overrun streak: an unreachable store says so."""
+        if self._overrun_cause is None:
+            from octfw.storage.reach import unreachable
+
+            where = getattr(self.checkpointer, "location", None)  # the built-ins name their folder
+            cause = unreachable(where) if isinstance(where, str) else None
+            self._overrun_cause = f"the store is unreachable: {cause}" if cause else "a slow store"
+        return self._overrun_cause
 
     def _give_up(self, update_step: int, stopping: bool, reason: str = "") -> bool:
         """Give up the final save (False): on a stop-now request, cancel the write in flight."""
@@ -179,6 +191,7 @@ class BackgroundSaver:
 
     def _settle(self) -> None:
         save, self._in_flight = self._in_flight, None
+        self._overrun_cause = None
         if save.error is None:
             self.latest, self.written_step = save.location or self.latest, save.update_step
             return

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from octfw.errors import UserError
 
-__all__ = ["TIMEOUT_S", "endpoint_of", "require_reachable"]
+__all__ = ["TIMEOUT_S", "endpoint_of", "require_reachable", "unreachable"]
 
 #: Seconds one probe may take, name lookup included.
 TIMEOUT_S = 5.0
@@ -64,21 +64,27 @@ def _connect(host: str, port: int, timeout: float) -> str | None:
     return outcome[0] if outcome else f"no answer in {timeout:g} s"
 
 
-def require_reachable(url: str, setting: str | None = None, timeout: float = TIMEOUT_S) -> None:
-    """UserError ``<setting>: cannot reach <endpoint> (<error>)`` when the server behind
-    ``url`` does not accept a connection within ``timeout`` seconds; nothing for a
-    local path or a protocol without a known endpoint."""
+def unreachable(url: str, timeout: float = TIMEOUT_S) -> str | None:
+    """``cannot reach <endpoint> (<error>)`` when the server behind ``url`` does not accept a
+    connection within ``timeout`` seconds; None when it does, for a local path, or a protocol
+    without a known endpoint. (A save that overruns asks it, to say *why*.)"""
     found = endpoint_of(str(url))
     if found is None:
-        return
+        return None
     endpoint, origin = found
     parts = urlsplit(endpoint)
     host = parts.hostname or ""
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:  # a port that is not a number
-        raise UserError(f"{endpoint!r}: not a valid endpoint URL{origin}") from None
+        return f"{endpoint!r}: not a valid endpoint URL{origin}"
     error = _connect(host, port, timeout) if host else "no host in the URL"
+    return None if error is None else f"cannot reach {endpoint} ({error}){origin}"
+
+
+def require_reachable(url: str, setting: str | None = None, timeout: float = TIMEOUT_S) -> None:
+    """UserError ``<setting>: cannot reach <endpoint> (<error>)`` (see :func:`unreachable`)."""
+    error = unreachable(url, timeout)
     if error is not None:
         named = f"{setting} = {str(url)!r}" if setting else repr(str(url))
-        raise UserError(f"{named}: cannot reach {endpoint} ({error}){origin}")
+        raise UserError(f"{named}: {error}")

@@ -27,6 +27,12 @@ def test_non_finite_loss_at_update_514_is_skipped_and_the_run_completes(tmp_path
     first, _ = train(recipe, ["run.max_steps=2", "scheduler.warmup=1", *common])
     state = torch.load(first.checkpoint, weights_only=True)
     state.update(update_step=512, samples_done=512 * 2)
+    # the checkpoint stands for update 512 of the 516-step run: it records that run's recipe
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
+
+    state["recipe"] = load_recipe(recipe, ["run.max_steps=516", "scheduler.warmup=20", *common],
+                                  load_registry()).to_dict()
     state["model"]["calls"] = torch.tensor(512)
     at_512 = tmp_path / "step_00000512.pt"
     torch.save(state, at_512)
