@@ -27,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help=HELP, description=HELP, epilog=EPILOG)
     add_recipe_arguments(parser)
     parser.add_argument("--resume", metavar="auto|PATH",
-                        help="auto: continue the newest run of this recipe from its last complete checkpoint, "
+                        help="auto: continue the run of this recipe started last (by its recorded sequence, "
+                             "never the clock) from its last complete checkpoint, "
                              "start a new run when there is none, and do nothing when it finished (safe to "
                              "repeat, e.g. in a preemptible VM's startup script); PATH: a checkpoint file")
     parser.add_argument("--allow-recipe-change", action="store_true",
