@@ -338,3 +338,29 @@ def test_store_stopped_and_restarted_mid_run_the_saves_in_between_fail_and_the_r
     assert summary["final_save_failed"] is False and summary["checkpoint"] == f"{url}/step_00000008.pt"
     assert [failure.split(":")[0] for failure in summary["failed_saves"]] == ["step 4"]
     assert GcsCheckpointer(url).latest() == f"{url}/step_00000008.pt"
+
+
+def test_a_store_down_for_good_while_saves_retry_is_named_unreachable_and_no_save_goes_unsaid(
+        bucket, tiny_recipe, stopper, capsys):
+    """gcsfs keeps retrying the save in flight while the store is down: the saves that come due
+    meanwhile cannot start. Each is a warning line and a failed save in the summary, and every
+    line says why: the store is unreachable, not merely 'still being written'."""
+    from octfw.engine.trainer import SAVE_FAILED_EXIT_CODE
+
+    url = f"gs://{BUCKET}/down"
+    stopper.ON_LOG_STEP[3] = lambda: stop_once_saved(bucket, "down")  # after the step-2 save
+    tiny_recipe.write_text(tiny_recipe.read_text() + '\n[[guard]]\nname = "stopper"\n')
+    capsys.readouterr()
+    code = octfw_run(tiny_recipe, "--set", "run.max_steps=40", "--set", "checkpointer.name=gcs",
+                     "--set", f"checkpointer.dir={url}", "--set", "checkpointer.retries=20",
+                     "--set", "checkpointer.backoff_s=0.5", "--set", "checkpointer.timeout_s=3",
+                     "--set", "engine.checkpoint_every_steps=2", "--set", "engine.save_deadline_s=2")
+    err = capsys.readouterr().err
+    assert code == SAVE_FAILED_EXIT_CODE, err
+    assert "Traceback" not in err
+    skipped = [line for line in err.splitlines() if "the next due save tries again" in line]
+    assert skipped and all("the store is unreachable: cannot reach http://127.0.0.1:" in line for line in skipped)
+    summary = summary_of(tiny_recipe)
+    assert len(summary["failed_saves"]) >= len(skipped) + 1  # the skipped ones count, the final one too
+    [final] = [line for line in err.splitlines() if line.startswith("octfw: error:")]
+    assert "the store is unreachable" in final and summary["fallback_checkpoint"]

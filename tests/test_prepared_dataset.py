@@ -297,6 +297,28 @@ def test_a_flipped_byte_in_the_first_volumes_metadata_quarantines_that_volume_on
     assert set(listed) <= {victim.source}  # quarantined when read before a good one; never another volume
 
 
+@pytest.mark.parametrize("damaged", ["header", "index", "quarantine"])
+def test_a_flipped_byte_in_a_store_file_is_one_line_or_harmless_never_a_traceback(
+        prepared, write_recipe, tmp_path, capsys, damaged):
+    """The store's own files: the header and the index decide what the store is, so a damaged one
+    refuses the store in one line (exit 2); the quarantine list only reports, so the run goes on."""
+    header = read_header(str(prepared))
+    target = {"header": prepared / HEADER_FILE, "index": prepared / header.index,
+              "quarantine": prepared / header.quarantine}[damaged]
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    target.write_bytes(bytes(data))
+    capsys.readouterr()
+    code = main(["run", str(prepared_recipe(write_recipe, str(prepared))), "--set", "run.max_steps=2"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if damaged == "quarantine":
+        assert code == 0, err
+    else:
+        lines = [line for line in err.splitlines() if line.startswith("octfw: error:")]
+        assert code == 2 and len(lines) == 1 and str(prepared) in lines[0], err
+
+
 def test_building_reads_the_index_only(prepared):
     shutil.rmtree(prepared / "volumes")  # no volume can be read: building must not try
     dataset = PreparedDataset.open(str(prepared))

@@ -166,7 +166,7 @@ class BackgroundSaver:
             self.cancel_in_flight(update_step)
             return self.written_step == update_step  # the write may have completed all the same
         self._in_flight = None
-        self._fail(update_step, reason)
+        self._fail(update_step, reason, final=True)
         return False
 
     def cancel_in_flight(self, update_step: int) -> None:
@@ -199,8 +199,8 @@ class BackgroundSaver:
         cause = storage_cause(save.error, where, save.nbytes) or f"{type(save.error).__name__}: {save.error}"
         self._fail(save.update_step, cause, save.error)
 
-    def _fail(self, update_step: int, error: str, exc: BaseException | None = None) -> None:
+    def _fail(self, update_step: int, error: str, exc: BaseException | None = None, final: bool = False) -> None:
         self.failed.append(f"step {update_step}: {error}")
         # One console line; the traceback goes to octfw.log only (see octfw.logs).
-        logger.warning("checkpoint at update step %d failed, training goes on: %s", update_step, error,
-                       exc_info=exc)
+        logger.warning("%s at update step %d failed%s: %s", "the final checkpoint" if final else "checkpoint",
+                       update_step, "" if final else ", training goes on", error, exc_info=exc)
