@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
+
 from octfw.cli import main
 from octfw.data.prepared.dataset import PreparedDataset
 from octfw.data.prepared.store import HEADER_FILE, INDEX_FILE, LOCK_FILE, QUARANTINE_FILE, read_header
@@ -366,7 +368,7 @@ def test_the_store_stopped_mid_prepare_and_restarted_ends_with_every_volume_once
         # It either rode out the outage on gcsfs's retries or stopped with a one-line error.
         stderr = running.stderr.read()
         (tmp_path / "first-run.txt").write_text(f"{running.returncode}\n{stderr}")
-        assert running.returncode == 0 or (running.returncode == 2 and
+        assert running.returncode == 0 or (running.returncode == SAVE_FAILED_EXIT_CODE and
                                            stderr.strip().splitlines()[-1].startswith("octfw: error: ")), stderr
 
         gcsfs.GCSFileSystem.clear_instance_cache()
@@ -378,3 +380,45 @@ def test_the_store_stopped_mid_prepare_and_restarted_ends_with_every_volume_once
     finally:
         emulator.stop()
         gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+def test_the_store_gone_for_good_mid_prepare_is_one_line_exit_74_and_the_next_run_finishes(
+        write_recipe, tmp_path, monkeypatch):
+    """No Dask, gcsfs or aiohttp traceback on the console: one line naming the store, exit 74."""
+    import gcsfs
+
+    emulator = DiskEmulator(tmp_path / "gcs").start()
+    for key, value in emulator.env().items():
+        monkeypatch.setenv(key, value)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    emulator.make_bucket("octfw-gone")
+    folder = tmp_path / "cohort"
+    write_synthetic_cohort(folder, 12, shapes=SLOW, seed=1)
+    recipe = dicom_recipe(write_recipe, folder / "manifest.jsonl")
+    location = "gs://octfw-gone/cohort"
+    running = subprocess.Popen([sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", location,
+                                "--workers", "1"], start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    entries = tmp_path / "gcs" / ".cloudstorage" / "octfw-gone" / "cohort" / "entries"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(entries.glob("*.json")) if entries.exists() else []) < 2:
+        time.sleep(0.05)
+    emulator.stop()  # and it stays down
+    try:
+        running.wait(timeout=300)
+    finally:
+        if running.poll() is None:
+            os.killpg(running.pid, signal.SIGKILL)
+    stderr = running.stderr.read()
+    assert running.returncode == SAVE_FAILED_EXIT_CODE, stderr
+    assert "Traceback" not in stderr and "distributed.worker" not in stderr
+    [line] = [line for line in stderr.splitlines() if line.startswith("octfw: error:")]
+    assert line.startswith(f"octfw: error: --out {location}: the prepare stopped") and "cannot reach the store" in line
+
+    emulator.start()  # back: the same command finishes, every volume once
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    try:
+        summary = prepare(recipe, location, workers=1)
+        assert summary.volumes == 12 and len({r.source for r in PreparedDataset.open(location).rows}) == 12
+    finally:
+        emulator.stop()

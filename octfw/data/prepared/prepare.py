@@ -68,8 +68,10 @@ from octfw.data.prepared.store import (
     snapshot_name, volume_key,
 )
 from octfw.errors import UserError
+from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.recipe import Recipe
 from octfw.registry import Registry
+from octfw.storage.failures import storage_cause
 from octfw.storage.files import open_filesystem, write_atomically
 from octfw.storage.owner import FolderOwner
 from octfw.tables import counted
@@ -326,8 +328,21 @@ def _start_client(scheduler: str | None, workers: int) -> tuple[Any, Any]:
     # Processes, one thread each: prepare is CPU-bound numpy/torch work that
     # holds the GIL in places; separate processes scale it with the cores.
     cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                           dashboard_address=None, silence_logs=logging.ERROR)
-    return Client(cluster), cluster
+                           dashboard_address=None, silence_logs=logging.CRITICAL)  # failures: said once, here
+    client = Client(cluster)
+    client.run(_quiet_library_logs)  # a store's retries and tracebacks are not the console's
+    return client, cluster
+
+
+def _quiet_library_logs() -> None:
+    """In a worker process: the libraries beneath (gcsfs, aiohttp, ...) log nowhere, so Python's
+    last-resort handler does not print their retry tracebacks; the main process says what failed."""
+    from octfw.logs import THIRD_PARTY_LEVELS
+
+    for name in THIRD_PARTY_LEVELS:
+        library = logging.getLogger(name)
+        library.addHandler(logging.NullHandler())
+        library.propagate = False
 
 
 def _run_tasks(client: Any, dataset: Any, transform: Any, location: str, dtype: str,
@@ -348,6 +363,10 @@ def _run_tasks(client: Any, dataset: Any, transform: Any, location: str, dtype: 
             index, key = futures[future]
             if future.status == "error":
                 error = future.exception()
+                cause = storage_cause(error, location)
+                if cause is not None:  # the store, not the file: exit 74, and the same command finishes it
+                    raise PrepareStopped(f"--out {location}: the prepare stopped at {dataset.source(index)}: {cause}; "
+                                         "the volumes written so far are kept: run the same command again to finish")
                 raise UserError(f"preparing {dataset.source(index)} failed: {type(error).__name__}: {error} "
                                 "(volumes done so far are kept; run `octfw prepare` again to continue)")
             done += 1
@@ -408,9 +427,25 @@ def prepare_dataset(recipe: Recipe, registry: Registry, location: str, *, schedu
             write_atomically(join(location, HEADER_FILE), header.to_bytes())
         report(f"prepare   {counted(len(dataset), 'source')} of [dataset] {recipe.dataset.name!r} -> "
                f"{location}{plan.note}")
-        summary = _prepare(dataset, transform, location, fs, root, header, previous, plan, this=dataset_id(table),
-                           scheduler=scheduler, workers=workers, dtype=dtype, progress=progress, report=report)
+        try:
+            summary = _prepare(dataset, transform, location, fs, root, header, previous, plan,
+                               this=dataset_id(table), scheduler=scheduler, workers=workers, dtype=dtype,
+                               progress=progress, report=report)
+        except Exception as exc:  # noqa: BLE001 - a storage fault is one line; anything else keeps its traceback
+            cause = storage_cause(exc, location)
+            if cause is None:
+                raise
+            logger.debug("the prepare into %s stopped", location, exc_info=exc)  # the traceback: the log file
+            raise PrepareStopped(f"--out {location}: the prepare stopped: {cause}; the volumes written so far are "
+                                 "kept: run the same command again to finish") from None
     return attrs.evolve(summary, seconds=time.perf_counter() - started)
+
+
+class PrepareStopped(UserError):
+    """A storage fault stopped a prepare (out of space, read-only, unreachable): exit 74, and the
+    same command finishes it once the location works again."""
+
+    exit_code = SAVE_FAILED_EXIT_CODE
 
 
 def _prepare(dataset: Any, transform: Any, location: str, fs: Any, root: str, header: Header,
