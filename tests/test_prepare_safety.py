@@ -22,12 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
-
 from octfw.cli import main
 from octfw.data.prepared.dataset import PreparedDataset
 from octfw.data.prepared.store import HEADER_FILE, INDEX_FILE, LOCK_FILE, QUARANTINE_FILE, read_header
 from octfw.data.synthetic.cohort import write_synthetic_cohort
+from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
 
 from gcs_emulator import GCSEmulator
 from test_prepared_dataset import SHAPES, dicom_recipe, prepare
