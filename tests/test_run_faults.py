@@ -294,6 +294,9 @@ def test_a_second_ctrl_c_during_the_final_save_stops_at_once_and_keeps_the_last_
     assert not list((run_dir / "checkpoints").glob("step_*.pt"))  # none complete: none claimed
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and summary["preempted"] and summary["checkpoint"] is None
+    # Every line about the save is true: it was cancelled while stopping, not "failed, training goes on".
+    assert "training goes on" not in err and "was not written: stopped at once by a second signal" in err
+    assert err.strip().splitlines()[-1].startswith("octfw: stopped by SIGINT") and "(none written)" in err
 
 
 def test_no_load_error_ever_suggests_weights_only_false(tmp_path):
