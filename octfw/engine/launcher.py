@@ -113,6 +113,12 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
         return PEER_LOST_EXIT_CODE
     finally:
         agent.forwarder.uninstall()
+        # Close the rendezvous as torchrun does: its store thread left running at exit would end the
+        # launcher in std::terminate ("terminate called without an active exception", SIGABRT).
+        try:
+            spec.rdzv_handler.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the job's outcome is known; this is tidying up
+            log.debug("closing the rendezvous failed", exc_info=exc)
     if result is None:  # the rendezvous closed: another node ended the job
         result_codes: dict[int, int] = {}
         succeeded = False
