@@ -583,8 +583,9 @@ class Trainer:
 
     def agree_to_stop(self, done: int) -> tuple[str | None, str]:
         """After update step ``done``: (why every process stops now, or None; what stops it:
-        "guard", "target" (a target reached), "signal" or "vanished" (the run folder was deleted). One tiny all-reduce of host values over the peers' own gloo group: the
-        device stream is never waited on. The reason travels only when there is one."""
+        "guard", "target" (a target reached), "signal" or "vanished" (the run folder was
+        deleted)). One tiny all-reduce of host values over the peers' own gloo group: the device
+        stream is never waited on. The reason travels only when there is one."""
         pending = self._pending
         signal_vote = self.stop_requests.local_vote(done)
         gone = self._vanished() if self.backend.is_main_process else []  # a stat per file: cheap
