@@ -431,6 +431,8 @@ def prepare_dataset(recipe: Recipe, registry: Registry, location: str, *, schedu
             summary = _prepare(dataset, transform, location, fs, root, header, previous, plan,
                                this=dataset_id(table), scheduler=scheduler, workers=workers, dtype=dtype,
                                progress=progress, report=report)
+        except UserError:
+            raise  # said already, in its own words (an unreachable --scheduler, a refused location)
         except Exception as exc:  # noqa: BLE001 - a storage fault is one line; anything else keeps its traceback
             cause = storage_cause(exc, location)
             if cause is None:
