@@ -335,27 +335,37 @@ class DiskEmulator(GCSEmulator):
         raise RuntimeError("gcp-storage-emulator did not open its port within 30 s")
 
 
-def test_the_store_stopped_mid_prepare_and_restarted_ends_with_every_volume_once(write_recipe, tmp_path, monkeypatch):
+def _prepare_until_the_store_stops(write_recipe, tmp_path, monkeypatch, bucket: str):
+    """An ``octfw prepare`` subprocess into the disk-backed emulator, whose store is stopped once two
+    volumes are written: (emulator, the process, the recipe, the location, the entries folder)."""
     import gcsfs
 
     emulator = DiskEmulator(tmp_path / "gcs").start()
     for key, value in emulator.env().items():
         monkeypatch.setenv(key, value)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    emulator.make_bucket(bucket)
+    folder = tmp_path / "cohort"
+    write_synthetic_cohort(folder, 12, shapes=SLOW, seed=1)
+    recipe = dicom_recipe(write_recipe, folder / "manifest.jsonl")
+    location = f"gs://{bucket}/cohort"
+    running = subprocess.Popen([sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", location,
+                                "--workers", "1"], start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    entries = tmp_path / "gcs" / ".cloudstorage" / bucket / "cohort" / "entries"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(entries.glob("*.json")) if entries.exists() else []) < 2:
+        time.sleep(0.05)
+    emulator.stop()  # mid-prepare: the driver and its worker lose the store
+    return emulator, running, recipe, location, entries
+
+
+def test_the_store_stopped_mid_prepare_and_restarted_ends_with_every_volume_once(write_recipe, tmp_path, monkeypatch):
+    import gcsfs
+
+    emulator, running, recipe, location, entries = _prepare_until_the_store_stops(
+        write_recipe, tmp_path, monkeypatch, "octfw-outage")
     try:
-        gcsfs.GCSFileSystem.clear_instance_cache()
-        emulator.make_bucket("octfw-outage")
-        folder = tmp_path / "cohort"
-        write_synthetic_cohort(folder, 12, shapes=SLOW, seed=1)
-        recipe = dicom_recipe(write_recipe, folder / "manifest.jsonl")
-        location = "gs://octfw-outage/cohort"
-        running = subprocess.Popen([sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", location,
-                                    "--workers", "1"], start_new_session=True,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        entries = tmp_path / "gcs" / ".cloudstorage" / "octfw-outage" / "cohort" / "entries"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(list(entries.glob("*.json")) if entries.exists() else []) < 2:
-            time.sleep(0.05)
-        emulator.stop()  # mid-prepare: the driver and its worker lose the store
         assert 2 <= len(list(entries.glob("*.json"))) < 12, "the prepare was not caught halfway"
         time.sleep(3)
         emulator.start()
@@ -385,25 +395,8 @@ def test_the_store_gone_for_good_mid_prepare_is_one_line_exit_74(
         write_recipe, tmp_path, monkeypatch):
     """No Dask, gcsfs or aiohttp traceback on the console: one line naming the store, exit 74 (the
     same command finishing once the store is back: the stopped-and-restarted test above)."""
-    import gcsfs
-
-    emulator = DiskEmulator(tmp_path / "gcs").start()
-    for key, value in emulator.env().items():
-        monkeypatch.setenv(key, value)
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    emulator.make_bucket("octfw-gone")
-    folder = tmp_path / "cohort"
-    write_synthetic_cohort(folder, 12, shapes=SLOW, seed=1)
-    recipe = dicom_recipe(write_recipe, folder / "manifest.jsonl")
-    location = "gs://octfw-gone/cohort"
-    running = subprocess.Popen([sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", location,
-                                "--workers", "1"], start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    entries = tmp_path / "gcs" / ".cloudstorage" / "octfw-gone" / "cohort" / "entries"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(entries.glob("*.json")) if entries.exists() else []) < 2:
-        time.sleep(0.05)
-    emulator.stop()  # and it stays down
+    _emulator, running, _recipe, location, _entries = _prepare_until_the_store_stops(
+        write_recipe, tmp_path, monkeypatch, "octfw-gone")  # and it stays down
     try:
         running.wait(timeout=300)
     finally:
