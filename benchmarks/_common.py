@@ -50,8 +50,9 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
-def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int = 8):
-    """The real Trainer, its loader replaced by ``n_batches`` pre-built device batches in a cycle."""
+def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int | None = 8):
+    """The real Trainer, its loader replaced by ``n_batches`` pre-built device batches in a cycle
+    (None: the engine's own loader kept, batches and all)."""
     from octfw.engine.trainer import Trainer
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
@@ -64,6 +65,8 @@ def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int = 8):
     trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
     for logger in trainer.parts.loggers:  # as Trainer.run does before its loop
         logger.start(trainer.total, trainer.run_dir, trainer.parts.ctx.recipe)
+    if n_batches is None:
+        return trainer, []
     source_batches = []
     loader_items = trainer.batches  # the engine's own loader (already yields device tensors)
     for _ in range(n_batches):
@@ -110,7 +113,7 @@ class HandLoop:
         accum = self.engine.grad_accum_steps
         loss = 0.0
         for _ in range(accum):
-            with self.backend.autocast():
+            with self.backend.forward_context():
                 out = self.model(next(self.batches))
             (out.loss / accum).backward()
             if self.skip_on_host:

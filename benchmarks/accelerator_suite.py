@@ -50,7 +50,17 @@ freed tensor back to the kernel. "Fits" on the CPU means: within
 Writes ``benchmarks/results/accelerator_suite.json`` (CUDA) or
 ``accelerator_suite_cpu.json`` and prints a table.
 
+``--mode end-to-end`` measures what a user's run gets instead
+(``benchmarks/_end_to_end.py``): the CUDA tests, each SDPA kernel alone at
+the seeds' token count (time and largest difference against fp32 math), then
+``octfw prepare`` writes a uint8 store and the real loader streams it with
+``--workers`` workers into the update step, per preset with compile off and
+on, against the same trainer fed one batch from the device. Its JSON,
+``accelerator_suite_end_to_end.json``, is rewritten after every measurement,
+so a suite stopped early (SIGTERM, a lease running out) leaves what it had.
+
     scripts/accelerator_suite.sh [--device auto|cuda|cpu] [--presets small,base] [--steps 5]
+    scripts/accelerator_suite.sh --mode end-to-end --batch 48 --workers 8 [--presets small,base]
 """
 
 from __future__ import annotations
@@ -408,6 +418,11 @@ def main() -> None:
     parser.add_argument("--cpu-budget", default="1GiB", help="memory a batch must fit in on the CPU")
     parser.add_argument("--tests", nargs="*", default=CUDA_TESTS, help="paths given to pytest -m cuda")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--mode", choices=["device", "end-to-end"], default="device",
+                        help="device: batches built on the device, batch search; end-to-end: the real loader")
+    parser.add_argument("--batch", type=int, help="end-to-end: per-device batch (default 48 cuda, 2 cpu)")
+    parser.add_argument("--workers", type=int, default=8, help="end-to-end: loader workers")
+    parser.add_argument("--volumes", type=int, default=48, help="end-to-end: volumes in the prepared store")
     args = parser.parse_args()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
@@ -436,6 +451,9 @@ def main() -> None:
                               "image_size": image_size, "presets": {}}
     if cuda:
         result["device_name"] = torch.cuda.get_device_name(0)
+    if args.mode == "end-to-end":
+        end_to_end_mode(args, device, presets, image_size, result)
+        return
     if not args.skip_tests:
         print(f"pytest -m cuda {' '.join(args.tests)}", flush=True)
         result["cuda_tests"] = run_cuda_tests(args.tests)
@@ -469,6 +487,61 @@ def main() -> None:
     print(table(result))
     path = write_result("accelerator_suite" if cuda else "accelerator_suite_cpu", result)
     print(f"written {path.relative_to(ROOT)}")
+
+
+def end_to_end_mode(args, device: str, presets: tuple[str, ...], image_size: list[int],
+                    result: dict[str, Any]) -> None:
+    """``--mode end-to-end`` (see the module's docstring); the JSON rewritten after each step."""
+    import signal
+
+    import _end_to_end as e2e
+    from octfw.engine.throughput import published_peak
+
+    name = "accelerator_suite_end_to_end" if device == "cuda" else "accelerator_suite_end_to_end_cpu"
+    result["rows"] = []
+
+    def save(row: dict[str, Any] | None = None) -> None:
+        if row is not None and (not result["rows"] or result["rows"][-1] is not row):
+            result["rows"].append(row)
+        write_result(name, result)
+
+    def stopped(signum, frame):  # a lease running out: keep what was measured
+        save()
+        raise SystemExit(f"stopped by signal {signum}; {name}.json holds what was measured")
+
+    signal.signal(signal.SIGTERM, stopped)
+    if not args.skip_tests:
+        result["cuda_tests"] = run_cuda_tests(args.tests)
+        print(f"pytest -m cuda: {result['cuda_tests']['summary']}", flush=True)
+        save()
+    if device == "cuda":
+        from octfw.models.vjepa3d.config import PRESETS
+
+        sizes = PRESETS[presets[0]]
+        tokens = attention_cases(presets[:1], SEED_IMAGE, SEED_PATCH)[0]["tokens"]
+        result["attention_kernels"] = e2e.attention_kernels(
+            sizes["num_heads"], sizes["embed_dim"] // sizes["num_heads"], tokens)
+        for row in result["attention_kernels"]:
+            print(f"  attention {row}", flush=True)
+        save()
+    dtype = CUDA_DTYPE if device == "cuda" else CPU_DTYPE
+    peaks = {"published_peak": published_peak(result.get("device_name", "CPU")),
+             "measured_matmul_peak": matmul_peak(8192 if device == "cuda" else 1024, dtype, device)}
+    result["peaks_flops"] = peaks
+    folder = e2e.scratch()
+    store, seconds = e2e.prepare_store(folder, image_size, args.volumes, args.workers)
+    result["prepare"] = {"volumes": args.volumes, "seconds": seconds, "dtype": "uint8"}
+    print(f"prepared {args.volumes} volumes in {seconds:.0f} s", flush=True)
+    save()
+    batch = args.batch or (48 if device == "cuda" else 2)
+    for preset in presets:
+        for compiled in args.compile:
+            row = e2e.end_to_end(store, device, preset, image_size, batch, args.workers, compiled,
+                                 args.steps, 3 if compiled else 2, peaks, save)
+            print(f"  {preset} compile={compiled}: " + ", ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            release()
+    print(f"written {write_result(name, result).relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

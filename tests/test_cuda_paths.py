@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,83 @@ def test_mfu_peak_is_the_form_factors_published_dense_bf16_figure(name, tflops):
     from octfw.engine.throughput import published_peak
 
     assert published_peak(name) == (None if tflops is None else tflops * 1e12)
+
+
+class _DeviceTensorsFromPython(torch.overrides.TorchFunctionMode):
+    """Notes every tensor octfw's code makes from Python data with an explicit device: on CUDA
+    each is a copy from pageable host memory that makes the host wait
+    (``torch.tensor(0.99, device=cuda)``). torch's own code is left to the CUDA check (its
+    CPU AdamW makes host step counts, which never touch a device)."""
+
+    FACTORIES = {torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.Tensor.new_tensor}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else None)
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if (func in self.FACTORIES and kwargs.get("device") is not None and not torch.is_tensor(data)
+                and caller.startswith("octfw")):
+            self.calls.append(f"{func.__name__}({data!r}, device={kwargs['device']})")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_steps_never_make_the_host_wait_for_the_device(tiny_recipe, device):
+    """The whole update step, from the real loader (pinned, non-blocking) through the guards,
+    GatedAdamW and the EMA: no tensor from a Python number on the device (checked everywhere)
+    and, on CUDA, no host-device synchronisation at all (``set_sync_debug_mode("error")``
+    raises at the first)."""
+    trainer = make_trainer(tiny_recipe, device, "engine.precision=bf16", "engine.log_every_steps=1000",
+                           "engine.num_workers=1", 'scheduler={name="cosine-no-restart", warmup=2}',
+                           'guard=[{name="nan-skip"}, {name="grad-clip", max_norm=1.0}, {name="lr-positive"}]')
+    for update_step in range(2):  # warm-up: the first step records the attention kernel, lazily built state
+        trainer.update(update_step)
+    made = _DeviceTensorsFromPython()
+    with made:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for update_step in range(2, 6):
+                trainer.update(update_step)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    assert made.calls == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flip_prob", [0.0, 1.0])
+def test_a_volume_both_views_share_travels_once_from_pinned_memory(tiny_recipe, device, flip_prob):
+    from octfw.engine.data import SampleSource, make_loader
+
+    trainer = make_trainer(tiny_recipe, device, f"transform.flip_prob={flip_prob}")
+    parts = trainer.parts
+    source = SampleSource(parts.dataset, parts.transform, 0, parts.domains)
+    loader = make_loader(source, 2, seed=0, start=0, num_workers=1, pin_memory=device == "cuda")
+    host = next(iter(loader))
+    shared = flip_prob == 0.0
+    assert host["aliases"] == ({"target": "context"} if shared else {})
+    assert ("target" in host["tensors"]) is not shared
+    if device == "cuda":
+        assert all(t.is_pinned() for t in host["tensors"].values())
+    (batch,) = itertools.islice(trainer.backend.device_batches([host]), 1)
+    views = batch["tensors"]
+    assert (views["target"] is views["context"]) is shared
+    assert views["context"].device.type == device and views["context"].dtype == torch.float32
+    trainer.update(0)  # the model takes the batch as the engine hands it
+
+
+def test_the_run_summary_names_the_attention_kernel_that_ran(tiny_recipe):
+    from octfw.engine.trainer import train
+    from octfw.recipe import load_recipe as load
+
+    registry = load_registry()
+    recipe = load(tiny_recipe, ["run.max_steps=1"], registry)
+    summary = train(recipe, registry, create_run_dir(recipe, registry))
+    # CPU fp32 at 8 tokens: PyTorch's flash kernel for the CPU runs it.
+    assert summary.attention == "flash"

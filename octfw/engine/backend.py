@@ -15,7 +15,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import attrs
 import torch
 
-from octfw.engine.data import float_views
+from octfw.engine.attention import kernel_priority, priority_context
+from octfw.engine.data import float_views, with_aliases
 from octfw.engine.distributed import BatchLayout, Processes, layout_for
 from octfw.errors import UserError
 from octfw.types import DOMAIN_ID_KEY
@@ -53,6 +54,9 @@ class Backend:
     world_size: int = 1  #: number of data-parallel processes
     local_devices: int = 1  #: devices this process drives (SPMD); 1 otherwise
     mesh: Any = None  #: the SPMD device mesh, one axis "data"; None without SPMD
+    #: the attention kernels tried first, in order (:func:`~octfw.engine.attention.kernel_priority`);
+    #: empty: torch's own order
+    attention_priority: tuple[str, ...] = ()
 
     @property
     def is_main_process(self) -> bool:
@@ -96,10 +100,14 @@ class Backend:
                                      minibatch=self.world_size > 1)
                 for key, ndim in BATCH_NDIMS.items()}
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision != "bf16":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.kind, dtype=torch.bfloat16)
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Around a model's forward: bf16 autocast where the precision asks for it, and the
+        attention kernels this device tries first."""
+        stack = contextlib.ExitStack()
+        if self.precision == "bf16":
+            stack.enter_context(torch.autocast(device_type=self.kind, dtype=torch.bfloat16))
+        stack.enter_context(priority_context(self.attention_priority))
+        return stack
 
     def device_batches(self, loader: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
         """Batches with their tensors on the device. On xla through the parallel
@@ -107,10 +115,10 @@ class Backend:
         if self.kind == "xla":
             yield from self._xla_batches(loader)
             return
-        non_blocking = self.kind == "cuda"
+        non_blocking = self.kind == "cuda"  # from the loader's pinned memory: the copy overlaps compute
         for batch in loader:
             tensors = {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch["tensors"].items()}
-            yield {**batch, "tensors": float_views(tensors)}
+            yield {**batch, "tensors": with_aliases(float_views(tensors), batch["aliases"])}
 
     def _xla_batches(self, loader: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
         # The parallel loader moves only tensors; provenance travels beside it
@@ -124,7 +132,8 @@ class Backend:
         def tensors_only() -> Iterator[dict[str, torch.Tensor]]:
             for batch in loader:
                 host_parts.append({k: v for k, v in batch.items() if k != "tensors"})
-                yield batch["tensors"]
+                # Every input whole: the sharding specification names each key.
+                yield with_aliases(batch["tensors"], batch["aliases"])
 
         sharding = self.input_sharding()
         # The loader would cut the graph (torch_xla.sync) before every batch it
@@ -155,7 +164,10 @@ class Backend:
             # (XLA_NO_SPECIAL_SCALARS=1 would do it process-wide, also for
             # literals such as add's alpha=1 that XLA folds away today.)
             return torch.tensor([value], dtype=torch.float32, device=self.device).reshape(())
-        return torch.tensor(value, dtype=torch.float32, device=self.device)
+        # Filled on the device by a kernel that takes the value as an argument: no copy from
+        # the host, so no host-device synchronisation (torch.tensor(value, device=cuda) copies
+        # from pageable memory and waits for it).
+        return torch.full((), value, dtype=torch.float32, device=self.device)
 
     def read(self, values: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Device tensors to host values in one transfer: a float per scalar,
@@ -231,7 +243,8 @@ def select_backend(processes: Processes, precision: str, compile: bool = False) 
     if processes.kind == "xla":
         return _xla_backend(precision, processes)
     return Backend(kind=processes.kind, device=processes.device, precision=precision,
-                   rank=processes.rank, world_size=processes.world_size)
+                   rank=processes.rank, world_size=processes.world_size,
+                   attention_priority=kernel_priority(processes.device))
 
 
 def single_process_backend(requested: str, precision: str, compile: bool = False) -> Backend:

@@ -26,11 +26,13 @@ batch holds the same samples whatever ``W`` is (:class:`EpochOrder`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -39,6 +41,7 @@ import torch
 
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, UINT8_SCALE, Dataset, Provenance, Transform, bytes_to_intensity
+from octfw.storage.failures import format_bytes
 from octfw.tables import counted
 
 __all__ = [
@@ -256,18 +259,36 @@ def float_views(tensors: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def collate_float_views(items: list[dict[str, Any]]) -> dict[str, Any]:
+def collate_float_views(items: list[dict[str, Any]], share_views: bool = False) -> dict[str, Any]:
     """:func:`collate`, with uint8 views converted to float32 in the loader (for the cpu
     device, where the training process has no device to do it on). Each sample's views are
     converted before the stacking, so in a worker the float32 batch is stacked straight into
     shared memory, not converted afterwards and copied there."""
-    return collate([{**item, "arrays": float_views(item["arrays"])} for item in items])
+    converted = []
+    for item in items:
+        arrays = item["arrays"]
+        floats = float_views(arrays)
+        if share_views and _same_array(arrays.get(VIEW_KEYS[0]), arrays.get(VIEW_KEYS[1])):
+            floats[VIEW_KEYS[1]] = floats[VIEW_KEYS[0]]  # converted once, still one volume
+        converted.append({**item, "arrays": floats})
+    return collate(converted, share_views)
 
 
-def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack arrays into tensors; keep provenance and quarantine records on the host."""
+def collate(items: list[dict[str, Any]], share_views: bool = False) -> dict[str, Any]:
+    """Stack arrays into tensors; keep provenance and quarantine records on the host.
+
+    ``share_views``: where every sample's target view is its context view (nothing
+    augments them), the batch carries the volume once: ``tensors`` lacks the target
+    and ``aliases`` maps it to the context, restored after the transfer to the device
+    (:func:`with_aliases`). Half the shared memory, pinned memory and copy bytes."""
+    context, target = VIEW_KEYS
+    shared = share_views and all(_same_array(item["arrays"].get(context), item["arrays"].get(target))
+                                 for item in items)
+    aliases = {target: context} if shared else {}
     tensors = {}
     for key in (*BATCH_KEYS, DOMAIN_ID_KEY):
+        if key in aliases:
+            continue
         try:
             arrays = [np.asarray(item["arrays"][key]) for item in items]
         except KeyError:
@@ -278,9 +299,23 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         tensors[key] = _stack(arrays)
     return {
         "tensors": tensors,
+        "aliases": aliases,
         "provenance": [item["provenance"] for item in items],
         "quarantined": [q for item in items for q in item["quarantined"]],
     }
+
+
+def with_aliases(tensors: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """The batch's tensors with each aliased key pointing at the tensor it shares (see :func:`collate`)."""
+    return {**tensors, **{key: tensors[source] for key, source in aliases.items()}}
+
+
+def _same_array(a: Any, b: Any) -> bool:
+    """Whether two arrays are views of the same memory with the same layout (the same volume)."""
+    if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+        return False
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype)
 
 
 def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
@@ -299,7 +334,8 @@ def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
 
 def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
                 num_workers: int, rank: int = 0, world_size: int = 1,
-                domain_sampling: str = "natural", views_to_device: bool = True) -> torch.utils.data.DataLoader:
+                domain_sampling: str = "natural", views_to_device: bool = True,
+                pin_memory: bool = False) -> torch.utils.data.DataLoader:
     """This process's batches of ``source``, from its sample ``start`` on.
 
     ``start`` counts the samples this process has loaded so far (the
@@ -317,7 +353,15 @@ def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
 
     ``views_to_device``: uint8 views stay bytes until the device converts them
     (:func:`float_views`, four times fewer bytes to move); False converts them
-    in the loader, for the cpu device.
+    in the loader, for the cpu device. A volume both views share travels once
+    (:func:`collate`'s ``share_views``).
+
+    ``pin_memory``: batches are copied into page-locked memory by the loader's
+    pinning thread, so the copy to a CUDA device runs asynchronously
+    (``non_blocking``) while the device computes.
+
+    Each worker keeps ``prefetch_factor`` (2) batches ready in shared memory:
+    :func:`loader_shared_memory` says how much that is, and the trainer logs it.
     """
     position = start * world_size
     if domain_sampling == "balanced":
@@ -335,11 +379,47 @@ def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
         source,
         batch_size=batch_size,
         sampler=order,
-        collate_fn=collate if views_to_device else collate_float_views,
+        collate_fn=functools.partial(collate if views_to_device else collate_float_views, share_views=True),
         num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=PREFETCH_BATCHES if num_workers > 0 else None,
         persistent_workers=num_workers > 0,
         drop_last=True,
     )
+
+
+#: Batches each loader worker keeps ready (torch's default): the loader's shared memory is
+#: workers x this x one batch (:func:`loader_shared_memory`).
+PREFETCH_BATCHES = 2
+
+
+def loader_shared_memory(num_workers: int, batch_bytes: int) -> int:
+    """Shared memory the loader's ready batches hold at most: each worker's prefetched batches,
+    plus one the training process still holds while the next arrives."""
+    return (num_workers * PREFETCH_BATCHES + 1) * batch_bytes if num_workers > 0 else 0
+
+
+def stating_shared_memory(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, Any]]:
+    """``loader``'s batches; at the first, a log line saying how much shared memory the ready
+    batches hold (a warning where /dev/shm has less room: a worker would die with a bus error)."""
+    batches = iter(loader)
+    first = next(batches)
+    batch_bytes = sum(t.numel() * t.element_size() for t in first["tensors"].values())
+    held = loader_shared_memory(loader.num_workers, batch_bytes)
+    if held:
+        line = (f"data loader: {counted(loader.num_workers, 'worker')} x {PREFETCH_BATCHES} ready batches of "
+                f"{format_bytes(batch_bytes)} hold up to {format_bytes(held)} of shared memory")
+        try:
+            room = shutil.disk_usage("/dev/shm").total
+        except OSError:
+            room = None
+        if room is not None and held > room:
+            logger.warning("%s, more than /dev/shm's %s: lower engine.num_workers or "
+                           "engine.per_device_batch, or enlarge /dev/shm", line, format_bytes(room))
+        else:
+            logger.info(line)
+    yield first
+    yield from batches
 
 
 #: At most this many workers when derived from the machine: beyond it a TPU host's 240 vCPUs

@@ -32,11 +32,12 @@ import attrs
 import numpy as np
 import torch
 
+from octfw.engine.attention import record_attention
 from octfw.engine.backend import Backend, select_backend, single_process_backend
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
 from octfw.engine.data import (Quarantine, SampleSource, domain_report, loader_workers, make_loader,
-                               provenance_record)
+                               provenance_record, stating_shared_memory)
 from octfw.engine.distributed import (Peers, PeerLost, Processes, all_reduce_, min_across_ranks,
                                      step_time)
 from octfw.engine.heartbeat import Heartbeat
@@ -98,6 +99,9 @@ class RunSummary:
     #: the share of the run's time spent waiting on the data loader (0: never starved; near 1:
     #: the loader is the bottleneck, give it workers: engine.num_workers, octfw bench --data-only)
     data_wait_share: float | None = None
+    #: the scaled-dot-product attention kernel(s) the model's attention ran ("cudnn", "flash",
+    #: "efficient", "math"), seen in the first update step; None: compiled or no attention
+    attention: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
@@ -241,8 +245,8 @@ class Trainer:
                              recipe.run.seed, self.samples_done,
                              self.loader_workers[0], backend.rank, backend.world_size,
                              domain_sampling=recipe.engine.domain_sampling,
-                             views_to_device=backend.kind != "cpu")
-        self.batches = iter(backend.device_batches(loader))
+                             views_to_device=backend.kind != "cpu", pin_memory=backend.kind == "cuda")
+        self.batches = iter(backend.device_batches(stating_shared_memory(loader)))
         writes = run_dir if backend.is_main_process else None  # only rank 0 writes files
         self.quarantine, self.guard_log = Quarantine(writes), GuardLog(writes)
         self.totals = DeviceTotals(backend.device, len(parts.domains))
@@ -270,6 +274,7 @@ class Trainer:
             backend.kind, backend.device, recipe.engine.peak_flops_per_device)
         self.flops_per_sample: int | None = None  # counted once, on meta tensors, at the first log
         self._batch_shapes: Any = None
+        self.attention_kernels: str | None = None  # seen in the first eager micro-step
 
     def _resume_location(self, resume: str | None) -> tuple[str | None, str | None]:
         """(the fallback copy to continue, or None; the checkpoint to load, or None), decided by
@@ -359,11 +364,16 @@ class Trainer:
             last_micro = micro == accum - 1
             # DDP all-reduces gradients on the last micro-step only.
             sync = self.forward.no_sync() if backend.ddp and not last_micro else contextlib.nullcontext()
-            with sync:
-                with backend.autocast():
+            # The attention kernel that really ran, named in the summary: seen in the run's first
+            # eager micro-step (a dispatch mode, too slow to keep on; compiled code is not watched).
+            first = update_step == self.start_step and micro == 0 and not engine.compile
+            with sync, (record_attention() if first else contextlib.nullcontext()) as seen:
+                with backend.forward_context():
                     out: ModelOutput = self.forward(batch["tensors"])
                 (out.loss / accum).backward()
             step_loss += out.loss.detach().float() / accum
+            if seen is not None:
+                self.attention_kernels = ", ".join(sorted(seen.kernels)) or None
             if update_step == self.start_step and micro == 0:
                 self._announce_step_time(time.perf_counter() - wait_started)
             self._add_domain_losses(out, batch["tensors"][DOMAIN_ID_KEY])
@@ -697,7 +707,7 @@ class Trainer:
             fallback_checkpoint=fallback, encoder=encoder, peer_lost=peer_lost,
             data_wait_share=round(min(self._data_wait_total_s / elapsed, 1.0), 4) if elapsed > 0 else None,
             quarantined=len(self.quarantine), stopped=stopped, finished_early=finished_early,
-            device=self.device_name,
+            device=self.device_name, attention=self.attention_kernels,
             mfu=mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count),
         )
         if self.backend.is_main_process:

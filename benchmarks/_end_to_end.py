@@ -1,0 +1,148 @@
+"""The accelerator suite's end-to-end mode: what a user's run gets, loader included.
+
+``octfw prepare`` (the real command, in a subprocess) writes a synthetic
+cohort into a uint8 zarr store at the measured size; the real Trainer then
+streams it with its own loader (``prepared`` dataset, ``engine.num_workers``
+workers, pinned memory, views converted on the device) into the update step.
+The same trainer, after its timed steps, repeats one of those batches from
+the device: the batch-on-device figure, so the ratio of the two is the
+loader's cost and nothing else (same model, same compiled graph, same batch).
+
+Per configuration (preset x compile) it records samples/s end to end and on
+the device, the share of the timed steps spent waiting on the loader, MFU
+against the published peak and a matmul measured in this process, peak
+device memory against ``octfw check``'s estimate for that batch, and the
+attention kernel that ran.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from _common import ROOT, make_trainer
+
+RECIPE = ROOT / "recipes" / "quickstart.toml"
+
+
+def prepare_store(folder: Path, image_size: list[int], volumes: int, workers: int) -> tuple[Path, float]:
+    """A uint8 prepared store of ``volumes`` synthetic volumes at ``image_size``; its path and
+    the seconds ``octfw prepare`` took (cohort written first, then prepared)."""
+    store = folder / "store"
+    recipe = folder / "prepare.toml"
+    recipe.write_text(RECIPE.read_text(encoding="utf-8"), encoding="utf-8")
+    command = [sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", str(store), "--dtype", "uint8",
+               "--workers", str(workers), f"--set=dataset.n_volumes={volumes}",
+               f"--set=transform.image_size={json.dumps(image_size)}"]
+    started = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True)
+    return store, time.perf_counter() - started
+
+
+def _timed_steps(trainer, first_step: int, count: int) -> tuple[float, float]:
+    """(seconds, of which the host waited on the loader) for ``count`` update steps."""
+    trainer.backend.synchronize()
+    waited = trainer._data_wait_total_s
+    started = time.perf_counter()
+    for step in range(first_step, first_step + count):
+        trainer.update(step)
+    trainer.backend.synchronize()
+    return time.perf_counter() - started, trainer._data_wait_total_s - waited
+
+
+def end_to_end(store: Path, device: str, preset: str, image_size: list[int], batch: int, workers: int,
+               compiled: bool, steps: int, warm_up: int, peaks: dict[str, float | None],
+               on_result: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """One configuration, measured end to end and then batch-on-device, as described above."""
+    from octfw.diagnostics.attention import sdpa_call
+    from octfw.diagnostics.memory import estimate_memory
+    from octfw.models.flops import training_flops_per_sample
+
+    row: dict[str, Any] = {"preset": preset, "batch": batch, "workers": workers, "compile": compiled,
+                           "steps": steps}
+    trainer, _ = make_trainer(RECIPE, [
+        f"run.device={device}", 'dataset={name="prepared", path=' + json.dumps(str(store)) + "}",
+        f"transform.image_size={json.dumps(image_size)}", f"model.preset={preset}",
+        f"engine.per_device_batch={batch}", "engine.grad_accum_steps=1",
+        f"engine.precision={'bf16' if device == 'cuda' else 'fp32'}",
+        f"engine.num_workers={workers}", "engine.log_every_steps=1000000",
+        f"engine.compile={str(compiled).lower()}"], n_batches=None)
+    try:
+        started = time.perf_counter()
+        _timed_steps(trainer, 0, warm_up)  # compile, allocator growth, optimizer state, workers started
+        row["warm_up_s"] = time.perf_counter() - started
+        cuda = device == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        seconds, waited = _timed_steps(trainer, warm_up, steps)
+        row["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
+        row.update(end_to_end_s=seconds, samples_per_s=batch * steps / seconds, data_wait_share=waited / seconds)
+        on_result(row)
+        device_batch = next(trainer.batches)
+        trainer.batches = iter(lambda: device_batch, None)  # the same batch, from the device, forever
+        _timed_steps(trainer, warm_up + steps, 1)
+        seconds, _ = _timed_steps(trainer, warm_up + steps + 1, steps)
+        row.update(on_device_s=seconds, on_device_samples_per_s=batch * steps / seconds)
+        row["end_to_end_ratio"] = row["samples_per_s"] / row["on_device_samples_per_s"]
+        tensors = device_batch["tensors"]
+        flops = training_flops_per_sample(trainer.model, {k: v[:1] for k, v in tensors.items()})
+        row["flops_per_sample"] = flops
+        for name, peak in peaks.items():
+            row[f"mfu_{name}"] = flops * row["samples_per_s"] / peak if peak else None
+            row[f"mfu_on_device_{name}"] = flops * row["on_device_samples_per_s"] / peak if peak else None
+        row["estimate_bytes"] = estimate_memory(trainer.model, tensors, device=device).total
+        heads = trainer.model.encoder.blocks[0].attn.num_heads
+        width = trainer.model.encoder.blocks[0].attn.qkv.in_features
+        tokens = tensors["context_idx"].shape[1] + tensors["target_idx"].shape[1]
+        row["attention_kernel"] = trainer.attention_kernels or sdpa_call(
+            device, torch.bfloat16 if cuda else torch.float32, 1, heads, tokens, width // heads,
+            priority=trainer.backend.attention_priority).kernel
+    except torch.cuda.OutOfMemoryError as exc:
+        row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
+    finally:
+        del trainer
+    on_result(row)
+    return row
+
+
+def attention_kernels(heads: int, head_dim: int, tokens: int, repeats: int = 5) -> list[dict[str, Any]]:
+    """Each SDPA kernel alone at one size in bf16, forward and backward: the median milliseconds
+    and the largest output difference against the math kernel computed in fp32."""
+    import statistics
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    reference = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    rows = []
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
+        try:
+            with sdpa_kernel([backend]):
+                times = []
+                for _ in range(repeats + 1):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                    out.float().sum().backward()
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - started)
+            diff = (out.float() - reference).abs().max().item()
+            rows.append({"kernel": name, "ms_forward_backward": statistics.median(times[1:]) * 1e3,
+                         "max_abs_diff_vs_fp32_math": diff})
+        except RuntimeError as exc:  # the kernel does not take these inputs on this device
+            rows.append({"kernel": name, "error": str(exc).splitlines()[0][:200]})
+    return rows
+
+
+def scratch() -> Path:
+    return Path(tempfile.mkdtemp(prefix="octfw-e2e-"))
