@@ -1,8 +1,9 @@
 """The ``octfw`` command line: parse, dispatch to a command, report user mistakes.
 
 Each command is a module of :mod:`octfw.commands` with ``add_parser``; what a
-command does beyond parsing lives in :mod:`octfw.tools` or
-:mod:`octfw.engine`. User mistakes (bad recipe, missing file, unknown
+command does beyond parsing lives in the feature it serves (:mod:`octfw.engine`,
+:mod:`octfw.diagnostics`, :mod:`octfw.evaluation`, :mod:`octfw.encoder`, a
+component's package). User mistakes (bad recipe, missing file, unknown
 component) print one readable message per problem and exit with code 2;
 ``--debug`` shows the traceback. ``list``, ``show`` and recipe validation
 never import torch.

@@ -34,10 +34,10 @@ from octfw.formats import (CONFIG_FILE, EXPORT_FORMATS, FOLDER_FORMATS, FORMAT, 
                            encoder_info, is_new_or_empty, write_export)
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import Recipe, build_component
-from octfw.registry import Registry
+from octfw.registry import DISABLE_ENV, Registry
 from octfw.storage.files import write_atomically
 from octfw.tables import counted
-from octfw.types import BuildContext, Provenance, Sample
+from octfw.types import BuildContext, Provenance, RecognisingDatasetConfig, Sample
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
            "embed_to_csv", "find_checkpoint", "load_encoder", "open_volumes"]
@@ -213,29 +213,28 @@ def _download(repo_id: str, revision: str | None, options: Mapping[str, Any]) ->
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
-#: Suffixes of the raw vendor formats oct-converter reads (the ``oct-vendor`` dataset).
-VENDOR_SUFFIXES = (".e2e", ".fds", ".fda", ".img", ".oct")
-#: The file that marks a store written by ``octfw prepare`` (its header).
-PREPARED_HEADER = "prepared.json"
+#: What :func:`open_volumes` builds when no dataset recognises the location.
+DEFAULT_DATASET = "dicom"
 
 
 def open_volumes(location: str | Path, registry: Registry) -> Any:
     """The volumes at ``location`` as a dataset, built through the registry like a recipe's:
-    a store written by ``octfw prepare`` (``prepared``), a raw vendor file (``oct-vendor``),
-    else DICOM files, a folder, glob or manifest of them (``dicom``)."""
+    the dataset whose config recognises the location (:class:`~octfw.types.RecognisingDatasetConfig`:
+    a store written by ``octfw prepare``, a raw vendor file...), else DICOM files, a folder, glob or
+    manifest of them (:data:`DEFAULT_DATASET`)."""
     from octfw.storage.files import open_filesystem
 
     text = str(location)
     fs, root = open_filesystem(text, setting="embed")
-    if fs.exists(f"{root.rstrip('/')}/{PREPARED_HEADER}"):
-        name = "prepared"
-    elif Path(text).suffix.lower() in VENDOR_SUFFIXES:
-        name = "oct-vendor"
-    else:
-        name = "dicom"
+    names = [component.name for component in registry.by_stage("dataset")
+             if isinstance(component.config, RecognisingDatasetConfig) and component.config.recognises(fs, root)]
+    if len(names) > 1:
+        raise UserError(f"{location}: several datasets recognise it ({', '.join(names)}); "
+                        f"block the plugins you do not want with {DISABLE_ENV}")
     local = text if "://" in text else str(Path(text).absolute())
     ctx = BuildContext(recipe_dir=Path.cwd(), cache_dir=Path.cwd(), run_dir=None, seed=0, registry=registry)
-    return build_component(registry, "dataset", {"name": name, "path": local}, ctx, str(location))
+    return build_component(registry, "dataset", {"name": names[0] if names else DEFAULT_DATASET, "path": local},
+                           ctx, str(location))
 
 
 def array_sample(volume: Any, spacing: Sequence[float] | None) -> Sample:

@@ -24,6 +24,7 @@ __all__ = [
     "Dataset",
     "SourcedDataset",
     "TransformCheckingDataset",
+    "RecognisingDatasetConfig",
     "Transform",
     "PreparingTransform",
     "Schedule",
@@ -190,6 +191,24 @@ class TransformCheckingDataset(Dataset, Protocol):
     """
 
     def check_transform(self, transform: Any) -> None: ...
+
+
+@runtime_checkable
+class RecognisingDatasetConfig(Protocol):
+    """Optional, on a dataset's **config class**: it recognises locations that hold its data.
+
+    ``octfw embed`` (:func:`octfw.encoder.open_volumes`) is given a location, not a
+    recipe: it builds the dataset whose config class recognises the location, with
+    ``path`` set to it (``prepared``: a folder holding a ``prepared.json`` header;
+    ``oct-vendor``: a file with a vendor suffix), else ``dicom``. ``recognises``
+    must be cheap: a look at the name, at most one small read such as an existence
+    check.
+    """
+
+    @classmethod
+    def recognises(cls, fs: Any, path: str) -> bool:
+        """Whether ``path`` on the fsspec filesystem ``fs`` holds this dataset's data."""
+        ...
 
 
 @runtime_checkable

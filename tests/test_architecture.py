@@ -3,11 +3,17 @@
 The contracts live in pyproject.toml ([tool.importlinter]); import-linter
 builds the import graph of the installed source (function-local imports
 included) and a backward import fails here, naming the chain.
+
+The lists of built-in components agree with ``octfw.registry.BUILTIN_PLUGINS``:
+the registering modules on disk, the import contracts, the component table of
+docs/architecture.md, README's Components table and the stage packages'
+docstrings.
 """
 
 from __future__ import annotations
 
 import logging.config
+import re
 from pathlib import Path
 
 from importlinter.cli import lint_imports
@@ -52,3 +58,152 @@ def test_validating_every_recipe_imports_no_heavy_package():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout
+
+
+# --- the lists of built-in components agree -------------------------------------------------
+#
+# octfw.registry.BUILTIN_PLUGINS is the source; every other list of the built-ins is checked
+# against it here, so a new built-in missing from one of them fails naming what is missing where.
+
+
+def _builtins() -> dict[str, str]:
+    """Each built-in plugin module -> its stage package (the package it sits in)."""
+    from octfw.registry import BUILTIN_PLUGINS
+
+    return {module: module.rpartition(".")[0] for module in BUILTIN_PLUGINS}
+
+
+def _is_within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_every_registering_module_on_disk_is_a_builtin_plugin_and_back():
+    """A module (or a package's ``__init__``) with an ``octfw_register_*`` hook is a component: it is listed."""
+    import importlib.util
+
+    hook = re.compile(r"^def octfw_register_\w+\(", re.MULTILINE)
+    on_disk = set()
+    for path in sorted((ROOT / "octfw").rglob("*.py")):
+        if path.name == "hookspecs.py" or not hook.search(path.read_text(encoding="utf-8")):
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        on_disk.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    listed = set(_builtins())
+    problems = [f"{module} registers components but is not in octfw.registry.BUILTIN_PLUGINS"
+                for module in sorted(on_disk - listed)]
+    problems += [f"{module} is in octfw.registry.BUILTIN_PLUGINS but "
+                 + ("does not exist" if importlib.util.find_spec(module) is None
+                    else "has no octfw_register_* hook")
+                 for module in sorted(listed - on_disk)]
+    assert not problems, "\n".join(problems)
+
+
+def _contracts() -> dict[str, dict]:
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "tool"]["importlinter"]["contracts"]
+    by_type = {contract["type"]: contract for contract in contracts}
+    assert sorted(by_type) == ["forbidden", "independence", "layers"], "one contract of each type expected"
+    return by_type
+
+
+def test_the_import_contracts_name_every_builtin_and_nothing_else():
+    contracts = _contracts()
+    forbidden = contracts["forbidden"]["forbidden_modules"]
+    independent = contracts["independence"]["modules"]
+    layered = [name.strip() for layer in contracts["layers"]["layers"] for name in layer.split("|")]
+    where = "pyproject.toml [tool.importlinter]"
+    problems = []
+    for module, stage_package in _builtins().items():
+        if not any(_is_within(module, entry) for entry in forbidden):
+            problems.append(f"{module}: not in the forbidden_modules of {where} "
+                            f"({contracts['forbidden']['name']!r})")
+        if stage_package not in independent:
+            problems.append(f"{module}: its stage package {stage_package} is not in the modules of {where} "
+                            f"({contracts['independence']['name']!r})")
+        top = ".".join(module.split(".")[:2])
+        if top not in layered:
+            problems.append(f"{module}: its package {top} is in no layer of {where}")
+    for entry in forbidden:
+        if not any(_is_within(module, entry) for module in _builtins()):
+            problems.append(f"{entry}: in the forbidden_modules of {where} but holds no built-in plugin")
+    for entry in independent:
+        if entry not in _builtins().values():
+            problems.append(f"{entry}: in the independence contract of {where} but holds no built-in plugin")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_architecture_table_lists_every_builtin_and_nothing_else():
+    """docs/architecture.md, "Where a component lives": one row per stage package."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Where a component lives", 1)[1].split("\n\n", 3)[2]
+    listed: dict[str, set[str]] = {}
+    for row in section.splitlines()[2:]:
+        _stage, package, components = (cell.strip() for cell in row.strip("|").split("|"))
+        # the components come first; a parenthesis after them names what they share
+        listed[package.strip("`")] = set(re.findall(r"`([^`]+)`", components.split("(")[0]))
+    problems = []
+    expected: dict[str, set[str]] = {}
+    for module, stage_package in _builtins().items():
+        package = stage_package.replace(".", "/") + "/"
+        name = module.rpartition(".")[2]
+        entry = f"{name}/" if (ROOT / module.replace(".", "/")).is_dir() else f"{name}.py"
+        expected.setdefault(package, set()).add(entry)
+        if package not in listed:
+            problems.append(f"{module}: docs/architecture.md's component table has no row for {package}")
+        elif entry not in listed[package]:
+            problems.append(f"{module}: `{entry}` is missing from the {package} row of "
+                            "docs/architecture.md's component table")
+    for package, entries in listed.items():
+        for entry in sorted(entries - expected.get(package, set())):
+            problems.append(f"docs/architecture.md's component table lists `{entry}` under {package}, "
+                            "which is not in octfw.registry.BUILTIN_PLUGINS")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readme_components_table_names_every_builtin_component():
+    """README.md, "Components": each registered built-in under its stage, and nothing else."""
+    from octfw.registry import load_registry
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Components", 1)[1].split("\n\n", 2)[1]
+    listed = {}
+    for row in section.splitlines()[2:]:
+        stage, names, _guarantees = (cell.strip() for cell in row.strip("|").split("|", 2))
+        listed[stage] = set(re.findall(r"`([^`]+)`", names))
+    registered: dict[str, set[str]] = {}
+    for component in load_registry(builtins=None, entry_points=[]).by_stage():
+        registered.setdefault(component.stage, set()).add(component.name)
+    problems = [f"{stage} {name!r}: missing from README.md's Components table"
+                for stage, names in registered.items() for name in sorted(names - listed.get(stage, set()))]
+    problems += [f"README.md's Components table lists {stage} {name!r}, which no built-in registers"
+                 for stage, names in listed.items() for name in sorted(names - registered.get(stage, set()))]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_stage_package_docstring_that_lists_its_builtins_lists_them_all():
+    """``octfw/data/__init__.py`` and its siblings: a list of the components there is complete.
+
+    A built-in counts as named by its module (``octfw.data.phantom``) or by a component name
+    it registers in double backticks (````phantom-oct````).
+    """
+    import importlib
+
+    from octfw.registry import load_registry
+
+    names: dict[str, set[str]] = {}
+    for component in load_registry(builtins=None, entry_points=[]).by_stage():
+        names.setdefault(component.plugin, set()).add(component.name)
+    by_package: dict[str, list[str]] = {}
+    for module, stage_package in _builtins().items():
+        by_package.setdefault(stage_package, []).append(module)
+    problems = []
+    for stage_package, modules in sorted(by_package.items()):
+        doc = importlib.import_module(stage_package).__doc__ or ""
+        named = {module: module in doc or any(f"``{name}``" in doc for name in names.get(module, ()))
+                 for module in modules}
+        if any(named.values()):
+            problems += [f"{module}: missing from the docstring of {stage_package} (which lists its siblings)"
+                         for module, ok in named.items() if not ok]
+    assert not problems, "\n".join(problems)

@@ -201,3 +201,55 @@ def test_from_pretrained_names_a_repository_it_cannot_find(tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(UserError, match="octfw/missing: no such folder, and not found on the Hugging Face Hub"):
         PretrainedEncoder.from_pretrained("octfw/missing")
+
+
+def test_a_location_is_opened_by_the_dataset_whose_config_recognises_it(tmp_path, monkeypatch):
+    """open_volumes asks each dataset's config (RecognisingDatasetConfig), a third party's too; none: dicom."""
+    import importlib.metadata as metadata
+    import sys
+    import types
+
+    import attrs
+    import fsspec
+
+    from octfw.data.prepared.config import PreparedConfig
+    from octfw.data.prepared.store import HEADER_FILE
+    from octfw.data.vendor.config import OctVendorConfig
+    from octfw.encoder import open_volumes
+    from octfw.hookspecs import hookimpl
+    from octfw.registry import DISABLE_ENV, load_registry
+
+    fs = fsspec.filesystem("file")
+    (tmp_path / "store").mkdir()
+    assert not PreparedConfig.recognises(fs, str(tmp_path / "store"))
+    (tmp_path / "store" / HEADER_FILE).write_text("{}")
+    assert PreparedConfig.recognises(fs, str(tmp_path / "store"))
+    assert OctVendorConfig.recognises(fs, "bucket/scans/eye.E2E")
+    assert not OctVendorConfig.recognises(fs, "bucket/scans/eye.dcm")
+
+    @attrs.frozen
+    class ProbeConfig:
+        path: str
+
+        @classmethod
+        def recognises(cls, fs, path: str) -> bool:
+            return path.endswith(".probe")
+
+    class Probe:
+        @hookimpl
+        def octfw_register_datasets(self, register):
+            register("probe-volumes", ProbeConfig, lambda config, ctx: ("probe", str(config.path)), "probe")
+
+    module = types.ModuleType("plug_probe_volumes")
+    module.plugin = Probe()
+    monkeypatch.setitem(sys.modules, "plug_probe_volumes", module)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    entry_point = metadata.EntryPoint(name="plug_probe_volumes", value="plug_probe_volumes:plugin", group="octfw")
+    registry = load_registry(entry_points=[entry_point])
+    assert open_volumes(tmp_path / "eye.probe", registry) == ("probe", str(tmp_path / "eye.probe"))
+    with pytest.raises(UserError, match="no DICOM files in"):  # without the prepared dataset: dicom
+        open_volumes(tmp_path / "store", load_registry(builtins=["octfw.data.dicom"], entry_points=[]))
+    (tmp_path / "eye.e2e.probe").mkdir()
+    (tmp_path / "eye.e2e.probe" / HEADER_FILE).write_text("{}")
+    with pytest.raises(UserError, match=r"several datasets recognise it \(prepared, probe-volumes\)"):
+        open_volumes(tmp_path / "eye.e2e.probe", registry)

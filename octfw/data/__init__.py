@@ -8,6 +8,9 @@ factory and registration:
   manifest; the DICOM reader the others build on.
 - :mod:`octfw.data.synthetic`: a synthetic multi-vendor cohort written as
   DICOM.
+- :mod:`octfw.data.phantom`: two more synthetic families written as DICOM
+  (``tuning``: drusen; ``held-out``: intraretinal cysts), drawn by code that
+  shares nothing with ``synthetic`` but the DICOM writer.
 - :mod:`octfw.data.vendor`: raw vendor files through oct-converter.
 - :mod:`octfw.data.prepared`: the zarr store ``octfw prepare`` writes on a
   Dask cluster, and its streaming reader.

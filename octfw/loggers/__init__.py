@@ -1,3 +1,3 @@
-"""Loggers (recipe tables ``[[logger]]``): ``console``, ``jsonl`` and
-``wandb``. One module per logger holds its config, its code and its
-registration."""
+"""Loggers (recipe tables ``[[logger]]``): ``console``, ``jsonl``, ``wandb``
+and ``tensorboard``. One module per logger holds its config, its code and
+its registration."""

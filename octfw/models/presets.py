@@ -1,22 +1,28 @@
 """What the configs and factories of models on the ViT3D encoder share (light: no torch).
 
 A model's config adds its own head sizes (the ``vjepa3d`` predictor, the
-``mae3d`` decoder) to :data:`ENCODER_PRESETS` under the same names, so
-``preset = "small"`` gives the same exported encoder whichever model trained
-it. :func:`resolve_sizes` applies a config's explicit fields over its preset;
-:func:`patch_geometry` checks a factory's image and patch sizes.
+``mae3d`` decoder) to :data:`ENCODER_PRESETS` under the same names
+(:func:`model_presets`), so ``preset = "small"`` gives the same exported
+encoder whichever model trained it. A config subclasses :class:`PresetSized`
+for ``architecture()`` (:func:`resolve_sizes`: its explicit fields over its
+preset, checked when the config is made), its ``Architecture`` subclasses
+:class:`EncoderArchitecture`, and its factory passes
+:func:`network_arguments` (which checks the image and patch sizes) to the
+network. Each model's own fields, presets and texts stay in its package.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import attrs
 
 from octfw.errors import UserError
-from octfw.fields import doc, positive
+from octfw.fields import doc, length, positive
 
-__all__ = ["ENCODER_PRESETS", "resolve_sizes", "size_field", "positive_each", "patch_geometry"]
+__all__ = ["ENCODER_PRESETS", "EncoderArchitecture", "PresetSized", "model_presets", "describe_presets",
+           "resolve_sizes", "size_field", "patch_size_field", "positive_each", "patch_geometry",
+           "network_arguments"]
 
 #: Encoder sizes by preset name: 'tiny' for the CPU quickstart, 'small' the
 #: seeds' encoder (ViT-S width), 'base' ViT-B.
@@ -25,6 +31,63 @@ ENCODER_PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
     "base": dict(embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0),
 }
+
+
+def model_presets(head_presets: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A model's network sizes by preset name: each encoder preset with the head sizes of the same name."""
+    return {name: {**encoder, **head_presets[name]} for name, encoder in ENCODER_PRESETS.items()}
+
+
+def describe_presets(presets: Mapping[str, Mapping[str, Any]], parameters: Mapping[str, tuple[int, int]],
+                     head: str | None = None) -> str:
+    """Each preset's sizes and parameter counts (trainable, exported encoder), as a ``preset`` doc shows
+    them; ``head`` (``"decoder"``) adds that head's width and depth."""
+    def sizes(name: str, p: Mapping[str, Any]) -> str:
+        text = f"'{name}': width {p['embed_dim']}, depth {p['depth']}, {p['num_heads']} heads, "
+        if head is not None:
+            text += f"{head} width {p[f'{head}_embed_dim']}, depth {p[f'{head}_depth']}, "
+        trainable, encoder = parameters[name]
+        return text + f"{trainable / 1e6:.1f}M trainable, encoder {encoder / 1e6:.1f}M"
+
+    return "; ".join(sizes(name, p) for name, p in presets.items())
+
+
+@attrs.frozen
+class EncoderArchitecture:
+    """The encoder's resolved sizes; a model's ``Architecture`` adds its head's."""
+
+    embed_dim: int
+    depth: int
+    num_heads: int
+    mlp_ratio: float
+
+
+class PresetSized:
+    """Base of a model config with a ``preset`` and optional size fields that override it.
+
+    A subclass sets :attr:`PRESETS`, :attr:`ARCHITECTURE` and :attr:`WIDTH_HEADS`.
+    The sizes are resolved when the config is made, so that recipe validation
+    catches a bad combination without building (or importing) anything.
+    """
+
+    __slots__ = ()
+
+    #: Network sizes by preset name (:func:`model_presets`).
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]]
+    #: The attrs class :meth:`architecture` returns.
+    ARCHITECTURE: ClassVar[type]
+    #: ``(width, heads)`` pairs of field names whose width the heads must split.
+    WIDTH_HEADS: ClassVar[tuple[tuple[str, str], ...]]
+
+    preset: str
+
+    def __attrs_post_init__(self) -> None:
+        self.architecture()
+
+    def architecture(self) -> Any:
+        """The preset overridden by every explicit field; raises ValueError
+        for widths that heads or the sin-cos position embedding cannot split."""
+        return self.ARCHITECTURE(**resolve_sizes(self, self.PRESETS[self.preset], self.WIDTH_HEADS))
 
 
 def resolve_sizes(config: Any, preset: Mapping[str, Any],
@@ -52,6 +115,12 @@ def resolve_sizes(config: Any, preset: Mapping[str, Any],
 def size_field(text: str) -> Any:
     """An optional positive config field that overrides the preset's value."""
     return doc(f"{text} (default: from preset)", default=None, validator=positive)
+
+
+def patch_size_field() -> Any:
+    """The ``patch_size`` config field: [pd, ph, pw] voxels, (4, 16, 16) by default."""
+    return doc("patch size [pd, ph, pw] in voxels; image_size must be divisible by it",
+               default=(4, 16, 16), converter=tuple, validator=[length(3), positive_each])
 
 
 def positive_each(instance: Any, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
@@ -84,3 +153,13 @@ def patch_geometry(model: str, patch_size: tuple[int, int, int],
             f"but model.patch_size = {list(patch_size)}"
         )
     return image_size, patch_size
+
+
+def network_arguments(model: str, config: Any, ctx: Any) -> dict[str, Any]:
+    """The constructor arguments every network on the encoder takes: ``image_size``, ``patch_size``
+    (checked by :func:`patch_geometry`), ``in_channels``, ``activation_checkpointing`` and the
+    resolved sizes of ``config`` (a :class:`PresetSized`); the model adds its own."""
+    image_size, patch_size = patch_geometry(model, config.patch_size, ctx)
+    return dict(image_size=image_size, patch_size=patch_size, in_channels=ctx.in_channels,
+                activation_checkpointing=config.activation_checkpointing,
+                **attrs.asdict(config.architecture()))

@@ -29,11 +29,12 @@ from octfw.errors import UserError
 from octfw.fields import Location
 
 __all__ = [
-    "Data", "is_local", "local_path", "is_local_filesystem", "require_driver",
+    "GCS_PROTOCOLS", "Data", "is_local", "local_path", "is_local_filesystem", "require_driver",
     "open_filesystem", "write_atomically", "require_writable_folder",
 ]
 
-_GCS_PROTOCOLS = ("gs", "gcs")
+#: URL schemes of Google Cloud Storage (gcsfs).
+GCS_PROTOCOLS = ("gs", "gcs")
 
 #: What :func:`write_atomically` writes: the bytes, or a function that writes
 #: them into a binary file (so a large ``torch.save`` streams to disk instead
@@ -72,7 +73,7 @@ def require_driver(url: str, setting: str | None = None) -> None:
     (no connection), so a component can call it when it is built rather than
     fail at its first write.
     """
-    if "://" in url and url.split("://", 1)[0] in _GCS_PROTOCOLS:
+    if "://" in url and url.split("://", 1)[0] in GCS_PROTOCOLS:
         try:
             import gcsfs  # noqa: F401 - only to learn whether it is installed
         except ImportError:

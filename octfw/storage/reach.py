@@ -19,13 +19,12 @@ import threading
 from urllib.parse import urlsplit
 
 from octfw.errors import UserError
+from octfw.storage.files import GCS_PROTOCOLS
 
 __all__ = ["TIMEOUT_S", "endpoint_of", "require_reachable", "unreachable"]
 
 #: Seconds one probe may take, name lookup included.
 TIMEOUT_S = 5.0
-
-_GCS_PROTOCOLS = ("gs", "gcs")
 
 
 def endpoint_of(url: str) -> tuple[str, str] | None:
@@ -36,7 +35,7 @@ def endpoint_of(url: str) -> tuple[str, str] | None:
     (an emulator; ``http://`` when it names no scheme) or Google's.
     """
     protocol = url.split("://", 1)[0] if "://" in url else ""
-    if protocol not in _GCS_PROTOCOLS:
+    if protocol not in GCS_PROTOCOLS:
         return None
     emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
     if emulator not in ("", "default"):

@@ -7,6 +7,8 @@ and holds the factory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from octfw.fields import Location, byte_size, doc
@@ -32,3 +34,10 @@ class PreparedConfig:
         default="20GiB",
         validator=byte_size,
     )
+
+    @classmethod
+    def recognises(cls, fs: Any, path: str) -> bool:
+        """A folder holding the header ``octfw prepare`` writes (:class:`octfw.types.RecognisingDatasetConfig`)."""
+        from octfw.data.prepared.store import HEADER_FILE
+
+        return fs.exists(f"{path.rstrip('/')}/{HEADER_FILE}")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from octfw.data.prepared.store import (
-    ARRAY_METADATA, CHUNK, VOLUMES, Header, IndexRow, decode_volume, join,
+    ARRAY_METADATA, CHUNK, HEADER_FILE, VOLUMES, Header, IndexRow, decode_volume, join,
     options_difference, read_snapshot,
 )
 from octfw.errors import CorruptFile, UserError
@@ -61,7 +61,7 @@ class PreparedDataset:
         location = str(location).rstrip("/")
         snapshot = read_snapshot(location)
         if snapshot is None:
-            raise UserError(f"dataset.path {location}: no prepared dataset there (no prepared.json); "
+            raise UserError(f"dataset.path {location}: no prepared dataset there (no {HEADER_FILE}); "
                             f"make one with `octfw prepare RECIPE --out {location}`")
         header, rows = snapshot
         if split is not None:

@@ -7,22 +7,36 @@ and holds the factory.
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 import attrs
 
 from octfw.fields import Location, choices, doc, length, positive
 
+__all__ = ["FORMATS", "VENDOR_EXTENSIONS", "DOMAIN_SOURCES", "OctVendorConfig"]
+
+#: File suffix -> (domain, oct-converter reader class, format name).
+FORMATS: dict[str, tuple[str, str, str]] = {
+    ".e2e": ("heidelberg", "E2E", "Heidelberg E2E"),
+    ".fds": ("topcon", "FDS", "Topcon FDS"),
+    ".fda": ("topcon", "FDA", "Topcon FDA"),
+    ".img": ("zeiss", "IMG", "Zeiss IMG"),
+    ".oct": ("bioptigen", "BOCT", "Bioptigen OCT"),
+}
+#: The suffixes of the raw vendor formats (lower case).
+VENDOR_EXTENSIONS: tuple[str, ...] = tuple(FORMATS)
+DOMAIN_SOURCES = ("format", "folder", "manifest")
+
 _each_positive = attrs.validators.deep_iterable(member_validator=positive)
 
 
 def _extensions(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
-    known = (".e2e", ".fds", ".fda", ".img", ".oct")
     if not value:
         raise ValueError("must list at least one extension")
-    unknown = [e for e in value if e.lower() not in known]
+    unknown = [e for e in value if e.lower() not in VENDOR_EXTENSIONS]
     if unknown:
-        raise ValueError(f"unknown vendor extensions {unknown!r}; known: {list(known)!r}")
+        raise ValueError(f"unknown vendor extensions {unknown!r}; known: {list(VENDOR_EXTENSIONS)!r}")
 
 
 @attrs.frozen
@@ -39,11 +53,11 @@ class OctVendorConfig:
         "Where a volume's domain comes from: 'format' (.e2e heidelberg, .fds/.fda topcon, "
         ".img zeiss, .oct bioptigen), 'folder' (the parent folder's name) or 'manifest'.",
         default="format",
-        validator=choices("format", "folder", "manifest"),
+        validator=choices(*DOMAIN_SOURCES),
     )
     extensions: tuple[str, ...] = doc(
         "File name endings a folder listing keeps (case-insensitive).",
-        default=(".e2e", ".fds", ".fda", ".img", ".oct"),
+        default=VENDOR_EXTENSIONS,
         validator=_extensions,
     )
     img_shape: tuple[int, int] = doc(
@@ -59,3 +73,8 @@ class OctVendorConfig:
         default=None,
         validator=attrs.validators.optional([length(3), _each_positive]),
     )
+
+    @classmethod
+    def recognises(cls, fs: Any, path: str) -> bool:
+        """A file with a vendor suffix (:class:`octfw.types.RecognisingDatasetConfig`)."""
+        return posixpath.splitext(path)[1].lower() in VENDOR_EXTENSIONS

@@ -45,6 +45,7 @@ import numpy as np
 
 from octfw.data.dicom.manifest import is_manifest, read_manifest
 from octfw.data.dicom.reader import UNKNOWN_DOMAIN, SpacingDefaulted
+from octfw.data.vendor.config import DOMAIN_SOURCES, FORMATS, VENDOR_EXTENSIONS
 from octfw.errors import CorruptFile, UserError
 from octfw.storage.files import is_local, local_path
 from octfw.types import Provenance, Sample
@@ -58,16 +59,6 @@ __all__ = [
     "VendorDataset",
 ]
 
-#: File suffix -> (domain, oct-converter reader class, format name).
-FORMATS: dict[str, tuple[str, str, str]] = {
-    ".e2e": ("heidelberg", "E2E", "Heidelberg E2E"),
-    ".fds": ("topcon", "FDS", "Topcon FDS"),
-    ".fda": ("topcon", "FDA", "Topcon FDA"),
-    ".img": ("zeiss", "IMG", "Zeiss IMG"),
-    ".oct": ("bioptigen", "BOCT", "Bioptigen OCT"),
-}
-VENDOR_EXTENSIONS: tuple[str, ...] = tuple(FORMATS)
-DOMAIN_SOURCES = ("format", "folder", "manifest")
 
 
 def require_oct_converter() -> Any:

@@ -9,29 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
 from octfw.hookspecs import Register, hookimpl
 from octfw.models.mae3d.config import PRESETS, Architecture, MAE3DConfig
-from octfw.models.presets import patch_geometry
+from octfw.models.presets import network_arguments
 
 __all__ = ["PRESETS", "Architecture", "MAE3DConfig", "build"]
 
 
 def build(config: MAE3DConfig, ctx: Any):
     """Make a :class:`octfw.models.mae3d.model.MAE3D` for ``ctx.image_size`` and ``ctx.in_channels``."""
-    image_size, patch_size = patch_geometry("mae3d", config.patch_size, ctx)
+    arguments = network_arguments("mae3d", config, ctx)  # checks the sizes before torch is imported
 
     from octfw.models.mae3d.model import MAE3D
 
-    return MAE3D(
-        image_size=image_size,
-        patch_size=patch_size,
-        in_channels=ctx.in_channels,
-        norm_pix_loss=config.norm_pix_loss,
-        activation_checkpointing=config.activation_checkpointing,
-        **attrs.asdict(config.architecture()),
-    )
+    return MAE3D(norm_pix_loss=config.norm_pix_loss, **arguments)
 
 
 @hookimpl

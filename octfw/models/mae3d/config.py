@@ -7,12 +7,13 @@ and holds the factory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-from octfw.fields import doc, choices, length, positive
-from octfw.models.presets import ENCODER_PRESETS, positive_each, resolve_sizes, size_field
+from octfw.fields import choices, doc, positive
+from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, model_presets,
+                                  patch_size_field, size_field)
 
 __all__ = ["PRESETS", "PRESET_PARAMETERS", "Architecture", "MAE3DConfig"]
 
@@ -28,9 +29,7 @@ DECODER_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 #: Network sizes by preset name: the encoder of the same vjepa3d preset and a decoder.
-PRESETS: dict[str, dict[str, Any]] = {
-    name: {**encoder, **DECODER_PRESETS[name]} for name, encoder in ENCODER_PRESETS.items()
-}
+PRESETS: dict[str, dict[str, Any]] = model_presets(DECODER_PRESETS)
 
 #: Parameters of each preset with one input channel and patch (4, 16, 16) (they do not
 #: depend on the image size: position embeddings are fixed sin-cos): trainable (encoder +
@@ -42,41 +41,30 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
 }
 
 
-def _preset_sizes() -> str:
-    return "; ".join(
-        f"'{name}': width {p['embed_dim']}, depth {p['depth']}, {p['num_heads']} heads, decoder width "
-        f"{p['decoder_embed_dim']}, depth {p['decoder_depth']}, "
-        f"{PRESET_PARAMETERS[name][0] / 1e6:.1f}M trainable, encoder {PRESET_PARAMETERS[name][1] / 1e6:.1f}M"
-        for name, p in PRESETS.items())
-
-
 @attrs.frozen
-class Architecture:
+class Architecture(EncoderArchitecture):
     """The resolved network sizes: the preset with explicit fields applied."""
 
-    embed_dim: int
-    depth: int
-    num_heads: int
     decoder_embed_dim: int
     decoder_depth: int
     decoder_num_heads: int
-    mlp_ratio: float
 
 
 @attrs.frozen
-class MAE3DConfig:
+class MAE3DConfig(PresetSized):
     """Masked autoencoder with a 3D ViT: the encoder sees the visible patches, a narrow
     decoder reconstructs the voxels of the masked ones."""
 
+    PRESETS: ClassVar = PRESETS
+    ARCHITECTURE: ClassVar = Architecture
+    WIDTH_HEADS: ClassVar = (("embed_dim", "num_heads"), ("decoder_embed_dim", "decoder_num_heads"))
+
     preset: str = doc(
         "network size; the encoder is vjepa3d's of the same name: 'tiny' (CPU), 'small', 'base'. "
-        f"{_preset_sizes()} (patch 4x16x16, one channel)",
+        f"{describe_presets(PRESETS, PRESET_PARAMETERS, 'decoder')} (patch 4x16x16, one channel)",
         default="small", validator=choices(*PRESETS),
     )
-    patch_size: tuple[int, int, int] = doc(
-        "patch size [pd, ph, pw] in voxels; image_size must be divisible by it",
-        default=(4, 16, 16), converter=tuple, validator=[length(3), positive_each],
-    )
+    patch_size: tuple[int, int, int] = patch_size_field()
     norm_pix_loss: bool = doc(
         "reconstruct each masked patch normalised by its own voxels' mean and std (MAE's "
         "norm_pix_loss, as RETFound, OCTCube and nnssl train): the loss then rewards texture and "
@@ -98,16 +86,3 @@ class MAE3DConfig:
         "them: much less activation memory for about one more forward pass of the encoder and decoder",
         default=False,
     )
-
-    def __attrs_post_init__(self) -> None:
-        # Checked here so that recipe validation catches a bad combination
-        # without building (or importing) anything.
-        self.architecture()
-
-    def architecture(self) -> Architecture:
-        """The preset overridden by every explicit field; raises ValueError
-        for widths that heads or the sin-cos position embedding cannot split."""
-        return Architecture(**resolve_sizes(
-            self, PRESETS[self.preset],
-            (("embed_dim", "num_heads"), ("decoder_embed_dim", "decoder_num_heads")),
-        ))

@@ -10,30 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
 from octfw.hookspecs import Register, hookimpl
-from octfw.models.presets import patch_geometry
+from octfw.models.presets import network_arguments
 from octfw.models.vjepa3d.config import PRESETS, LOSS_CHOICES, Architecture, VJEPA3DConfig
 
-__all__ = ['PRESETS', 'LOSS_CHOICES', 'Architecture', 'VJEPA3DConfig', 'build']
+__all__ = ["PRESETS", "LOSS_CHOICES", "Architecture", "VJEPA3DConfig", "build"]
 
 
 def build(config: VJEPA3DConfig, ctx: Any):
     """Make a :class:`octfw.models.vjepa3d.model.VJEPA3D` for ``ctx.image_size`` and ``ctx.in_channels``."""
-    image_size, patch_size = patch_geometry("vjepa3d", config.patch_size, ctx)
+    arguments = network_arguments("vjepa3d", config, ctx)  # checks the sizes before torch is imported
 
     from octfw.models.vjepa3d.model import VJEPA3D
 
-    arch = config.architecture()
-    return VJEPA3D(
-        image_size=image_size,
-        patch_size=patch_size,
-        in_channels=ctx.in_channels,
-        loss=config.loss,
-        activation_checkpointing=config.activation_checkpointing,
-        **attrs.asdict(arch),
-    )
+    return VJEPA3D(loss=config.loss, **arguments)
 
 
 @hookimpl

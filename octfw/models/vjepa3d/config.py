@@ -7,12 +7,13 @@ and holds the factory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-from octfw.fields import choices, doc, length, positive
-from octfw.models.presets import ENCODER_PRESETS, positive_each, resolve_sizes, size_field
+from octfw.fields import choices, doc, positive
+from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, model_presets,
+                                  patch_size_field, size_field)
 
 __all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
 
@@ -27,9 +28,7 @@ PREDICTOR_PRESETS: dict[str, dict[str, Any]] = {
 #: Network sizes by preset name. ``small`` is the seeds' V-JEPA3D: with one
 #: input channel and patch (4, 16, 16) it has 29,333,120 trainable parameters
 #: (context encoder + predictor), within 0.3% of the seeds' 29.4M.
-PRESETS: dict[str, dict[str, Any]] = {
-    name: {**encoder, **PREDICTOR_PRESETS[name]} for name, encoder in ENCODER_PRESETS.items()
-}
+PRESETS: dict[str, dict[str, Any]] = model_presets(PREDICTOR_PRESETS)
 
 #: Parameters of each preset with one input channel and patch (4, 16, 16) (they do not
 #: depend on the image size: position embeddings are fixed sin-cos): trainable (context
@@ -41,42 +40,32 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
 }
 
 
-def _preset_sizes() -> str:
-    return "; ".join(
-        f"'{name}': width {p['embed_dim']}, depth {p['depth']}, {p['num_heads']} heads, "
-        f"{PRESET_PARAMETERS[name][0] / 1e6:.1f}M trainable, encoder {PRESET_PARAMETERS[name][1] / 1e6:.1f}M"
-        for name, p in PRESETS.items())
-
-
 LOSS_CHOICES = ("l1", "mse", "nmse")
 
 
 @attrs.frozen
-class Architecture:
+class Architecture(EncoderArchitecture):
     """The resolved network sizes: the preset with explicit fields applied."""
 
-    embed_dim: int
-    depth: int
-    num_heads: int
     predictor_embed_dim: int
     predictor_depth: int
     predictor_num_heads: int
-    mlp_ratio: float
 
 
 @attrs.frozen
-class VJEPA3DConfig:
+class VJEPA3DConfig(PresetSized):
     """V-JEPA with a 3D ViT: context encoder, narrower predictor, EMA target encoder."""
+
+    PRESETS: ClassVar = PRESETS
+    ARCHITECTURE: ClassVar = Architecture
+    WIDTH_HEADS: ClassVar = (("embed_dim", "num_heads"), ("predictor_embed_dim", "predictor_num_heads"))
 
     preset: str = doc(
         "network size: 'tiny' (CPU quickstart), 'small' (the seeds' 29.4M model), 'base'. "
-        f"{_preset_sizes()} (patch 4x16x16, one channel)",
+        f"{describe_presets(PRESETS, PRESET_PARAMETERS)} (patch 4x16x16, one channel)",
         default="small", validator=choices(*PRESETS),
     )
-    patch_size: tuple[int, int, int] = doc(
-        "patch size [pd, ph, pw] in voxels; image_size must be divisible by it",
-        default=(4, 16, 16), converter=tuple, validator=[length(3), positive_each],
-    )
+    patch_size: tuple[int, int, int] = patch_size_field()
     loss: str = doc(
         "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
         default="l1", validator=choices(*LOSS_CHOICES),
@@ -96,16 +85,3 @@ class VJEPA3DConfig:
         "fits) for about one more forward pass of the context encoder and predictor",
         default=False,
     )
-
-    def __attrs_post_init__(self) -> None:
-        # Checked here so that recipe validation catches a bad combination
-        # without building (or importing) anything.
-        self.architecture()
-
-    def architecture(self) -> Architecture:
-        """The preset overridden by every explicit field; raises ValueError
-        for widths that heads or the sin-cos position embedding cannot split."""
-        return Architecture(**resolve_sizes(
-            self, PRESETS[self.preset],
-            (("embed_dim", "num_heads"), ("predictor_embed_dim", "predictor_num_heads")),
-        ))
