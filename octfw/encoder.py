@@ -12,10 +12,14 @@ a plain dict that ``torch.load(weights_only=True)`` reads:
 - ``state_dict``: the encoder weights (CPU tensors);
 - ``transform``: the recipe's ``[transform]`` table, for reference: inputs
   should be prepared the same way (spacing, intensity percentiles, size);
-- ``model``: the recipe's ``[model]`` table; ``checkpoint`` and
-  ``update_step``: where the weights come from; ``versions`` of the run.
+- ``model``: the recipe's ``[model]`` table; ``checkpoint`` (its file name,
+  never a local path), ``run`` (``<recipe>/<run folder>``) and
+  ``update_step``: where the weights come from; ``versions`` of the run;
+- ``license``, ``datasets`` and ``metrics`` (the run's evaluator results):
+  what the model card states.
 
-:func:`load_encoder` returns a :class:`PretrainedEncoder` in eval mode:
+Every other ``--format`` records the same ``info`` (:mod:`octfw.formats`).
+:func:`load_encoder` reads each of them and returns a :class:`PretrainedEncoder` in eval mode:
 ``encoder(volume)`` gives patch tokens ``[B, N, E]`` and
 ``encoder.pool(volume)`` one embedding ``[B, E]`` per volume.
 """
@@ -41,7 +45,7 @@ from octfw.tables import counted
 from octfw.types import BuildContext, Provenance, Sample
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
-           "embed_to_csv", "find_checkpoint", "load_encoder", "open_volumes"]
+           "embed_to_csv", "find_checkpoint", "is_export_path", "load_encoder", "open_volumes"]
 
 
 class PretrainedEncoder(nn.Module):
@@ -577,6 +581,12 @@ def _read_safetensors(folder: Path) -> dict[str, Any]:
     return {**info, "state_dict": state_dict} if isinstance(info, dict) else {}
 
 
+def is_export_path(path: Path) -> bool:
+    """Whether ``path`` is an encoder export known without loading it: a safetensors or MONAI
+    bundle folder, or a TorchScript file (an ``octfw`` file is told by its contents)."""
+    return is_export_folder(path) if path.is_dir() else path.is_file() and _is_torchscript(path)
+
+
 def _is_torchscript(path: Path) -> bool:
     """Whether ``path`` is a TorchScript archive (a zip holding ``constants.pkl`` and ``code/``),
     not a ``torch.save`` file (a zip holding ``data.pkl``)."""
@@ -599,7 +609,8 @@ def _read_torchscript(path: Path) -> dict[str, Any]:
     try:
         module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
     except RuntimeError as exc:
-        raise UserError(f"{path}: a TorchScript file that cannot be read ({str(exc).strip().splitlines()[0]})") from None
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"{path}: a TorchScript file that cannot be read ({first})") from None
     if not extra[CONFIG_FILE]:
         raise UserError(f"{path}: a TorchScript file without octfw's {CONFIG_FILE}; run it with torch.jit.load, "
                         "or give a file or folder written by `octfw export`")

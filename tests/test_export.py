@@ -165,7 +165,8 @@ def test_every_format_refuses_to_overwrite_an_export_unless_force(run_dir, tmp_p
     err = capsys.readouterr().err
     assert f"--out {out}: already exists; give --force to replace it" in err and len(err.strip().splitlines()) == 1
     # The file written last, which a replaced export writes anew.
-    marker = {"safetensors": out / "config.json", "monai-bundle": out / "configs" / "metadata.json"}.get(export_format, out)
+    marker = {"safetensors": out / "config.json",
+              "monai-bundle": out / "configs" / "metadata.json"}.get(export_format, out)
     before = marker.stat().st_mtime_ns
     assert main(["export", str(run_dir), "--out", str(out), "--format", export_format, "--force"]) == 0
     assert marker.stat().st_mtime_ns != before
@@ -267,3 +268,20 @@ def test_a_dataset_is_named_by_its_last_folder_never_its_local_path():
     assert dataset_label({"name": "prepared", "path": "gs://bucket/cohort-2026/"}) == "cohort-2026"
     assert run_name("/home/me/runs/tiny/20261126-134026Z/checkpoints/step_00000004.pt") == "tiny/20261126-134026Z"
     assert run_name("/home/me/step_00000004.pt") is None
+
+
+def test_octfw_eval_takes_an_export_of_every_format(run_dir, exported, tmp_path):
+    from octfw.evaluation.target import load_target
+    from octfw.registry import load_registry
+
+    registry = load_registry()
+    reference = load_target(exported, 0, registry)
+    volume = torch.randn(1, 1, *IMAGE, generator=torch.Generator().manual_seed(4))
+    for export_format in ("torchscript", "safetensors", "monai-bundle"):
+        out = tmp_path / export_format
+        assert main(["export", str(run_dir), "--out", str(out), "--format", export_format]) == 0
+        target = load_target(out, 0, registry)
+        assert target.update_step == reference.update_step and target.recipe == reference.recipe
+        with torch.no_grad():
+            assert torch.equal(target.pretrained(volume), reference.pretrained(volume))
+            assert torch.equal(target.random_init(volume), reference.random_init(volume))  # the same seeded baseline
