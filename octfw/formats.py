@@ -94,7 +94,8 @@ def encoder_info(architecture: Mapping[str, Any], recipe: Mapping[str, Any], che
         "update_step": int(update_step),
         "versions": versions,
         "license": license,
-        "datasets": list(datasets) if datasets is not None else [dataset_label(recipe.get("dataset") or {})],
+        "datasets": list(datasets) if datasets is not None else (
+            [dataset_label(recipe["dataset"])] if isinstance(recipe.get("dataset"), Mapping) else []),
         "metrics": [dict(m) for m in metrics],
     }
 
@@ -367,7 +368,8 @@ def _bundle_metadata(info: Mapping[str, Any]) -> dict[str, Any]:
         "numpy_version": numpy.__version__,
         "required_packages_version": {},
         # LoadImage's readers: DICOM with pydicom, NIfTI with nibabel; .npy needs neither.
-        "optional_packages_version": {name: _installed_version(name) or "any" for name in ("pydicom", "nibabel")},
+        "optional_packages_version": {name: version for name in ("pydicom", "nibabel")
+                                      if (version := _installed_version(name)) is not None},
         "name": f"octfw {dict(info.get('model') or {}).get('name', '')} 3D OCT encoder".replace("  ", " "),
         "task": "self-supervised 3D OCT representation (patch tokens)",
         "description": (

@@ -23,16 +23,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="replace an existing --out file, or a folder holding an earlier export")
     parser.add_argument("--license", default=DEFAULT_LICENSE, metavar="ID",
                         help="the model card's licence, a Hugging Face licence id such as apache-2.0 or "
-                             f"cc-by-nc-4.0 (default {DEFAULT_LICENSE}: not stated; the pretraining data's terms decide)")
+                             f"cc-by-nc-4.0 (default {DEFAULT_LICENSE}: not stated; the pretraining data's "
+                             "terms decide)")
     parser.add_argument("--dataset", action="append", metavar="NAME",
                         help="a dataset the model card names, once per dataset (default: the recipe's "
                              "[dataset]: its path's last folder, else its name; never a local path)")
     parser.add_argument("--format", default=EXPORT_FORMATS[0], choices=EXPORT_FORMATS,
-                        help="octfw: one file octfw.load_encoder reads (default); safetensors: a Hugging Face "
-                             "Hub-style folder (config.json, model.safetensors, README.md) that "
-                             "octfw.load_encoder and PretrainedEncoder.from_pretrained read; torchscript: one "
-                             "file torch.jit.load runs without octfw; monai-bundle: a MONAI bundle folder that "
-                             "`python -m monai.bundle run` runs without octfw")
+                        help="octfw: one file (default); safetensors: a Hugging Face Hub-style folder "
+                             "(config.json, model.safetensors, README.md model card) that "
+                             "PretrainedEncoder.from_pretrained reads; torchscript: one file torch.jit.load runs "
+                             "without octfw; monai-bundle: a MONAI bundle folder that `python -m monai.bundle run` "
+                             "runs on a DICOM, NIfTI or .npy volume without octfw, with its network and weights to "
+                             "fine-tune. octfw.load_encoder, octfw embed and octfw eval read every format")
     parser.set_defaults(func=run)
 
 
