@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import attrs
 
 from octfw.errors import RunNotFinished, UserError
+from octfw.formats import DEFAULT_LICENSE
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from octfw.evaluation.target import EvalReport
@@ -126,13 +127,16 @@ def evaluate(source: str | Path, recipe: str | Path, overrides: Sequence[str] = 
         return evaluate_target(target, eval_recipe, registry, progress)
 
 
-def export(source: str | Path, out: str | Path, *, format: str = "octfw",
+def export(source: str | Path, out: str | Path, *, format: str = "octfw", force: bool = False,
+           license: str = DEFAULT_LICENSE, datasets: Sequence[str] | None = None,
            registry: Registry | None = None) -> Path:
-    """``octfw export SOURCE --out OUT [--format F]``: write the target encoder of a run's latest
-    checkpoint (or of a checkpoint file); returns ``out``. ``format``: ``octfw`` and
-    ``safetensors`` (a Hub-style folder) are read by :func:`octfw.load_encoder`; ``torchscript``
-    by ``torch.jit.load`` and ``monai-bundle`` by ``monai.bundle``, both without octfw
-    (:mod:`octfw.formats`)."""
+    """``octfw export SOURCE --out OUT [--format F] [--force]``: write the target encoder of a run's
+    latest checkpoint (or of a checkpoint file); returns ``out``. ``format``: ``octfw`` and
+    ``safetensors`` (a Hub-style folder) are read by :func:`octfw.load_encoder`, as are
+    ``torchscript`` (also ``torch.jit.load``) and ``monai-bundle`` (also ``monai.bundle``, both
+    without octfw; :mod:`octfw.formats`). An existing ``out`` is replaced only with ``force``.
+    ``license`` and ``datasets`` go to the model card (``--license``, ``--dataset``)."""
     from octfw.encoder import export_encoder
 
-    return Path(export_encoder(source, out, _registry(registry), format)["out"])
+    return Path(export_encoder(source, out, _registry(registry), format, force=force, license=license,
+                               datasets=datasets)["out"])

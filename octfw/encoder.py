@@ -12,10 +12,14 @@ a plain dict that ``torch.load(weights_only=True)`` reads:
 - ``state_dict``: the encoder weights (CPU tensors);
 - ``transform``: the recipe's ``[transform]`` table, for reference: inputs
   should be prepared the same way (spacing, intensity percentiles, size);
-- ``model``: the recipe's ``[model]`` table; ``checkpoint`` and
-  ``update_step``: where the weights come from; ``versions`` of the run.
+- ``model``: the recipe's ``[model]`` table; ``checkpoint`` (its file name,
+  never a local path), ``run`` (``<recipe>/<run folder>``) and
+  ``update_step``: where the weights come from; ``versions`` of the run;
+- ``license``, ``datasets`` and ``metrics`` (the run's evaluator results):
+  what the model card states.
 
-:func:`load_encoder` returns a :class:`PretrainedEncoder` in eval mode:
+Every other ``--format`` records the same ``info`` (:mod:`octfw.formats`).
+:func:`load_encoder` reads each of them and returns a :class:`PretrainedEncoder` in eval mode:
 ``encoder(volume)`` gives patch tokens ``[B, N, E]`` and
 ``encoder.pool(volume)`` one embedding ``[B, E]`` per volume.
 """
@@ -30,8 +34,9 @@ import torch
 from torch import nn
 
 from octfw.errors import CorruptFile, UserError
-from octfw.formats import (CONFIG_FILE, EXPORT_FORMATS, FOLDER_FORMATS, FORMAT, FORMAT_VERSION, WEIGHTS_FILE,
-                           encoder_info, is_new_or_empty, write_export)
+from octfw.formats import (BUNDLE_METADATA, BUNDLE_WEIGHTS, CONFIG_FILE, DEFAULT_LICENSE, EXPORT_FORMATS,
+                           FOLDER_FORMATS, FORMAT, FORMAT_VERSION, WEIGHTS_FILE, dataset_label, encoder_info,
+                           is_export_folder, is_new_or_empty, write_export)
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import Recipe, build_component
 from octfw.registry import DISABLE_ENV, Registry
@@ -40,7 +45,7 @@ from octfw.tables import counted
 from octfw.types import BuildContext, Provenance, RecognisingDatasetConfig, Sample
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
-           "embed_to_csv", "find_checkpoint", "load_encoder", "open_volumes"]
+           "embed_to_csv", "find_checkpoint", "is_export_path", "load_encoder", "open_volumes"]
 
 
 class PretrainedEncoder(nn.Module):
@@ -169,16 +174,55 @@ class PretrainedEncoder(nn.Module):
 
     # --- the Hugging Face Hub layout ----------------------------------------
 
-    def save_pretrained(self, folder: str | Path) -> Path:
+    def save_pretrained(self, folder: str | Path, *, force: bool = False) -> Path:
         """Write this encoder as a Hub-style folder (``config.json``, ``model.safetensors``,
         ``README.md``), as ``octfw export --format safetensors`` does; returns the folder.
-        Upload it with ``huggingface_hub.upload_folder``."""
+        An existing folder is replaced only with ``force``, and only if it holds an export.
+        :meth:`push_to_hub` uploads it."""
         folder = Path(folder)
         if not is_new_or_empty(folder):
-            raise UserError(f"save_pretrained: {folder}: give a new or empty folder")
+            if not force:
+                raise UserError(f"save_pretrained: {folder}: already exists; pass force=True to replace it")
+            if not is_export_folder(folder):
+                raise UserError(f"save_pretrained: {folder}: force=True replaces an earlier export only, "
+                                f"and this folder holds none ({CONFIG_FILE})")
         folder.parent.mkdir(parents=True, exist_ok=True)
         write_export("safetensors", folder, self.encoder, self.info)
         return folder
+
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                    revision: str | None = None, commit_message: str = "Upload octfw encoder",
+                    api: Any = None) -> Any:
+        """Upload this encoder to the Hugging Face Hub repository ``repo_id`` (``"org/name"``,
+        created if missing) as :meth:`save_pretrained` writes it; :meth:`from_pretrained`
+        reads it back. Returns what ``upload_folder`` returns (a ``CommitInfo``, whose text is
+        the commit's URL). Needs ``huggingface_hub`` (the ``hub`` extra) and a token with write
+        access (``token``, ``HF_TOKEN`` or ``huggingface-cli login``).
+
+        ``api``: the client, ``huggingface_hub.HfApi(token=token)`` by default. Tested offline
+        only (tests/test_embed.py): a stand-in ``api`` stores the upload as the Hub cache
+        lays out a download, ``from_pretrained`` reads it back, and each call is checked
+        against the signature of ``HfApi.create_repo`` and ``HfApi.upload_folder`` of the
+        installed huggingface_hub. An upload to the real Hub is not tested.
+        """
+        import tempfile
+
+        try:
+            from huggingface_hub import HfApi
+            from huggingface_hub.errors import HfHubHTTPError
+        except ImportError:
+            raise UserError(f"push_to_hub: {repo_id}: needs the huggingface_hub package: "
+                            "pip install 'octfw[hub]'") from None
+        api = HfApi(token=token) if api is None else api
+        with tempfile.TemporaryDirectory(prefix="octfw-push-") as temporary:
+            folder = self.save_pretrained(Path(temporary) / "encoder")
+            try:
+                api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+                return api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
+                                         revision=revision, commit_message=commit_message)
+            except (HfHubHTTPError, OSError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise UserError(f"push_to_hub: {repo_id}: the upload failed ({type(exc).__name__}: {first})") from None
 
     @classmethod
     def from_pretrained(cls, name_or_folder: str | Path, *, revision: str | None = None,
@@ -375,24 +419,24 @@ def _require_table(recipe: Mapping[str, Any], key: str, where: str) -> None:
 # export and load
 
 
-def export_encoder(source: str | Path, out: str | Path, registry: Registry, export_format: str = "octfw",
+def export_encoder(source: str | Path, out: str | Path, registry: Registry, export_format: str = "octfw", *,
+                   force: bool = False, license: str = DEFAULT_LICENSE, datasets: Sequence[str] | None = None,
                    ) -> dict[str, Any]:
     """Write the target encoder of the checkpoint ``source`` names to ``out``.
 
     ``export_format``: one of :data:`octfw.formats.EXPORT_FORMATS`, whose
-    module says what each writes. Returns a summary: ``out``, ``format``,
-    ``checkpoint``, ``update_step``, ``config`` and ``parameters``.
+    module says what each writes. An existing ``out`` is replaced only with
+    ``force`` (a folder only if it holds an export). ``license`` and
+    ``datasets`` go to the model card (datasets default to the recipe's
+    ``[dataset]``); its metrics are the run's evaluator results up to the
+    checkpoint, when the run logged them to ``metrics.jsonl``. Returns a
+    summary: ``out``, ``format``, ``checkpoint``, ``update_step``, ``config``,
+    ``parameters`` and ``metrics`` (how many results the card lists).
     """
     if export_format not in EXPORT_FORMATS:
         raise UserError(f"--format {export_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
-    if export_format in FOLDER_FORMATS:
-        if not is_new_or_empty(out):
-            raise UserError(f"--out {out}: give a new or empty folder for a {export_format} export")
-    elif out.is_dir():
-        raise UserError(f"--out {out}: is a folder; give a file name such as encoder.pt")
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: the folder {out.parent} does not exist")
+    check_output(out, export_format, force)
     location, state = find_checkpoint(source, registry)
     if not isinstance(state, Mapping) or "model" not in state or "recipe" not in state:
         raise UserError(f"{location}: not an octfw training checkpoint (it lacks 'model' or 'recipe')")
@@ -403,8 +447,13 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
                         "ViT3D target encoder (.encoder) to export")
     for key in ("transform", "model"):
         _require_table(state["recipe"], key, location)
-    info = encoder_info(encoder.architecture(), state["recipe"], location, int(state.get("update_step", 0)),
-                        state.get("versions"))
+    update_step = int(state.get("update_step", 0))
+    checkpoint_folder = Path(location).parent
+    run_dir = Path(source) if Path(source).is_dir() else checkpoint_folder.parent
+    in_a_run = Path(source).is_dir() or checkpoint_folder.name == "checkpoints"
+    metrics = evaluator_results(run_dir, state["recipe"], update_step) if in_a_run else []
+    info = encoder_info(encoder.architecture(), state["recipe"], location, update_step, state.get("versions"),
+                        license=license, datasets=datasets, metrics=metrics)
     write_export(export_format, out, encoder, info)
     return {
         "out": str(out),
@@ -413,21 +462,84 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
         "update_step": info["update_step"],
         "config": info["config"],
         "parameters": sum(p.numel() for p in encoder.parameters()),
+        "metrics": len(metrics),
     }
+
+
+def check_output(out: Path, export_format: str, force: bool) -> None:
+    """Refuse an ``--out`` the export cannot or, without ``force``, may not replace:
+    every format refuses to overwrite silently."""
+    if export_format in FOLDER_FORMATS:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out {out}: is a file; give a folder name for a {export_format} export")
+        if not is_new_or_empty(out):
+            if not force:
+                raise UserError(f"--out {out}: already exists; give --force to replace it")
+            if not is_export_folder(out):  # --force on a folder of other files would delete them
+                raise UserError(f"--out {out}: --force replaces an earlier export only, and this folder "
+                                f"holds none ({CONFIG_FILE} or configs/metadata.json)")
+    elif out.is_dir():
+        raise UserError(f"--out {out}: is a folder; give a file name such as encoder.pt")
+    elif out.exists() and not force:
+        raise UserError(f"--out {out}: already exists; give --force to replace it")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: the folder {out.parent} does not exist")
+
+
+def evaluator_results(run_dir: Path, recipe: Mapping[str, Any], update_step: int) -> list[dict[str, Any]]:
+    """The overall metrics of the run's last evaluation at or before ``update_step``, as
+    its ``jsonl`` logger wrote them (``eval/<evaluator>/<metric>``); per-domain values and
+    interval bounds are left out. Empty when the run logged none or is not on this disk."""
+    import json
+
+    loggers = [dict(t) for t in recipe.get("logger") or () if isinstance(t, Mapping) and t.get("name") == "jsonl"]
+    evaluators = {str(t.get("name")): dict(t) for t in recipe.get("evaluator") or () if isinstance(t, Mapping)}
+    if not loggers or not evaluators:
+        return []
+    path = run_dir / str(loggers[0].get("filename", "metrics.jsonl"))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:  # a checkpoint outside its run folder, or a remote run: the card says no results
+        return []
+    last: tuple[int, dict[str, float]] | None = None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or step > update_step:
+            continue
+        found = {k: v for k, v in record.items()
+                 if k.startswith("eval/") and k.count("/") == 2 and not k.endswith(("_ci_low", "_ci_high"))}
+        if found:
+            last = (step, found)
+    if last is None:
+        return []
+    step, found = last
+    results = []
+    for key, value in found.items():
+        _, evaluator, metric = key.split("/")
+        table = evaluators.get(evaluator, {}).get("dataset")
+        results.append({"evaluator": evaluator, "metric": metric, "value": float(value), "step": step,
+                        "dataset": dataset_label(table) if isinstance(table, Mapping) else None})
+    return results
 
 
 def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> PretrainedEncoder:
     """Rebuild an exported encoder: a :class:`PretrainedEncoder` in eval mode.
 
-    ``path``: a file written by ``octfw export`` or a folder written by
-    ``octfw export --format safetensors``. ``encoder(volume)`` -> ``[B, N, E]``
+    ``path``: what ``octfw export`` writes, in any ``--format``: an ``octfw``
+    or ``torchscript`` file, a ``safetensors`` or ``monai-bundle`` folder. ``encoder(volume)`` -> ``[B, N, E]``
     patch tokens; ``encoder.pool(volume)`` -> ``[B, E]``; ``encoder.embed(...)``
     takes volumes as users have them. Raises UserError for a missing path or
     one that is not an octfw encoder export.
     """
     path = Path(path)
     if path.is_dir():
-        data = _read_safetensors(path)
+        data = _read_bundle(path) if (path / BUNDLE_METADATA).is_file() else _read_safetensors(path)
+    elif path.is_file() and _is_torchscript(path):
+        data = _read_torchscript(path)
     elif path.is_file():
         from octfw.storage.checkpoints import safe_load
 
@@ -466,3 +578,68 @@ def _read_safetensors(folder: Path) -> dict[str, Any]:
     except (ValueError, SafetensorError) as exc:
         raise UserError(f"{folder}: cannot be read ({type(exc).__name__}: {exc})") from None
     return {**info, "state_dict": state_dict} if isinstance(info, dict) else {}
+
+
+def is_export_path(path: Path) -> bool:
+    """Whether ``path`` is an encoder export known without loading it: a safetensors or MONAI
+    bundle folder, or a TorchScript file (an ``octfw`` file is told by its contents)."""
+    return is_export_folder(path) if path.is_dir() else path.is_file() and _is_torchscript(path)
+
+
+def _is_torchscript(path: Path) -> bool:
+    """Whether ``path`` is a TorchScript archive (a zip holding ``constants.pkl`` and ``code/``),
+    not a ``torch.save`` file (a zip holding ``data.pkl``)."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/constants.pkl") for name in archive.namelist())
+
+
+def _read_torchscript(path: Path) -> dict[str, Any]:
+    """What ``octfw export --format torchscript`` wrote: ``info`` from its ``config.json`` extra
+    file, the weights from the traced module's state dict (the eager encoder's names).
+    ``torch.jit.load`` runs no Python code from the file; the network is rebuilt from octfw's
+    own class, so the traced graph is not used."""
+    import json
+
+    extra = {CONFIG_FILE: ""}
+    try:
+        module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"{path}: a TorchScript file that cannot be read ({first})") from None
+    if not extra[CONFIG_FILE]:
+        raise UserError(f"{path}: a TorchScript file without octfw's {CONFIG_FILE}; run it with torch.jit.load, "
+                        "or give a file or folder written by `octfw export`")
+    try:
+        info = json.loads(extra[CONFIG_FILE])
+    except ValueError as exc:
+        raise UserError(f"{path}: its {CONFIG_FILE} cannot be read ({exc})") from None
+    if not isinstance(info, dict):
+        return {}
+    # The position embedding is derived from the geometry, kept out of octfw's state dict.
+    state_dict = {k: v for k, v in module.state_dict().items() if k != "pos_embed"}
+    return {**info, "state_dict": state_dict}
+
+
+def _read_bundle(folder: Path) -> dict[str, Any]:
+    """What ``octfw export --format monai-bundle`` wrote: ``info`` from ``configs/metadata.json``
+    (its ``octfw`` entry), the weights from ``models/model.pt``."""
+    import json
+
+    from octfw.storage.checkpoints import safe_load
+
+    weights = folder / BUNDLE_WEIGHTS
+    if not weights.is_file():
+        raise UserError(f"{folder}: a MONAI bundle without {BUNDLE_WEIGHTS}; give one written by "
+                        "`octfw export --format monai-bundle`")
+    try:
+        metadata = json.loads((folder / BUNDLE_METADATA).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise UserError(f"{folder}: its {BUNDLE_METADATA} cannot be read ({exc})") from None
+    info = metadata.get("octfw") if isinstance(metadata, dict) else None
+    if not isinstance(info, dict):
+        raise UserError(f"{folder}: a MONAI bundle that octfw did not write (its {BUNDLE_METADATA} has no 'octfw')")
+    return {**info, "state_dict": safe_load(str(weights), str(weights), what="encoder file")}

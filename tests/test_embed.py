@@ -168,7 +168,7 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
-    with pytest.raises(UserError, match="give a new or empty folder"):
+    with pytest.raises(UserError, match="already exists; give --force to replace it"):
         from octfw.api import export
 
         export(run_dir, folder, format="safetensors")
@@ -253,3 +253,166 @@ def test_a_location_is_opened_by_the_dataset_whose_config_recognises_it(tmp_path
     (tmp_path / "eye.e2e.probe" / HEADER_FILE).write_text("{}")
     with pytest.raises(UserError, match=r"several datasets recognise it \(prepared, probe-volumes\)"):
         open_volumes(tmp_path / "eye.e2e.probe", registry)
+
+
+def test_octfw_embed_takes_every_export_format_as_its_encoder(exported, cohort, tmp_path, capsys):
+    """The issue's case first: a TorchScript export named encoder.pt. Every format gives the
+    same table as the octfw file, since each carries the same weights and [transform]."""
+    run_dir = next((exported.parent / "runs" / "tiny").iterdir())
+    data = str(good_files(cohort)[0])
+    assert main(["embed", str(exported), data, "--out", str(tmp_path / "octfw.csv")]) == 0
+    expected = (tmp_path / "octfw.csv").read_text()
+    for export_format, name in [("torchscript", "encoder.pt"), ("safetensors", "st"), ("monai-bundle", "bundle")]:
+        out = tmp_path / export_format / name
+        out.parent.mkdir()
+        assert main(["export", str(run_dir), "--out", str(out), "--format", export_format]) == 0
+        table = tmp_path / f"{export_format}.csv"
+        assert main(["embed", str(out), data, "--out", str(table)]) == 0, capsys.readouterr().err
+        assert table.read_text() == expected, export_format
+
+
+def test_a_file_that_is_no_octfw_export_is_refused_in_one_line_saying_what_to_give(exported, tmp_path):
+    plain = tmp_path / "plain.pt"
+    torch.jit.save(torch.jit.trace(torch.nn.Linear(2, 2), torch.zeros(1, 2)), str(plain))
+    with pytest.raises(UserError, match=r"a TorchScript file without octfw's config.json; run it with "
+                                        r"torch.jit.load, or give a file or folder written by `octfw export`"):
+        load_encoder(plain)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(exported.read_bytes()[:4096])
+    with pytest.raises(UserError, match="the file is cut short or not an encoder file$"):
+        load_encoder(cut)
+
+
+class LocalHub:
+    """A stand-in for huggingface_hub.HfApi that keeps each upload as the Hub cache lays out
+    a download (models--org--name/refs/main, snapshots/<commit>/), so from_pretrained reads it
+    back offline. Each call is bound to the installed HfApi's signature: a renamed or removed
+    argument fails here as it would against the Hub."""
+
+    def __init__(self, cache: Path):
+        self.cache, self.calls = cache, []
+
+    def _check(self, name, *args, **kwargs):
+        import inspect
+
+        from huggingface_hub import HfApi
+
+        inspect.signature(getattr(HfApi, name)).bind(HfApi(), *args, **kwargs)
+        self.calls.append(name)
+
+    def create_repo(self, *args, **kwargs):
+        self._check("create_repo", *args, **kwargs)
+
+    def upload_folder(self, *args, **kwargs):
+        import hashlib
+        import shutil
+
+        self._check("upload_folder", *args, **kwargs)
+        org, name = kwargs["repo_id"].split("/")
+        repo = self.cache / f"models--{org}--{name}"
+        folder = Path(kwargs["folder_path"])
+        commit = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(folder.iterdir()))).hexdigest()
+        shutil.copytree(folder, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / (kwargs.get("revision") or "main")).write_text(commit)
+        return f"https://huggingface.co/{kwargs['repo_id']}/commit/{commit}"
+
+
+def test_push_to_hub_uploads_what_from_pretrained_reads_back(exported, tmp_path):
+    from octfw.encoder import PretrainedEncoder
+
+    encoder = load_encoder(exported)
+    hub = LocalHub(tmp_path / "hub-cache")
+    url = encoder.push_to_hub("octfw/pushed-encoder", private=True, api=hub)
+    assert hub.calls == ["create_repo", "upload_folder"]
+    assert url.startswith("https://huggingface.co/octfw/pushed-encoder/commit/")
+    [snapshot] = (tmp_path / "hub-cache" / "models--octfw--pushed-encoder" / "snapshots").iterdir()
+    assert sorted(p.name for p in snapshot.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert str(tmp_path).encode() not in b"".join(p.read_bytes() for p in snapshot.iterdir())
+
+    pulled = PretrainedEncoder.from_pretrained("octfw/pushed-encoder", cache_dir=str(tmp_path / "hub-cache"),
+                                               local_files_only=True)
+    volume = torch.randn(1, 1, *encoder.image_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(pulled(volume), encoder(volume))
+    assert pulled.info["checkpoint"] == encoder.info["checkpoint"]
+
+
+def test_push_to_hub_says_in_one_line_why_an_upload_failed(exported):
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    class Refusing:
+        def create_repo(self, *args, **kwargs):
+            url = "https://huggingface.co/api/repos/create"
+            response = httpx.Response(401, request=httpx.Request("POST", url))
+            raise HfHubHTTPError(f"401 Client Error: Unauthorized for url: {url}", response=response)
+
+    with pytest.raises(UserError, match=r"push_to_hub: octfw/x: the upload failed \(HfHubHTTPError: 401 Client"):
+        load_encoder(exported).push_to_hub("octfw/x", api=Refusing())
+
+
+BUNDLE_CHECK = """
+import sys, numpy, torch
+from monai.bundle import ConfigParser
+
+bundle, inputs, expected = sys.argv[1], sys.argv[2:-1], sys.argv[-1]
+parser = ConfigParser()
+parser.read_config(bundle + "/configs/inference.json")
+parser["bundle_root"] = bundle
+network = parser.get_parsed_content("network_def")  # the class in scripts/vit3d.py, built without octfw
+network.load_state_dict(torch.load(bundle + "/models/model.pt", weights_only=True))  # strict: every weight
+network.train()  # one fine-tuning step's backward pass reaches every weight
+network(torch.zeros(1, parser["network_def"]["in_channels"], *parser["network_def"]["image_size"])).mean().backward()
+assert all(p.grad is not None for p in network.parameters())
+network.load_state_dict(torch.load(bundle + "/models/model.pt", weights_only=True))
+network.eval()
+for path, want in zip(inputs, numpy.load(expected)):
+    parser["input_path"] = path
+    image = parser.get_parsed_content("image", lazy=False)  # LoadImage: [1, D, H, W]
+    prepared = parser.get_parsed_content("preprocessing", lazy=True)(image)
+    with torch.no_grad():
+        tokens = network(torch.as_tensor(prepared).as_subclass(torch.Tensor)[None])
+    numpy.testing.assert_allclose(tokens[0].numpy(), want, atol=1e-5, rtol=1e-5)
+assert "octfw" not in sys.modules
+print("ok", len(inputs))
+"""
+
+
+def bundle_check(bundle: Path, inputs: list[Path], expected: np.ndarray, tmp_path: Path) -> None:
+    """Run BUNDLE_CHECK in a fresh process (no octfw on its path): each input, read and prepared
+    by the bundle's config, gives the expected tokens through its network and model.pt."""
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "expected.npy", expected)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", BUNDLE_CHECK, str(bundle), *map(str, inputs),
+                             str(tmp_path / "expected.npy")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == f"ok {len(inputs)}", result.stderr[-3000:]
+
+
+def test_the_monai_bundle_reads_dicom_and_npy_and_ships_a_network_to_fine_tune(exported, cohort, tmp_path):
+    """MONAI's ConfigParser, offline and without octfw: LoadImage reads a real DICOM file of the
+    synthetic writer and a .npy array, the bundle's preprocessing prepares them, and network_def
+    with models/model.pt gives octfw's own tokens of the same volumes."""
+    run_dir = next((exported.parent / "runs" / "tiny").iterdir())
+    bundle = tmp_path / "bundle"
+    assert main(["export", str(run_dir), "--out", str(bundle), "--format", "monai-bundle"]) == 0
+    encoder = load_encoder(exported)
+    dicom = good_files(cohort)[0]
+    sample = read_oct_volume(str(dicom))
+    np.save(tmp_path / "volume.npy", sample.volume)
+    expected = torch.cat([encoder.embed(dicom), encoder.embed(sample.volume, sample.provenance.spacing)])
+    bundle_check(bundle, [dicom, tmp_path / "volume.npy"], expected.numpy(), tmp_path)
+
+
+def test_the_monai_bundle_reads_nifti(exported, cohort, tmp_path):
+    nibabel = pytest.importorskip("nibabel")  # MONAI's NIfTI reader needs it; not in octfw's lock
+    run_dir = next((exported.parent / "runs" / "tiny").iterdir())
+    bundle = tmp_path / "bundle"
+    assert main(["export", str(run_dir), "--out", str(bundle), "--format", "monai-bundle"]) == 0
+    sample = read_oct_volume(str(good_files(cohort)[0]))
+    nibabel.save(nibabel.Nifti1Image(sample.volume, np.eye(4)), str(tmp_path / "volume.nii.gz"))
+    expected = load_encoder(exported).embed(sample.volume, sample.provenance.spacing)
+    bundle_check(bundle, [tmp_path / "volume.nii.gz"], expected.numpy(), tmp_path)

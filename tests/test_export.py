@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -150,3 +151,137 @@ def test_load_encoder_refuses_missing_files_and_checkpoints(run_dir, tmp_path):
         load_encoder(tmp_path / "missing.pt")
     with pytest.raises(UserError, match="not an octfw encoder file"):
         load_encoder(checkpoint_of(run_dir))
+
+
+# --- overwriting, provenance and the model card ----------------------------------
+
+
+@pytest.mark.parametrize("export_format", ["octfw", "torchscript", "safetensors", "monai-bundle"])
+def test_every_format_refuses_to_overwrite_an_export_unless_force(run_dir, tmp_path, capsys, export_format):
+    out = tmp_path / "encoder.pt"  # the name of the issue, for the folder formats too
+    assert main(["export", str(run_dir), "--out", str(out), "--format", export_format]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run_dir), "--out", str(out), "--format", export_format]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: already exists; give --force to replace it" in err and len(err.strip().splitlines()) == 1
+    # The file written last, which a replaced export writes anew.
+    marker = {"safetensors": out / "config.json",
+              "monai-bundle": out / "configs" / "metadata.json"}.get(export_format, out)
+    before = marker.stat().st_mtime_ns
+    assert main(["export", str(run_dir), "--out", str(out), "--format", export_format, "--force"]) == 0
+    assert marker.stat().st_mtime_ns != before
+    assert load_encoder(out).embed_dim == 96
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder.pt"]  # no temporary left beside it
+
+
+def test_force_never_replaces_a_folder_that_holds_no_export(run_dir, tmp_path, capsys):
+    data = tmp_path / "scans"
+    data.mkdir()
+    (data / "a.dcm").write_bytes(b"a scan")
+    assert main(["export", str(run_dir), "--out", str(data), "--format", "safetensors", "--force"]) == 2
+    assert "--force replaces an earlier export only" in capsys.readouterr().err
+    assert (data / "a.dcm").read_bytes() == b"a scan"
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory) -> Path:
+    """A tiny run whose knn evaluator logged results at its last step."""
+    root = tmp_path_factory.mktemp("evaluated")
+    recipe = root / "tiny.toml"
+    recipe.write_text(TINY_RECIPE + """
+[[evaluator]]
+name = "knn"
+dataset = { name = "synthetic-oct", n_volumes = 24, labels = true, seed = 5 }
+k = 3
+bootstrap = 0
+""", encoding="utf-8")
+    assert main(["run", str(recipe), "--set", f"run.output_dir={root / 'runs'}", "--set", "run.max_steps=2"]) == 0
+    return next((root / "runs" / "tiny").iterdir())
+
+
+def exported_bytes(path: Path) -> dict[str, bytes]:
+    """Every file under ``path``, and every member of the zip archives among them
+    (torch.save and TorchScript files), by name."""
+    import zipfile
+
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    out = {}
+    for file in files:
+        out[str(file)] = file.read_bytes()
+        if zipfile.is_zipfile(file):
+            with zipfile.ZipFile(file) as archive:
+                out.update({f"{file}!{name}": archive.read(name) for name in archive.namelist()})
+    return out
+
+
+def test_no_exported_file_holds_a_local_path(evaluated_run, tmp_path):
+    local = [str(evaluated_run.parents[2]), str(tmp_path), str(Path.home())]
+    for export_format in ("octfw", "torchscript", "safetensors", "monai-bundle"):
+        out = tmp_path / f"out-{export_format}"
+        assert main(["export", str(evaluated_run), "--out", str(out), "--format", export_format]) == 0
+        for name, data in exported_bytes(out).items():
+            for path in local:
+                assert path.encode() not in data, f"{name} holds {path}"
+        info = load_encoder(out).info
+        assert info["checkpoint"] == "step_00000002.pt" and info["update_step"] == 2
+        assert info["run"] == f"tiny/{evaluated_run.name}"
+
+
+def test_the_model_card_states_licence_datasets_and_the_runs_evaluator_results(evaluated_run, tmp_path):
+    from huggingface_hub import ModelCard
+
+    plain, given = tmp_path / "plain", tmp_path / "given"
+    assert main(["export", str(evaluated_run), "--out", str(plain), "--format", "safetensors"]) == 0
+    assert main(["export", str(evaluated_run), "--out", str(given), "--format", "safetensors",
+                 "--license", "cc-by-nc-4.0", "--dataset", "org/oct-cohort", "--dataset", "site-b"]) == 0
+
+    card = ModelCard.load(plain / "README.md")  # the Hub's own parser of the YAML front matter
+    assert card.data.license == "other" and card.data.datasets == ["synthetic-oct"]
+    logged = [json.loads(line) for line in (evaluated_run / "metrics.jsonl").read_text().splitlines()]
+    [final] = [row for row in logged if "eval/knn/auroc" in row]
+    results = {r.metric_type: r for r in card.data.eval_results}
+    assert set(results) == {"accuracy", "balanced_accuracy", "auroc", "auprc"}  # overall only, no per-domain
+    assert results["auroc"].metric_value == pytest.approx(final["eval/knn/auroc"])
+    assert results["auroc"].dataset_name == "synthetic-oct" and results["auroc"].task_type == "feature-extraction"
+    assert card.data.metrics == ["accuracy", "balanced_accuracy", "auroc", "auprc"]
+    assert "| knn | auroc |" in card.text
+
+    card = ModelCard.load(given / "README.md")
+    assert card.data.license == "cc-by-nc-4.0" and card.data.datasets == ["org/oct-cohort", "site-b"]
+    assert load_encoder(given).info["license"] == "cc-by-nc-4.0"
+
+
+def test_a_run_without_evaluators_gets_a_card_with_honest_defaults(exported, tmp_path):
+    encoder = load_encoder(exported)
+    assert encoder.info["metrics"] == [] and encoder.info["license"] == "other"
+    card = (encoder.save_pretrained(tmp_path / "hub") / "README.md").read_text()
+    assert "metrics:" not in card and "model-index" not in card
+    assert "No evaluator results were recorded" in card and "not stated at export" in card
+
+
+def test_a_dataset_is_named_by_its_last_folder_never_its_local_path():
+    from octfw.formats import dataset_label, run_name
+
+    assert dataset_label({"name": "synthetic-oct", "n_volumes": 8}) == "synthetic-oct"
+    assert dataset_label({"name": "dicom", "path": "/data/site-a/manifest.jsonl"}) == "site-a"
+    assert dataset_label({"name": "dicom", "path": "/data/oct/**/*.dcm"}) == "oct"
+    assert dataset_label({"name": "prepared", "path": "gs://bucket/cohort-2026/"}) == "cohort-2026"
+    assert run_name("/home/me/runs/tiny/20261126-134026Z/checkpoints/step_00000004.pt") == "tiny/20261126-134026Z"
+    assert run_name("/home/me/step_00000004.pt") is None
+
+
+def test_octfw_eval_takes_an_export_of_every_format(run_dir, exported, tmp_path):
+    from octfw.evaluation.target import load_target
+    from octfw.registry import load_registry
+
+    registry = load_registry()
+    reference = load_target(exported, 0, registry)
+    volume = torch.randn(1, 1, *IMAGE, generator=torch.Generator().manual_seed(4))
+    for export_format in ("torchscript", "safetensors", "monai-bundle"):
+        out = tmp_path / export_format
+        assert main(["export", str(run_dir), "--out", str(out), "--format", export_format]) == 0
+        target = load_target(out, 0, registry)
+        assert target.update_step == reference.update_step and target.recipe == reference.recipe
+        with torch.no_grad():
+            assert torch.equal(target.pretrained(volume), reference.pretrained(volume))
+            assert torch.equal(target.random_init(volume), reference.random_init(volume))  # the same seeded baseline

@@ -7,14 +7,15 @@ import argparse
 __all__ = ["add_parser"]
 
 HELP = ("Embed every volume of DATA (a DICOM file, folder, glob or manifest, a raw vendor file, or a "
-        "store written by octfw prepare) with an encoder written by octfw export, prepared as its "
-        "training prepared volumes; write a CSV: source, domain, label, e0 ... e{E-1} "
-        "(pandas.read_csv opens it). Files that cannot be used are listed beside it.")
+        "store written by octfw prepare) with an encoder written by octfw export (any --format), "
+        "prepared as its training prepared volumes; write a CSV: source, domain, label, e0 ... e{E-1} "
+        "(Python's csv module opens it). Files that cannot be used are listed beside it.")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("embed", help=HELP, description=HELP)
-    parser.add_argument("encoder", metavar="ENCODER", help="an encoder file written by octfw export")
+    parser.add_argument("encoder", metavar="ENCODER", help="what octfw export wrote: an encoder file (--format octfw or torchscript) "
+                             "or folder (safetensors or monai-bundle)")
     parser.add_argument("data", metavar="DATA", help="DICOM file, folder, glob or manifest; vendor file; prepared store")
     parser.add_argument("--out", required=True, metavar="FILE", help="CSV to write, e.g. embeddings.csv")
     parser.add_argument("--batch-size", type=int, default=4, metavar="N", help="volumes per forward pass (default 4)")

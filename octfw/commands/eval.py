@@ -24,8 +24,8 @@ HELP = ("Evaluate a run's latest checkpoint, a checkpoint file or an exported en
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help=HELP, description=HELP)
     parser.add_argument("source", metavar="RUN_DIR_OR_ENCODER",
-                        help="a run folder (its latest checkpoint), a checkpoint file or an encoder file "
-                             "written by octfw export")
+                        help="a run folder (its latest checkpoint), a checkpoint file or what octfw export "
+                             "wrote (any --format)")
     parser.add_argument("--recipe", required=True, metavar="EVAL.toml",
                         help="recipe with [[evaluator]] tables and optionally [run] seed, device, cache_dir "
                              "(a training recipe with [[evaluator]] tables works as it is)")

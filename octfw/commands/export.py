@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from octfw.formats import EXPORT_FORMATS
+from octfw.formats import DEFAULT_LICENSE, EXPORT_FORMATS
 
 __all__ = ["add_parser"]
 
@@ -18,23 +18,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="a run folder (its latest checkpoint is used) or a checkpoint file (.pt)")
     parser.add_argument("--out", required=True, metavar="PATH",
                         help="encoder file to write, e.g. encoder.pt (a new or empty folder with --format "
-                             "safetensors or monai-bundle)")
+                             "safetensors or monai-bundle); an existing one is refused unless --force")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --out file, or a folder holding an earlier export")
+    parser.add_argument("--license", default=DEFAULT_LICENSE, metavar="ID",
+                        help="the model card's licence, a Hugging Face licence id such as apache-2.0 or "
+                             f"cc-by-nc-4.0 (default {DEFAULT_LICENSE}: not stated; the pretraining data's "
+                             "terms decide)")
+    parser.add_argument("--dataset", action="append", metavar="NAME",
+                        help="a dataset the model card names, once per dataset (default: the recipe's "
+                             "[dataset]: its path's last folder, else its name; never a local path)")
     parser.add_argument("--format", default=EXPORT_FORMATS[0], choices=EXPORT_FORMATS,
-                        help="octfw: one file octfw.load_encoder reads (default); safetensors: a Hugging Face "
-                             "Hub-style folder (config.json, model.safetensors, README.md) that "
-                             "octfw.load_encoder and PretrainedEncoder.from_pretrained read; torchscript: one "
-                             "file torch.jit.load runs without octfw; monai-bundle: a MONAI bundle folder that "
-                             "`python -m monai.bundle run` runs without octfw")
+                        help="octfw: one file (default); safetensors: a Hugging Face Hub-style folder "
+                             "(config.json, model.safetensors, README.md model card) that "
+                             "PretrainedEncoder.from_pretrained reads; torchscript: one file torch.jit.load runs "
+                             "without octfw; monai-bundle: a MONAI bundle folder that `python -m monai.bundle run` "
+                             "runs on a DICOM, NIfTI or .npy volume without octfw, with its network and weights to "
+                             "fine-tune. octfw.load_encoder, octfw embed and octfw eval read every format")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from octfw.commands._common import load_registry_once
     from octfw.encoder import export_encoder  # imports torch: only when the command runs
+    from octfw.tables import counted
 
-    summary = export_encoder(args.source, args.out, load_registry_once(), args.format)
+    summary = export_encoder(args.source, args.out, load_registry_once(), args.format, force=args.force,
+                             license=args.license, datasets=args.dataset)
     config = summary["config"]
     print(f"exported the target encoder ({summary['format']}) of {summary['checkpoint']} (update step {summary['update_step']}) "
           f"to {summary['out']}: {summary['parameters']:,} parameters, embed_dim {config['embed_dim']}, "
-          f"image_size {config['image_size']}, patch_size {config['patch_size']}")
+          f"image_size {config['image_size']}, patch_size {config['patch_size']}; "
+          f"{counted(summary['metrics'], 'evaluator result')} recorded for the model card")
     return 0

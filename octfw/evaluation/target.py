@@ -166,10 +166,12 @@ def _model_from_export(path: Path, seed: int) -> EvalTarget:
 
 
 def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget:
-    """A run folder (its latest checkpoint), a checkpoint file, or an exported encoder file."""
-    from octfw.encoder import FORMAT, find_checkpoint
+    """A run folder (its latest checkpoint), a checkpoint file, or an exported encoder in any format."""
+    from octfw.encoder import FORMAT, find_checkpoint, is_export_path
 
     path = Path(source)
+    if is_export_path(path):
+        return _model_from_export(path, seed)
     if path.is_file():
         from octfw.storage.checkpoints import load_checkpoint
 

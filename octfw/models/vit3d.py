@@ -7,6 +7,10 @@ patches in row-major order over the patch grid ``(D/pd, H/ph, W/pw)``.
 Everything here is XLA-friendly: token subsets are taken with
 :func:`gather_tokens` and fixed-size index tensors, never boolean masks, and
 no forward branches on tensor values.
+
+This module imports torch only, never octfw: ``octfw export --format
+monai-bundle`` ships it as it is (``scripts/vit3d.py``) so that MONAI users
+build the encoder without octfw (``tests/test_embed.py`` checks it).
 """
 
 from __future__ import annotations

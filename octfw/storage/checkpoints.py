@@ -264,11 +264,16 @@ def safe_load(source: str | IO[bytes], location: str, what: str = "checkpoint") 
     except Exception as exc:  # noqa: BLE001 - re-raised with the checkpoint's name
         raise UserError(
             f"{what} {location} cannot be read ({type(exc).__name__}: {_reason(exc)}); "
-            f"the file is cut short or not a {what}"
+            f"the file is cut short or not {_a(what)}"
         ) from exc
     if not isinstance(state, dict):
         raise UserError(f"{what} {location} holds a {type(state).__name__}, not a dict")
     return state
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article: "a checkpoint", "an encoder file"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _recorded_checksum(fs: Any, path: str, retry: RetryPolicy) -> str | None:
