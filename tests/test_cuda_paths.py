@@ -210,6 +210,16 @@ def test_mfu_peak_is_the_form_factors_published_dense_bf16_figure(name, tflops):
     assert published_peak(name) == (None if tflops is None else tflops * 1e12)
 
 
+@pytest.mark.parametrize("accelerator_type, tflops", [
+    ("v4-32", 275), ("v5litepod-16", 197), ("v5p-8", 459), ("v6e-8", 918), ("v3-8", None),
+])
+def test_a_tpu_slice_is_known_by_its_chip_for_mfu(accelerator_type, tflops):
+    """torch_xla's version() says 5 for a v5e and a v5p alike: the accelerator type tells them apart."""
+    from octfw.engine.throughput import published_peak, tpu_name
+
+    assert published_peak(tpu_name(accelerator_type)) == (None if tflops is None else tflops * 1e12)
+
+
 class _DeviceTensorsFromPython(torch.overrides.TorchFunctionMode):
     """Notes every tensor octfw's code makes from Python data with an explicit device: on CUDA
     each is a copy from pageable host memory that makes the host wait

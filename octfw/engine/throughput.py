@@ -8,6 +8,8 @@ accelerators) octfw says "unknown peak" rather than inventing one; set
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Mapping
 
 import torch
@@ -33,6 +35,7 @@ KNOWN_PEAKS: tuple[tuple[str, float], ...] = (
     ("L40", 181e12),
     ("A100", 312e12),
     ("L4", 121e12),
+    ("TPU v6e", 918e12),
     ("TPU v5p", 459e12),
     ("TPU v5e", 197e12),
     ("TPU v5 lite", 197e12),
@@ -48,11 +51,28 @@ def device_name(kind: str, device: torch.device) -> str:
 
         hw = xm.xla_device_hw(device)
         if hw == "TPU":
-            import torch_xla
+            from torch_xla._internal import tpu
 
-            return f"TPU v{torch_xla.tpu.version()}"
+            # The slice's accelerator type ("v5litepod-16"): the environment's (as octfw check's
+            # memory figure reads it), else the TPU host's metadata.
+            try:
+                return tpu_name(os.environ.get("TPU_ACCELERATOR_TYPE") or tpu.get_tpu_type())
+            except (EnvironmentError, KeyError):
+                return f"TPU v{tpu.version()}"
         return hw
     return "CPU"
+
+
+#: Google Cloud's accelerator type prefixes whose chip has another marketing name.
+_TPU_TYPES = {"v5litepod": "v5e", "v5lite": "v5e", "v6litepod": "v6e"}
+
+
+def tpu_name(accelerator_type: str) -> str:
+    """The chip's name for an accelerator type ("v5litepod-16" -> "TPU v5e", "v5p-8" -> "TPU v5p"):
+    the key :data:`KNOWN_PEAKS` knows it by. torch_xla's ``version()`` gives only the digit (5),
+    which both v5e (197 TFLOP/s) and v5p (459) share."""
+    prefix = accelerator_type.split("-")[0].lower()
+    return f"TPU {_TPU_TYPES.get(prefix, prefix)}"
 
 
 def device_peak_flops(kind: str, device: torch.device, override: float | None) -> tuple[float | None, str]:
