@@ -118,7 +118,7 @@ class Backend:
         non_blocking = self.kind == "cuda"  # from the loader's pinned memory: the copy overlaps compute
         for batch in loader:
             tensors = {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch["tensors"].items()}
-            yield {**batch, "tensors": with_aliases(float_views(tensors), batch["aliases"])}
+            yield {**batch, "tensors": with_aliases(float_views(tensors), batch.get("aliases", {}))}
 
     def _xla_batches(self, loader: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
         # The parallel loader moves only tensors; provenance travels beside it
@@ -133,7 +133,7 @@ class Backend:
             for batch in loader:
                 host_parts.append({k: v for k, v in batch.items() if k != "tensors"})
                 # Every input whole: the sharding specification names each key.
-                yield with_aliases(batch["tensors"], batch["aliases"])
+                yield with_aliases(batch["tensors"], batch.get("aliases", {}))
 
         sharding = self.input_sharding()
         # The loader would cut the graph (torch_xla.sync) before every batch it
