@@ -137,3 +137,18 @@ def test_list_name_finds_the_component_without_its_stage(capsys):
     assert main(["list", "--name", "nan-skp"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "octfw: error: --name 'nan-skp': no such component (did you mean 'nan-skip'?); octfw list shows them all"
+
+
+def test_a_reader_that_stops_early_ends_every_command_quietly(tiny_recipe):
+    """`octfw list | head -2`: the read end of stdout is closed before octfw writes, so every
+    write fails; the command exits 141 (as a shell reports SIGPIPE) with nothing on stderr."""
+    for args in (["list"], ["show", str(tiny_recipe)]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "octfw.cli", *args], stdout=write_end,
+                                  stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        finally:
+            os.close(write_end)
+        assert (proc.returncode, proc.stderr) == (141, ""), args
