@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,37 @@ def test_show_prints_resolved_recipe_with_defaults():
     assert "base_lr = 0.0001" in out.stdout
     assert "domain_sampling = \"natural\"" in out.stdout  # a default the recipe does not write
     assert f'output_dir = "{REPO / "runs"}"' in out.stdout
+
+
+def test_show_prints_every_option_the_unset_and_derived_ones_as_comments_and_loads_back(tmp_path, registry):
+    import attrs
+
+    from octfw.config import EngineConfig, RunConfig
+    from octfw.recipe import load_recipe
+
+    out = octfw("show", "recipes/quickstart.toml", "--set", f"run.cache_dir={tmp_path}/cache")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for table, cls in (("run", RunConfig), ("engine", EngineConfig)):
+        body = lines[lines.index(f"[{table}]") + 1:]
+        body = body[:body.index("")]
+        keys = [match[1] for line in body if (match := re.match(r"(?:# )?(\w+)(?: = |  \()", line))]
+        assert keys == list(attrs.fields_dict(cls)), table
+    assert '# name = "quickstart"  (derived: the recipe file\'s name)' in lines
+    assert "# max_steps  (unset: the run lasts run.epochs = 5 passes over the dataset)" in lines
+    assert f'cache_dir = "{tmp_path}/cache"' in lines  # set: a value, not a comment
+    assert "# num_workers = 0  (derived: 0 on the cpu device, where training itself uses the cores)" in lines
+    assert any(line.startswith("# dir  (folder for checkpoints") for line in lines)  # a component's option
+    shown = tmp_path / "shown.toml"
+    shown.write_text(out.stdout)
+    assert (load_recipe(shown, [], registry).to_dict()
+            == load_recipe(REPO / "recipes/quickstart.toml", [f"run.cache_dir={tmp_path}/cache"], registry).to_dict())
+
+    lines = octfw("show", "recipes/multi_domain.toml").stdout.splitlines()  # run.device = "auto"
+    assert any(line.startswith("# cache_dir = ") and line.endswith("(derived: $OCTFW_CACHE_DIR, else ~/.cache/octfw)")
+               for line in lines)
+    assert ("# num_workers  (derived: 0 on the cpu device; on cuda and xla the cores this process may use (its "
+            "share of the host's) minus one, at most 8; octfw run logs the number)") in lines
 
 
 def test_bad_recipe_exits_2_with_one_line_per_problem_and_no_traceback(write_recipe):
