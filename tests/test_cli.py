@@ -184,3 +184,18 @@ def test_a_reader_that_stops_early_ends_every_command_quietly(tiny_recipe):
         finally:
             os.close(write_end)
         assert (proc.returncode, proc.stderr) == (141, ""), args
+
+
+def test_a_first_check_says_it_writes_the_cohort_and_what_the_slow_step_is(tiny_recipe, tmp_path, monkeypatch,
+                                                                          capsys):
+    from octfw.cli import main
+
+    monkeypatch.setenv("OCTFW_CACHE_DIR", str(tmp_path / "fresh-cache"))
+    assert main(["check", str(tiny_recipe)]) == 0
+    err = capsys.readouterr().err
+    assert (f"writing the synthetic cohort (8 volumes, small sizes) once, to {tmp_path}/fresh-cache/synthetic-oct/"
+            in err and "; later commands reuse it" in err)
+    assert ("one forward and backward of vjepa3d on the CPU (2 samples, 8 patches each): a full-size model "
+            "takes minutes here") in err
+    assert main(["check", str(tiny_recipe)]) == 0
+    assert "writing the synthetic cohort" not in capsys.readouterr().err  # written once, then reused
