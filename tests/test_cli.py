@@ -144,6 +144,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     versions = json.loads((run_dir / "versions.json").read_text())
     assert versions["octfw"] == "0.1.0" and versions["torch"]
     assert "training summary" in out.stdout and "60/60" in out.stdout
+    assert "data wait" in out.stdout and "num_workers" not in out.stdout  # no hint against its own defaults
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(5, 61, 5))
     assert {"loss", "lr", "grad_norm", "skipped_updates", "samples_per_s", "loss/heidelberg"} <= set(lines[0])
