@@ -5,20 +5,23 @@ command does beyond parsing lives in the feature it serves (:mod:`octfw.engine`,
 :mod:`octfw.diagnostics`, :mod:`octfw.evaluation`, :mod:`octfw.encoder`, a
 component's package). User mistakes (bad recipe, missing file, unknown
 component) print one readable message per problem and exit with code 2;
-``--debug`` shows the traceback. ``list``, ``show`` and recipe validation
-never import torch.
+``--debug`` shows the traceback. A reader of stdout that goes away
+(``octfw list | head -2``) ends the command quietly, exit 141. ``list``,
+``show`` and recipe validation never import torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from typing import Sequence
 
 import octfw.commands
 from octfw.errors import UserError
+from octfw.exit_codes import BROKEN_PIPE_EXIT_CODE
 from octfw.version import __version__
 
 __all__ = ["main", "build_parser"]
@@ -43,6 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _run_command(argv)
+        finally:
+            sys.stdout.flush()  # a reader that went away shows here (after --help too), not at exit
+    except BrokenPipeError:
+        # `octfw list | head -2`: the reader has what it wanted. As the Python docs advise
+        # (signal module, "Note on SIGPIPE"), stdout now points at devnull, so the flush at
+        # exit finds nothing to fail on, and the command ends without a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT_CODE
+
+
+def _run_command(argv: Sequence[str] | None) -> int:
     from octfw.logs import setup_console_logging
 
     parser = build_parser()

@@ -9,7 +9,7 @@ exits with that code, not the 1 that torchrun reports for any failure.
 from __future__ import annotations
 
 __all__ = ["FINISHED", "STOPPED_BY_GUARD", "USER_ERROR", "SAVE_FAILED_EXIT_CODE", "PREEMPTED_EXIT_CODE",
-           "PEER_LOST_EXIT_CODE", "INTERRUPTED_EXIT_CODE", "RETRY_CODES", "describe"]
+           "PEER_LOST_EXIT_CODE", "INTERRUPTED_EXIT_CODE", "BROKEN_PIPE_EXIT_CODE", "RETRY_CODES", "describe"]
 
 #: The run finished (or a guard ended it at a target reached), or ``--resume auto`` found it finished.
 FINISHED = 0
@@ -28,6 +28,9 @@ PREEMPTED_EXIT_CODE = 75
 PEER_LOST_EXIT_CODE = 76
 #: Stopped at once by a second Ctrl-C, without the final save (128 + SIGINT, as shells report it).
 INTERRUPTED_EXIT_CODE = 130
+#: The reader of stdout went away (``octfw list | head -2``): 128 + SIGPIPE, what a shell reports
+#: for a command the closed pipe ended.
+BROKEN_PIPE_EXIT_CODE = 141
 
 #: The codes after which running the same command with ``--resume auto`` is the right thing to do.
 RETRY_CODES = (PREEMPTED_EXIT_CODE, PEER_LOST_EXIT_CODE)
@@ -40,6 +43,7 @@ _MEANING = {
     PREEMPTED_EXIT_CODE: "preempted, state saved",
     PEER_LOST_EXIT_CODE: "a process of the job was lost",
     INTERRUPTED_EXIT_CODE: "stopped at once by a second Ctrl-C",
+    BROKEN_PIPE_EXIT_CODE: "the reader of its output went away",
 }
 
 

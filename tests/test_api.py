@@ -44,7 +44,7 @@ def test_import_octfw_lists_the_api_and_imports_no_torch():
 def test_recipe_mistakes_are_raised_as_typed_one_line_errors(tiny_recipe):
     with pytest.raises(RecipeError) as exc:
         octfw.load_recipe(tiny_recipe, ["engine.base_lr=-1", "run.bogus=1"])
-    assert sorted(p.split(":")[0] for p in exc.value.problems) == ["engine.base_lr", "run.bogus"]
+    assert sorted(p.split(":")[0] for p in exc.value.problems) == ["--set engine.base_lr=-1", "--set run.bogus=1"]
     with pytest.raises(UserError, match="give a list of 'table.key=value' strings"):
         octfw.load_recipe(tiny_recipe, "run.max_steps=2")
     with pytest.raises(UserError, match="recipe not found"):

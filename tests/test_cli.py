@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,37 @@ def test_show_prints_resolved_recipe_with_defaults():
     assert f'output_dir = "{REPO / "runs"}"' in out.stdout
 
 
+def test_show_prints_every_option_the_unset_and_derived_ones_as_comments_and_loads_back(tmp_path, registry):
+    import attrs
+
+    from octfw.config import EngineConfig, RunConfig
+    from octfw.recipe import load_recipe
+
+    out = octfw("show", "recipes/quickstart.toml", "--set", f"run.cache_dir={tmp_path}/cache")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for table, cls in (("run", RunConfig), ("engine", EngineConfig)):
+        body = lines[lines.index(f"[{table}]") + 1:]
+        body = body[:body.index("")]
+        keys = [match[1] for line in body if (match := re.match(r"(?:# )?(\w+)(?: = |  \()", line))]
+        assert keys == list(attrs.fields_dict(cls)), table
+    assert '# name = "quickstart"  (derived: the recipe file\'s name)' in lines
+    assert "# max_steps  (unset: the run lasts run.epochs = 5 passes over the dataset)" in lines
+    assert f'cache_dir = "{tmp_path}/cache"' in lines  # set: a value, not a comment
+    assert "# num_workers = 0  (derived: 0 on the cpu device, where training itself uses the cores)" in lines
+    assert any(line.startswith("# dir  (folder for checkpoints") for line in lines)  # a component's option
+    shown = tmp_path / "shown.toml"
+    shown.write_text(out.stdout)
+    assert (load_recipe(shown, [], registry).to_dict()
+            == load_recipe(REPO / "recipes/quickstart.toml", [f"run.cache_dir={tmp_path}/cache"], registry).to_dict())
+
+    lines = octfw("show", "recipes/multi_domain.toml").stdout.splitlines()  # run.device = "auto"
+    assert any(line.startswith("# cache_dir = ") and line.endswith("(derived: $OCTFW_CACHE_DIR, else ~/.cache/octfw)")
+               for line in lines)
+    assert ("# num_workers  (derived: 0 on the cpu device; on cuda and xla the cores this process may use (its "
+            "share of the host's) minus one, at most 8; octfw run logs the number)") in lines
+
+
 def test_bad_recipe_exits_2_with_one_line_per_problem_and_no_traceback(write_recipe):
     path = write_recipe('[run]\nmax_steps = 0\n[engine]\nbase_lr = "x"\n')
     out = octfw("check", str(path))
@@ -112,6 +144,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     versions = json.loads((run_dir / "versions.json").read_text())
     assert versions["octfw"] == "0.1.0" and versions["torch"]
     assert "training summary" in out.stdout and "60/60" in out.stdout
+    assert "data wait" in out.stdout and "num_workers" not in out.stdout  # no hint against its own defaults
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(5, 61, 5))
     assert {"loss", "lr", "grad_norm", "skipped_updates", "samples_per_s", "loss/heidelberg"} <= set(lines[0])
@@ -137,3 +170,33 @@ def test_list_name_finds_the_component_without_its_stage(capsys):
     assert main(["list", "--name", "nan-skp"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "octfw: error: --name 'nan-skp': no such component (did you mean 'nan-skip'?); octfw list shows them all"
+
+
+def test_a_reader_that_stops_early_ends_every_command_quietly(tiny_recipe):
+    """`octfw list | head -2`: the read end of stdout is closed before octfw writes, so every
+    write fails; the command exits 141 (as a shell reports SIGPIPE) with nothing on stderr."""
+    for args in (["list"], ["show", str(tiny_recipe)]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "octfw.cli", *args], stdout=write_end,
+                                  stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        finally:
+            os.close(write_end)
+        assert (proc.returncode, proc.stderr) == (141, ""), args
+
+
+def test_a_first_check_says_it_writes_the_cohort_and_what_the_slow_step_is(tiny_recipe, tmp_path, monkeypatch,
+                                                                          capsys):
+    from octfw.cli import main
+
+    monkeypatch.setenv("OCTFW_CACHE_DIR", str(tmp_path / "fresh-cache"))
+    assert main(["check", str(tiny_recipe)]) == 0
+    err = capsys.readouterr().err
+    assert (f"writing the synthetic cohort (8 volumes, small sizes) once, to {tmp_path}/fresh-cache/synthetic-oct/"
+            in err and "; later commands reuse it" in err)
+    assert ("one forward and backward of vjepa3d on the CPU (2 samples, 8 patches each): a full-size model "
+            "takes minutes here") in err
+    assert main(["check", str(tiny_recipe)]) == 0
+    assert "writing the synthetic cohort" not in capsys.readouterr().err  # written once, then reused

@@ -214,5 +214,14 @@ def test_console_summary_says_the_data_wait_share_once_and_hints_at_workers_when
     out = capsys.readouterr().out
     assert "data wait        5% of the run\n" in out and "data_wait_share" not in out
     logger.start(10, tmp_path, {})
-    logger.finish({"update_steps": 10, "data_wait_share": 0.6})
+    logger.finish({"update_steps": 10, "data_wait_share": 0.6, "elapsed_s": 600.0})
     assert "60% of the run (the loader limits training: more engine.num_workers" in capsys.readouterr().out
+
+
+def test_the_data_wait_hint_stays_quiet_in_a_run_too_short_for_workers_to_pay_off(capsys, tmp_path):
+    """The quickstart's few seconds: 22 % of them is no reason to start loader workers."""
+    logger = ConsoleLogger(mode="plain")
+    logger.start(60, tmp_path, {})
+    logger.finish({"update_steps": 60, "data_wait_share": 0.22, "elapsed_s": 2.0})
+    out = capsys.readouterr().out
+    assert "data wait        22% of the run\n" in out and "num_workers" not in out

@@ -158,11 +158,31 @@ def test_lr_draws_the_schedule_and_accepts_cosine(tiny_recipe, tmp_path, capsys)
 
 def test_lr_derives_the_total_from_dataset_size_epochs_and_devices(tiny_recipe, capsys):
     # 8 volumes, 2 per device: 4 update steps per epoch on one device, 2 on two.
-    sets = ["--set", "run.max_steps=100", "--set", "run.epochs=3"]
-    assert main(["lr", str(tiny_recipe), *sets]) == 0
+    tiny_recipe.write_text(tiny_recipe.read_text().replace("max_steps = 4", "epochs = 3"))
+    assert main(["lr", str(tiny_recipe)]) == 0
     assert "12 update steps, 4 per epoch on 1 device" in capsys.readouterr().out
-    assert main(["lr", str(tiny_recipe), *sets, "--devices", "2"]) == 0
+    assert main(["lr", str(tiny_recipe), "--devices", "2"]) == 0
     assert "6 update steps, 2 per epoch on 2 devices" in capsys.readouterr().out
+
+
+def test_lr_previews_a_length_in_steps_without_the_data(write_recipe, tiny_recipe, tmp_path, capsys):
+    """run.max_steps wins over run.epochs for a preview, and --steps over both: the dataset
+    (here a manifest that does not exist) is never read."""
+    recipe = write_recipe(tiny_recipe.read_text().replace("max_steps = 4", "epochs = 150").replace(
+        'name = "synthetic-oct"\nn_volumes = 8', f'name = "dicom"\npath = "{tmp_path}/absent/manifest.csv"'),
+        "no_data.toml")
+    assert main(["lr", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "manifest not found" in err and "--steps N" in err  # epochs alone: the data is needed
+    png = tmp_path / "lr.png"
+    assert main(["lr", str(recipe), "--set", "run.max_steps=1000", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "1000 update steps (run.max_steps; the run stops sooner if run.epochs = 150 ends first)" in out
+    assert png.stat().st_size > MIN_PNG_BYTES
+    assert main(["lr", str(recipe), "--set", "run.max_steps=1000", "--steps", "40"]) == 0
+    assert "40 update steps (--steps) on 1 device" in capsys.readouterr().out
+    assert main(["lr", str(recipe), "--steps", "0"]) == 2
+    assert "--steps 0: must be at least 1" in capsys.readouterr().err
 
 
 RESTART_PLUGIN = '''

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 
+from octfw.config import EngineConfig
 from octfw.errors import RecipeError, UserError
 from octfw.recipe import load_recipe, parse_override, to_toml
 
@@ -54,9 +56,9 @@ BAD_RECIPES = [
     ("null-like checkpoint dir", TINY_RECIPE + '\n[checkpointer]\nname = "local"\ndir = "None"\n', [],
      "checkpointer.dir: 'None' is not a location; leave the key out to use the default"),
     ("null checkpoint dir from --set", TINY_RECIPE, ["checkpointer.dir=null"],
-     "checkpointer.dir: 'null' is not a location"),
+     "--set checkpointer.dir=null: 'null' is not a location"),
     ("bucket named None", TINY_RECIPE, ["checkpointer.name=gcs", "checkpointer.dir=gs://None/ckpt"],
-     "checkpointer.dir: 'gs://None/ckpt' names no bucket or host ('None')"),
+     "--set checkpointer.dir=gs://None/ckpt: 'gs://None/ckpt' names no bucket or host ('None')"),
     ("guard listed twice", TINY_RECIPE + '\n[[guard]]\nname = "nan-skip"\n[[guard]]\nname = "nan-skip"\n', [],
      "guard: component 'nan-skip' is listed more than once"),
     ("unknown guard option", TINY_RECIPE + '\n[[guard]]\nname = "grad-clip"\nmax_nrom = 1.0\n', [],
@@ -72,7 +74,7 @@ BAD_RECIPES = [
     ("unknown preset", replace('preset = "tiny"', 'preset = "huge"'), [],
      "model.preset"),
     ("misspelled --set key", TINY_RECIPE, ["engine.lerning_rate=1e-4"],
-     "engine.lerning_rate: unknown key"),
+     "--set engine.lerning_rate=1e-4: unknown key"),
     ("several problems at once", replace("base_lr = 1e-3", "base_lr = -1\nlog_every = 3"), [],
      "2 problems"),
 ]
@@ -94,6 +96,24 @@ def test_every_problem_is_reported_at_once(write_recipe, registry):
         load_recipe(write_recipe(text), (), registry)
     keys = [p.split(":")[0] for p in exc.value.problems]
     assert sorted(keys) == ["engine.base_lr", "engine.log_every", "model.preset"]
+
+
+def test_a_problem_in_a_set_value_names_the_set_option_not_the_file(write_recipe, registry):
+    path = write_recipe(TINY_RECIPE + '[[guard]]\nname = "nan-skip"\n[[guard]]\nname = "grad-clip"\n')
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(path, ["engine.bse_lr=1e-4", "engine.base_lr=1e-3", "guard.1.max_norm=x",
+                           "transform.mask={ ratio = 2.0 }", "engine.log_every_steps=0"], registry)
+    assert sorted(exc.value.problems) == [
+        "--set engine.bse_lr=1e-4: unknown key (did you mean 'base_lr'?); valid keys: " + ", ".join(
+            attrs.fields_dict(EngineConfig)),
+        "--set engine.log_every_steps=0: must be > 0, got 0",
+        "--set guard.1.max_norm=x: expected a number, got the string 'x'",
+        "--set transform.mask={ ratio = 2.0 }: transform.mask.ratio: must be in (0.0, 1.0), got 2.0",
+    ]
+    with pytest.raises(RecipeError) as exc:  # the file's own mistake still names its key
+        load_recipe(write_recipe(TINY_RECIPE.replace("max_steps = 4", "max_steps = 0")),
+                    ["engine.base_lr=1e-3"], registry)
+    assert exc.value.problems == ["run.max_steps: must be > 0, got 0"]
 
 
 def test_invalid_toml_names_file_and_line(write_recipe, registry):

@@ -197,3 +197,25 @@ def test_log_artifacts_takes_only_what_it_knows(tiny_recipe, capsys):
     tiny_recipe.write_text(tiny_recipe.read_text() + WANDB_LOGGER + 'log_artifacts = ["weights"]\n')
     assert main(["show", str(tiny_recipe)]) == 2
     assert "log_artifacts" in capsys.readouterr().err
+
+
+def test_wandb_s_own_lines_go_to_the_run_log_not_the_console(tiny_recipe, tmp_path):
+    """W&B prints some 40 `wandb: ...` lines of its own (where the run is saved, the history and
+    summary tables); in a real `octfw run` they land in octfw.log and the console keeps octfw's."""
+    import os
+    import subprocess
+
+    tiny_recipe.write_text(tiny_recipe.read_text() + WANDB_LOGGER)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+           "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"), "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("WANDB_SILENT", None)  # W&B's default: it speaks
+    out = subprocess.run([sys.executable, "-m", "octfw.cli", "run", str(tiny_recipe), "--set", "run.max_steps=2"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    console = (out.stdout + out.stderr).splitlines()
+    assert console and not [line for line in console if line.startswith("wandb")]
+    run_dir, [_folder] = run_folders(tiny_recipe)
+    log = (run_dir / "octfw.log").read_text()
+    assert "INFO     wandb [MainThread]: wandb: Tracking run with wandb version" in log
+    assert "wandb: Run summary:" in log and "wandb: You can sync this run to the cloud" in log

@@ -1,8 +1,9 @@
 """``octfw lr RECIPE --png lr.png``: simulate a recipe's schedule, draw it, give the verdict.
 
 Builds only what the schedule needs: the scheduler, and the dataset when the
-run is given in epochs (its size fixes the total update steps). No model, no
-device. The PNG is drawn before the verdict, so a refused schedule can be seen;
+run is given in epochs alone (its size fixes the total update steps). No model,
+no device. A length in steps, ``--steps N`` or ``run.max_steps``, previews any
+recipe without its data. The PNG is drawn before the verdict, so a refused schedule can be seen;
 a refused schedule then exits with code 2 and names the update step and values.
 """
 
@@ -24,16 +25,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--png", metavar="FILE", help="draw the schedule into this PNG, e.g. lr.png")
     parser.add_argument("--devices", type=int, default=1, metavar="N",
-                        help="devices the run will train on (the world size): with run.epochs the "
-                             "total update steps depend on it (default 1)")
+                        help="devices the run will train on (the world size): with run.epochs alone "
+                             "the total update steps depend on it (default 1)")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="preview this many update steps, whatever run.max_steps and run.epochs say "
+                             "(the dataset is not read); default: run.max_steps when set, else run.epochs "
+                             "x the update steps of one epoch of the dataset")
     parser.set_defaults(func=run)
 
 
-def schedule_for(recipe: Any, registry: Any, devices: int = 1) -> tuple[Any, int, int | None]:
+def schedule_for(recipe: Any, registry: Any, devices: int = 1,
+                 steps: int | None = None) -> tuple[Any, int, int | None]:
     """(schedule, total update steps, steps per epoch or None) for ``recipe`` on ``devices`` devices.
 
-    The dataset is built only when ``run.epochs`` is set; with ``run.max_steps``
-    alone the total is known without it.
+    The length is ``steps`` when given, else ``run.max_steps`` when set: a preview
+    in steps needs no data (with ``run.epochs`` also set, the run itself may end
+    sooner: it stops at whichever comes first). Only ``run.epochs`` alone builds
+    the dataset, whose size fixes the total.
     """
     import attrs
 
@@ -43,18 +51,20 @@ def schedule_for(recipe: Any, registry: Any, devices: int = 1) -> tuple[Any, int
 
     if devices < 1:
         raise UserError(f"--devices {devices}: must be at least 1")
-    by_epochs = recipe.run.epochs is not None  # the dataset's size is needed, so it is built
+    if steps is not None and steps < 1:
+        raise UserError(f"--steps {steps}: must be at least 1")
+    total = steps if steps is not None else recipe.run.max_steps
+    by_epochs = total is None  # the dataset's size is needed, so it is built
     ctx = recipe.build_context(registry=registry, world_size=devices, writable_cache=by_epochs)
     steps_per_epoch = None
-    total = recipe.run.max_steps
     if by_epochs:
         try:
             dataset = recipe.dataset.build(ctx)
         except UserError as exc:  # say why the data is read at all, and how to do without it
             raise UserError(f"run.epochs = {recipe.run.epochs} counts update steps from the dataset's size, "
                             f"and [dataset] {recipe.dataset.name!r} could not be read: {exc}. Point it at "
-                            "your data (e.g. --set dataset.path=...), or give the length in steps: "
-                            "--set run.max_steps=N with run.epochs left out of the recipe") from None
+                            "your data (e.g. --set dataset.path=...), or preview a length in steps without "
+                            "the data: --steps N (or --set run.max_steps=N)") from None
         if len(dataset) == 0:
             raise UserError(f"dataset {recipe.dataset.name!r} lists no files")
         layout = layout_for(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
@@ -71,13 +81,20 @@ def run(args: argparse.Namespace) -> int:
     from octfw.schedules import plot_schedule, simulate, validate_schedule
 
     recipe, registry = load_recipe_from_args(args)
-    schedule, total, per_epoch = schedule_for(recipe, registry, args.devices)
+    schedule, total, per_epoch = schedule_for(recipe, registry, args.devices, args.steps)
     base_lr = recipe.engine.base_lr
     values = simulate(schedule, total, base_lr)
     lr = values["lr"]
-    epochs = f", {per_epoch} per epoch" if per_epoch is not None else ""
+    if per_epoch is not None:
+        length = f", {per_epoch} per epoch"
+    elif args.steps is not None:
+        length = " (--steps)"
+    elif recipe.run.epochs is not None:
+        length = f" (run.max_steps; the run stops sooner if run.epochs = {recipe.run.epochs} ends first)"
+    else:
+        length = ""
     devices = "device" if args.devices == 1 else "devices"
-    print(f"schedule  {recipe.scheduler.name}: {total} update steps{epochs} on {args.devices} {devices}")
+    print(f"schedule  {recipe.scheduler.name}: {total} update steps{length} on {args.devices} {devices}")
     peak = int(lr.argmax())
     print(f"lr        first {lr[0]:.3g}, peak {lr[peak]:.3g} at update step {peak}, last {lr[-1]:.3g}")
     for key, label in (("weight_decay", "wd"), ("ema_momentum", "ema")):

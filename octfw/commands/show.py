@@ -1,4 +1,4 @@
-"""``octfw show RECIPE [--set k=v ...]``: the resolved recipe as TOML."""
+"""``octfw show RECIPE [--set k=v ...]``: the resolved recipe as TOML, every option shown."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
 
 __all__ = ["add_parser"]
 
-HELP = "Print the resolved recipe with every default filled in, as TOML."
+HELP = ("Print the resolved recipe as TOML: every option with its default filled in; those unset or "
+        "derived (run.cache_dir, engine.num_workers, ...) as comments saying how they are derived.")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -18,8 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.recipe import to_toml
+    from octfw.recipe.shown import annotated_toml
 
-    recipe, _registry = load_recipe_from_args(args)
-    print(to_toml(recipe.to_dict()), end="")
+    recipe, registry = load_recipe_from_args(args)
+    print(annotated_toml(recipe, registry), end="")
     return 0

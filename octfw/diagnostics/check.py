@@ -4,6 +4,7 @@ is spent."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ from octfw.engine.update import grad_norm
 from octfw.errors import ContractError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
+from octfw.tables import counted
 from octfw.types import BATCH_KEYS, ModelOutput
 
 __all__ = ["check_recipe"]
@@ -102,6 +104,12 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     report("batch     " + ", ".join(f"{k} {_describe(batch[k])}" for k in BATCH_KEYS))
 
     model = parts.model
+    # The one slow step of a check: a full-size model on the CPU takes minutes (the multi-domain
+    # recipe's 9,216 patches: about a minute per sample on two cores). Say so rather than look stuck.
+    patches = f", {num_patches:,} patches each" if num_patches is not None else ""
+    logging.getLogger(__name__).info("one forward and backward of %s on the CPU (%s%s): a full-size model "
+                                     "takes minutes here", recipe.model.name,
+                                     counted(recipe.engine.per_device_batch, "sample"), patches)
     started = time.perf_counter()
     out = model(batch)
     if not isinstance(out, ModelOutput):

@@ -45,6 +45,11 @@ __all__ = ["ConsoleConfig", "ConsoleLogger", "build", "format_metrics", "format_
 
 #: How many items of a list (failed saves, quarantined files) the summary shows.
 MAX_LISTED = 5
+#: A data wait at least this share of the run hints at more loader workers...
+DATA_WAIT_HINT_SHARE = 0.2
+#: ...in a run at least this long (seconds). In a shorter one (the quickstart's few seconds)
+#: the wait is seconds at most, and workers, which take seconds to start, would not save them.
+DATA_WAIT_HINT_MIN_S = 60.0
 
 
 @attrs.frozen
@@ -131,8 +136,9 @@ def format_summary(summary: Mapping[str, Any], total_update_steps: int | None = 
         rows.append(("throughput", [f"{float(get('samples_per_s')):.1f} samples/s"]))
     if get("data_wait_share") is not None:
         share = float(get("data_wait_share"))
+        worth_it = share >= DATA_WAIT_HINT_SHARE and float(get("elapsed_s") or 0.0) >= DATA_WAIT_HINT_MIN_S
         hint = " (the loader limits training: more engine.num_workers; octfw bench --data-only sizes them)" \
-            if share >= 0.2 else ""
+            if worth_it else ""
         rows.append(("data wait", [f"{share:.0%} of the run{hint}"]))
     if get("elapsed_s") is not None:
         rows.append(("elapsed", [_duration(float(get("elapsed_s")))]))

@@ -26,9 +26,11 @@ are those of the first attempt.
 which needs ``wandb login`` or ``WANDB_API_KEY``) when that is unset: the
 choice stays with the machine's environment, as W&B users expect.
 
-W&B prints its own ``wandb: ...`` lines on the console; the records of its
-``wandb`` logger go to the run's ``octfw.log`` (see :mod:`octfw.logs`), with
-the id and folder of the W&B run this job logs to.
+W&B's own ``wandb: ...`` lines (where the run is saved, the history and
+summary tables at the end: some 40 lines) stay off the console, as other
+libraries' output does: they go, with the records of its ``wandb`` logger, to
+the run's ``octfw.log`` (see :mod:`octfw.logs`), with the id and folder of the
+W&B run this job logs to. W&B's errors still show on the console.
 
 Needs the ``wandb`` extra: ``pip install 'octfw[wandb]'``.
 """
@@ -148,9 +150,15 @@ class WandbLogger:
             options["mode"] = c.mode
         if self.run_id is not None:  # resumed from a checkpoint: continue that run
             options.update(id=self.run_id, resume="allow")
+        # W&B prints its notes and warnings to stderr itself. With show_info and show_warnings
+        # off it hands them to termsetup's fallback logger instead: "wandb", which octfw.logs
+        # sends to octfw.log only. After setup(), whose first call sets up W&B's terminal anew.
+        wandb.setup()
+        wandb.termsetup(wandb.Settings(show_info=False, show_warnings=False), logging.getLogger("wandb"))
         try:
             self._run = wandb.init(**options)
         except Exception as exc:  # noqa: BLE001 - re-raised as a message the user can act on
+            _restore_terminal(wandb)
             raise UserError(
                 f"wandb logger: wandb.init failed ({type(exc).__name__}: {exc}); log in with `wandb login`, "
                 "or set mode = \"offline\" in the [[logger]] table (or WANDB_MODE=offline) to log without network"
@@ -173,6 +181,7 @@ class WandbLogger:
                 self._run.summary[key] = value
         self._run.finish(exit_code=1 if summary.get("stopped") else 0)
         self._run = None
+        _restore_terminal(import_wandb())
 
     def _log_artifact(self, what: str, location: str | None, update_step: int) -> None:
         """One model artifact: a local file or folder uploaded, a remote object referenced."""
@@ -190,6 +199,11 @@ class WandbLogger:
             artifact.add_file(location)
         self._run.log_artifact(artifact, aliases=["latest", f"step-{update_step}"])
         logger.info("wandb logger: %s %s logged as artifact %s-%s", what, location, what, self.run_id)
+
+
+def _restore_terminal(wandb: Any) -> None:
+    """W&B's terminal output as its own settings make it, for W&B used after this run in the process."""
+    wandb.termsetup(wandb.setup().settings, None)
 
 
 def build(config: WandbConfig, ctx: BuildContext) -> WandbLogger:

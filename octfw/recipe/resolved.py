@@ -21,7 +21,7 @@ import tomli_w
 from octfw.config import EngineConfig, RunConfig
 from octfw.errors import RecipeError, UserError
 from octfw.hookspecs import STAGES
-from octfw.recipe.loading import apply_overrides, read_with_extends
+from octfw.recipe.loading import apply_overrides, parse_override, read_with_extends
 from octfw.recipe.structuring import (
     Problem, StageSpec, describe, plain, structure_config, structure_stage, structure_stage_array,
 )
@@ -142,8 +142,11 @@ def cache_dir_for(run: Any, *, writable: bool = False) -> Path:
     return folder
 
 
-def validate(data: Mapping[str, Any], registry: Registry, source: Path) -> Recipe:
-    """Turn merged recipe data into a :class:`Recipe`, or raise :class:`RecipeError`."""
+def validate(data: Mapping[str, Any], registry: Registry, source: Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Turn merged recipe data into a :class:`Recipe`, or raise :class:`RecipeError`.
+
+    ``overrides``: the ``--set`` texts applied to ``data``; a problem in a value
+    one of them wrote names that ``--set``, not the file."""
     problems: list[Problem] = []
     for key in data:
         if key not in TOP_LEVEL_KEYS:
@@ -171,8 +174,29 @@ def validate(data: Mapping[str, Any], registry: Registry, source: Path) -> Recip
         problems += found
 
     if problems:
-        raise RecipeError(str(source), problems)
+        raise RecipeError(str(source), _blame_overrides(problems, overrides))
     return Recipe(source=source, run=core["run"], engine=core["engine"], by_stage=by_stage)
+
+
+def _blame_overrides(problems: list[Problem], overrides: Sequence[str]) -> list[Problem]:
+    """Each problem at a key a ``--set`` wrote, or inside a table it wrote, labelled with that
+    ``--set`` (``--set engine.bse_lr=1: unknown key ...``): a typo on the command line is
+    looked for there, not in the file."""
+    set_by: dict[str, str] = {}  # problem path ("guard[1].max_norm") -> the --set text, the last one winning
+    for text in overrides:
+        keys, _value = parse_override(text)
+        path = keys[0] + "".join(f"[{k}]" if k.isdigit() else f".{k}" for k in keys[1:])
+        set_by[path] = text
+    blamed = []
+    for path, message in problems:
+        if path in set_by:
+            path = f"--set {set_by[path]}"
+        else:
+            inside = [key for key in set_by if path.startswith((f"{key}.", f"{key}["))]
+            if inside:
+                path = f"--set {set_by[max(inside, key=len)]}: {path}"
+        blamed.append((path, message))
+    return blamed
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str], registry: Registry) -> Recipe:
@@ -186,7 +210,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str], registry: Registry) 
     for stage, default in DEFAULT_STAGES.items():
         data.setdefault(STAGES[stage][1], copy.deepcopy(default))
     data = apply_overrides(data, overrides)
-    return validate(data, registry, source.resolve())
+    return validate(data, registry, source.resolve(), overrides)
 
 
 def _without_none(value: Any) -> Any:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from typing import Any, Mapping, Sequence
@@ -43,7 +44,9 @@ import numpy as np
 from octfw.data.dicom.manifest import ManifestRow, write_manifest
 from octfw.data.dicom.reader import encode_oct_dicom, open_file, write_bytes
 from octfw.data.synthetic.config import DOMAINS
+from octfw.progress import progress_bar
 from octfw.storage.files import open_filesystem
+from octfw.tables import counted
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -609,34 +612,41 @@ def write_synthetic_cohort(
     )
     corruption = {index: CORRUPTION_KINDS[k % len(CORRUPTION_KINDS)] for k, index in enumerate(corrupt_indices)}
 
+    # The first command on a fresh cache writes the cohort, minutes at larger sizes: say so
+    # rather than look stuck (and draw a bar where a person watches).
+    logging.getLogger(__name__).info("writing the synthetic cohort (%s, %s sizes) once, to %s; later commands "
+                                     "reuse it", counted(n_volumes, "volume"), sizes, folder)
     files, rows = [], []
-    for index in range(n_volumes):
-        domain = domains[index % len(domains)]
-        profile = profiles[domain]
-        rng = np.random.default_rng([seed, index])
-        label = None
-        if with_labels:
-            # A binary task draws as generator version 2 did (label 1 below 0.5).
-            draw = rng.random()
-            label = int(draw < 0.5) if len(findings) == 2 else int(draw * len(findings))
-        volume = synthetic_volume(rng, options["shapes"][domain], profile,
-                                  finding=None if label is None else findings[label],
-                                  finding_scale=finding_scale)
-        name = f"{domain}/{index:05d}.dcm"
+    with progress_bar("synthetic cohort", unit="volumes") as shown:
+        for index in range(n_volumes):
+            domain = domains[index % len(domains)]
+            profile = profiles[domain]
+            rng = np.random.default_rng([seed, index])
+            label = None
+            if with_labels:
+                # A binary task draws as generator version 2 did (label 1 below 0.5).
+                draw = rng.random()
+                label = int(draw < 0.5) if len(findings) == 2 else int(draw * len(findings))
+            volume = synthetic_volume(rng, options["shapes"][domain], profile,
+                                      finding=None if label is None else findings[label],
+                                      finding_scale=finding_scale)
+            name = f"{domain}/{index:05d}.dcm"
 
-        def encode(array: np.ndarray, _name: str = name) -> bytes:
-            # UIDs derive from the seed and file name: rewriting gives the same bytes.
-            return encode_oct_dicom(array, profile.spacing, profile.manufacturer, profile.model_name,
-                                    uid_entropy=[str(seed), _name, str(GENERATOR_VERSION), *entropy])
+            def encode(array: np.ndarray, _name: str = name) -> bytes:
+                # UIDs derive from the seed and file name: rewriting gives the same bytes.
+                return encode_oct_dicom(array, profile.spacing, profile.manufacturer, profile.model_name,
+                                        uid_entropy=[str(seed), _name, str(GENERATOR_VERSION), *entropy])
 
-        data = encode(volume)
-        kind = corruption.get(index)
-        if kind is not None:
-            data = _corrupt_bytes(kind, data, volume, encode, rng)
-        url = _join(folder, name)
-        write_bytes(url, data)
-        files.append({"path": name, "domain": domain, "label": label, "corrupt": kind, "size": len(data)})
-        rows.append(ManifestRow(path=url, domain=domain, label=label))
+            data = encode(volume)
+            kind = corruption.get(index)
+            if kind is not None:
+                data = _corrupt_bytes(kind, data, volume, encode, rng)
+            url = _join(folder, name)
+            write_bytes(url, data)
+            files.append({"path": name, "domain": domain, "label": label, "corrupt": kind, "size": len(data)})
+            rows.append(ManifestRow(path=url, domain=domain, label=label))
+            if shown is not None:
+                shown(index + 1, n_volumes)
 
     if previous and isinstance(previous.get("files"), list):
         keep = {item["path"] for item in files}
