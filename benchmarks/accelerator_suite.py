@@ -117,7 +117,7 @@ def run_cuda_tests(paths: list[str]) -> dict[str, Any]:
 def attention_cases(presets: tuple[str, ...], image_size: list[int], patch: list[int]) -> list[dict[str, Any]]:
     """Each preset's encoder and predictor attention over every patch of a volume
     (the target encoder and the predictor see all of them)."""
-    from octfw.models.vjepa3d.config import PRESETS
+    from octfw.plugins.models.vjepa3d.config import PRESETS
 
     tokens = 1
     for size, p in zip(image_size, patch):
@@ -515,7 +515,7 @@ def end_to_end_mode(args, device: str, presets: tuple[str, ...], image_size: lis
         print(f"pytest -m cuda: {result['cuda_tests']['summary']}", flush=True)
         save()
     if device == "cuda":
-        from octfw.models.vjepa3d.config import PRESETS
+        from octfw.plugins.models.vjepa3d.config import PRESETS
 
         sizes = PRESETS[presets[0]]
         tokens = attention_cases(presets[:1], SEED_IMAGE, SEED_PATCH)[0]["tokens"]

@@ -214,7 +214,7 @@ class Forever(torch.utils.data.Sampler):
 
 def read_and_decompress(location: str, rows: Any, samples: int) -> float:
     """Samples/s of reading a stored volume's bytes and decompressing them, nothing else."""
-    from octfw.data.prepared.store import ARRAY_METADATA, CHUNK, VOLUMES, decode_volume
+    from octfw.plugins.datasets.prepared.store import ARRAY_METADATA, CHUNK, VOLUMES, decode_volume
 
     metadata = {}
     started = time.perf_counter()
@@ -262,10 +262,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from octfw.data.dicom.reader import read_oct_volume
-    from octfw.data.oct_standard import OCTStandardConfig, build as build_transform
-    from octfw.data.prepared.dataset import PreparedDataset
-    from octfw.data.synthetic.cohort import write_synthetic_cohort
+    from octfw.plugins.datasets.dicom.reader import read_oct_volume
+    from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
+    from octfw.plugins.datasets.prepared.dataset import PreparedDataset
+    from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
     from octfw.engine.data import SampleSource, collate
     from octfw.types import BuildContext
     from test_resize import monai_prepare
@@ -300,7 +300,7 @@ def main() -> None:
     log("                                ratios: " + json.dumps(result["prepare_ratios"]))
 
     # --- streaming ---------------------------------------------------------------
-    from octfw.data.prepared.prepare import prepare_dataset
+    from octfw.plugins.datasets.prepared.prepare import prepare_dataset
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
 

@@ -99,7 +99,7 @@ def write_recipe(folder: Path, source: str, image: list[int]) -> Path:
 
 
 def prepare(recipe: Path, location: str, workers: int) -> dict[str, Any]:
-    from octfw.data.prepared.prepare import prepare_dataset
+    from octfw.plugins.datasets.prepared.prepare import prepare_dataset
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
 
@@ -114,8 +114,8 @@ def prepare(recipe: Path, location: str, workers: int) -> dict[str, Any]:
 
 def formats(location: str, count: int) -> dict[str, Any]:
     """Bytes and codec time per volume: zarr (blosc zstd) against np.savez_compressed and float32 .npz."""
-    from octfw.data.prepared.dataset import PreparedDataset
-    from octfw.data.prepared.store import ARRAY_METADATA, CHUNK, decode_volume, dequantize, encode_volume, quantize
+    from octfw.plugins.datasets.prepared.dataset import PreparedDataset
+    from octfw.plugins.datasets.prepared.store import ARRAY_METADATA, CHUNK, decode_volume, dequantize, encode_volume, quantize
 
     dataset = PreparedDataset.open(location)
     rows: dict[str, list[float]] = {}
@@ -153,7 +153,7 @@ def stream(location: str, transform: Any, samples: int, batch: int = 4) -> dict[
     """Samples/s on one thread: read + check + decode + views + masks + collate."""
     import torch
 
-    from octfw.data.prepared.dataset import PreparedDataset
+    from octfw.plugins.datasets.prepared.dataset import PreparedDataset
     from octfw.engine.data import SampleSource, collate
 
     torch.set_num_threads(1)
@@ -176,8 +176,8 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
     """PreparedDataset.open on indexes of 1k/10k/100k entries (rows copied from the real index)."""
     import attrs
 
-    from octfw.data.prepared.dataset import PreparedDataset
-    from octfw.data.prepared.store import HEADER_FILE, INDEX_FILE, read_header
+    from octfw.plugins.datasets.prepared.dataset import PreparedDataset
+    from octfw.plugins.datasets.prepared.store import HEADER_FILE, INDEX_FILE, read_header
     from octfw.engine.data import domain_counts
 
     header = read_header(location)
@@ -204,7 +204,7 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
 
 def header_scan(folder: str) -> dict[str, Any]:
     """Today's build of a folder dataset: list it, read every header (series grouping, domains)."""
-    from octfw.data.dicom.dataset import DicomDataset
+    from octfw.plugins.datasets.dicom.dataset import DicomDataset
 
     started = time.perf_counter()
     dataset = DicomDataset.from_location(folder)
@@ -218,8 +218,8 @@ def model_flops(image: list[int]) -> float:
     import torch
 
     from octfw.engine.throughput import flops_per_sample
-    from octfw.models.vjepa3d import build
-    from octfw.models.vjepa3d.config import VJEPA3DConfig
+    from octfw.plugins.models.vjepa3d import build
+    from octfw.plugins.models.vjepa3d.config import VJEPA3DConfig
     from octfw.types import BuildContext
 
     ctx = BuildContext(recipe_dir=ROOT, cache_dir=ROOT, run_dir=None, seed=0, image_size=tuple(image),
@@ -244,8 +244,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few small volumes: checks every path")
     args = parser.parse_args()
 
-    from octfw.data.oct_standard import OCTStandardConfig, build as build_transform
-    from octfw.data.synthetic.cohort import write_synthetic_cohort
+    from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
+    from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
     from octfw.types import BuildContext
 
     n = 6 if args.smoke else args.volumes

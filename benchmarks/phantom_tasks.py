@@ -31,7 +31,7 @@ from pathlib import Path
 from _common import RESULTS, ROOT, machine, write_result
 from synthetic_tasks import GIVEN_AWAY, KNN_K, RECIPE, VISIBLE, Harness, line, measure
 
-TASKS = {"tuning": "drusen", "held-out": "cysts"}  # octfw.data.phantom.config.FAMILY_TASKS
+TASKS = {"tuning": "drusen", "held-out": "cysts"}  # octfw.plugins.datasets.phantom.config.FAMILY_TASKS
 GRID = (0.6, 0.8, 1.0, 1.2, 1.5)
 #: Shapes tried before the constants of the sweep in the results, with this script's numbers
 #: (200 volumes, 5 splits; voxel probe / best random encoder / limit at the scales named).

@@ -70,6 +70,17 @@ def bytes_to_intensity(stored: "np.ndarray") -> "np.ndarray":
     volume = stored.astype(np.float32)
     volume *= np.float32(UINT8_SCALE)  # in place: one float32 volume, not two
     return volume
+
+
+def dequantize(stored: "np.ndarray") -> "np.ndarray":
+    """Voxels as ``octfw prepare`` stored them (uint8 or float16) as float32 in [0, 1]
+    (a float32 array as it is, without a copy): the prepared dataset's and every
+    transform's one reading of a stored volume."""
+    import numpy as np
+
+    if stored.dtype == np.uint8:
+        return bytes_to_intensity(stored)
+    return np.asarray(stored, dtype=np.float32)
 #: Added by the engine beside :data:`BATCH_KEYS`: each sample's domain as an
 #: int64 index into the run's sorted domain names. It rides to the device with
 #: the batch, so per-domain losses cost no host-to-device copy per step.
@@ -254,7 +265,7 @@ class PreparingTransform(Transform, Protocol):
     :class:`octfw.errors.CorruptFile`. ``cache`` is None (no caching) or an
     object with ``get(source) -> CachedVolume | None`` and
     ``put(source, prepared, provenance)``, such as
-    :class:`octfw.data.prepared.cache.PreparedCache`, keyed so that a
+    :class:`octfw.plugins.transforms.oct_standard.cache.PreparedCache`, keyed so that a
     changed option never reuses an entry.
     """
 

@@ -183,9 +183,9 @@ def test_the_readme_components_table_names_every_builtin_component():
 
 
 def test_a_stage_package_docstring_that_lists_its_builtins_lists_them_all():
-    """``octfw/data/__init__.py`` and its siblings: a list of the components there is complete.
+    """``octfw/plugins/datasets/__init__.py`` and its siblings: a list of the components there is complete.
 
-    A built-in counts as named by its module (``octfw.data.phantom``) or by a component name
+    A built-in counts as named by its module (``octfw.plugins.datasets.phantom``) or by a component name
     it registers in double backticks (````phantom-oct````).
     """
     import importlib

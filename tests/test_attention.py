@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from octfw.diagnostics.attention import record_attention, sdpa_backend
-from octfw.models.vjepa3d.config import PRESETS
+from octfw.plugins.models.vjepa3d.config import PRESETS
 
 from test_vjepa3d import make_batch, make_model
 

@@ -13,7 +13,7 @@ import torch
 
 from octfw.evaluation.attentive import fit_attentive_grid, select_member
 from octfw.evaluation.evaluator import AttentiveProbeEvaluator, Encoded
-from octfw.evaluation.evaluators.attentive_probe import AttentiveProbeConfig
+from octfw.plugins.evaluators.attentive_probe import AttentiveProbeConfig
 from octfw.evaluation.features import LabelledVolumes, pool_tokens, pooled_grid
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from octfw.checkpointers.gcs import GcsCheckpointConfig, GcsCheckpointer, StorageError, build
+from octfw.plugins.checkpointers.gcs import GcsCheckpointConfig, GcsCheckpointer, StorageError, build
 from octfw.cli import main
 from octfw.errors import UserError
 from octfw.fields import Location

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from octfw.checkpointers.local import LocalCheckpointConfig, build, checkpoint_name
+from octfw.plugins.checkpointers.local import LocalCheckpointConfig, build, checkpoint_name
 from octfw.errors import UserError
 from octfw.fields import Location
 from octfw.types import BuildContext, Checkpointer

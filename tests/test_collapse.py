@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from octfw.cli import main
 from octfw.errors import RecipeError
-from octfw.guards.collapse import CollapseConfig, CollapseGuard, build
+from octfw.plugins.guards.collapse import CollapseConfig, CollapseGuard, build
 from octfw.models.health import RANK_TOKENS, effective_rank, embedding_std
 from octfw.recipe import load_recipe
 from octfw.types import StopTraining
@@ -186,7 +186,7 @@ def test_guard_is_registered_and_its_module_imports_without_torch(registry):
     component = registry.get("guard", "collapse")
     assert component.config is CollapseConfig
     assert isinstance(build(CollapseConfig(), None), CollapseGuard)
-    code = "import sys, octfw.guards.collapse; sys.exit('torch' in sys.modules)"
+    code = "import sys, octfw.plugins.guards.collapse; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from octfw.checkpointers.local import LocalCheckpointer
+from octfw.plugins.checkpointers.local import LocalCheckpointer
 
 from conftest import make_dist
 

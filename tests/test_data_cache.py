@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from octfw.data.dicom.dataset import DicomDataset
-from octfw.data.oct_standard import OCTStandardConfig, build
-from octfw.data.prepared.cache import PreparedCache
-from octfw.data.synthetic.cohort import write_synthetic_cohort
+from octfw.plugins.datasets.dicom.dataset import DicomDataset
+from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build
+from octfw.plugins.transforms.oct_standard.cache import PreparedCache
+from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.engine.data import (
     BalancedEpochOrder,
     EpochOrder,

@@ -19,9 +19,9 @@ import numpy as np
 import pydicom
 import pytest
 
-from octfw.data.dicom.dataset import DicomDataset, list_dicom_files
-from octfw.data.dicom.reader import read_oct_volume, write_oct_dicom
-from octfw.data.synthetic.cohort import (
+from octfw.plugins.datasets.dicom.dataset import DicomDataset, list_dicom_files
+from octfw.plugins.datasets.dicom.reader import read_oct_volume, write_oct_dicom
+from octfw.plugins.datasets.synthetic.cohort import (
     CORRUPTION_KINDS,
     PROFILES,
     TASKS,
@@ -513,8 +513,8 @@ def test_configs_refuse_bad_values(component, options, message):
 
 def test_plugin_modules_import_without_heavy_packages():
     code = (
-        "import sys, octfw.data.dicom.config, octfw.data.dicom, octfw.data.prepared, "
-        "octfw.data.synthetic, octfw.data.phantom, octfw.data.vendor\n"
+        "import sys, octfw.plugins.datasets.dicom.config, octfw.plugins.datasets.dicom, octfw.plugins.datasets.prepared, "
+        "octfw.plugins.datasets.synthetic, octfw.plugins.datasets.phantom, octfw.plugins.datasets.vendor\n"
         "heavy = [m for m in ('torch', 'pydicom', 'gcsfs', 'fsspec', 'torch_xla', 'oct_converter') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
@@ -531,7 +531,7 @@ def _write_series(folder, volume, *, series_uid="1.2.3.4.5", manufacturer="Heide
     """One single-frame OPT file per B-scan, written in a shuffled file-name order."""
     import io
 
-    from octfw.data.dicom.reader import encode_oct_dicom
+    from octfw.plugins.datasets.dicom.reader import encode_oct_dicom
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from octfw.cli import main
-from octfw.data.dicom.reader import read_oct_volume
-from octfw.data.synthetic.cohort import write_synthetic_cohort
+from octfw.plugins.datasets.dicom.reader import read_oct_volume
+from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.encoder import load_encoder
 from octfw.errors import UserError
 
@@ -212,9 +212,9 @@ def test_a_location_is_opened_by_the_dataset_whose_config_recognises_it(tmp_path
     import attrs
     import fsspec
 
-    from octfw.data.prepared.config import PreparedConfig
-    from octfw.data.prepared.store import HEADER_FILE
-    from octfw.data.vendor.config import OctVendorConfig
+    from octfw.plugins.datasets.prepared.config import PreparedConfig
+    from octfw.plugins.datasets.prepared.store import HEADER_FILE
+    from octfw.plugins.datasets.vendor.config import OctVendorConfig
     from octfw.encoder import open_volumes
     from octfw.hookspecs import hookimpl
     from octfw.registry import DISABLE_ENV, load_registry
@@ -248,7 +248,7 @@ def test_a_location_is_opened_by_the_dataset_whose_config_recognises_it(tmp_path
     registry = load_registry(entry_points=[entry_point])
     assert open_volumes(tmp_path / "eye.probe", registry) == ("probe", str(tmp_path / "eye.probe"))
     with pytest.raises(UserError, match="no DICOM files in"):  # without the prepared dataset: dicom
-        open_volumes(tmp_path / "store", load_registry(builtins=["octfw.data.dicom"], entry_points=[]))
+        open_volumes(tmp_path / "store", load_registry(builtins=["octfw.plugins.datasets.dicom"], entry_points=[]))
     (tmp_path / "eye.e2e.probe").mkdir()
     (tmp_path / "eye.e2e.probe" / HEADER_FILE).write_text("{}")
     with pytest.raises(UserError, match=r"several datasets recognise it \(prepared, probe-volumes\)"):

@@ -58,7 +58,7 @@ class Poisoned(torch.nn.Module):
         return self.inner.param_groups(weight_decay)
 
 def build_model(config, ctx):
-    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
     inner = build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx)
     if config.rank_only >= 0 and ctx.rank != config.rank_only:
         config = attrs.evolve(config, nan_at=())
@@ -248,7 +248,7 @@ def test_nan_at_update_514_is_skipped_and_the_run_goes_on(tiny_recipe, probe):
 
 
 def test_loss_spike_guard_warns_with_the_step(capsys):
-    from octfw.guards.loss_spike import LossSpike, LossSpikeConfig
+    from octfw.plugins.guards.loss_spike import LossSpike, LossSpikeConfig
     from octfw.types import StopTraining
 
     guard = LossSpike(LossSpikeConfig(factor=3.0, min_history=3))

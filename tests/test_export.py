@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import octfw
-from octfw.checkpointers.local import LocalCheckpointer
+from octfw.plugins.checkpointers.local import LocalCheckpointer
 from octfw.cli import main
 from octfw.encoder import PretrainedEncoder, load_encoder
 from octfw.errors import UserError
-from octfw.models.vjepa3d import VJEPA3DConfig, build
+from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
 
 from conftest import TINY_RECIPE
 from test_vjepa3d import make_ctx

@@ -18,7 +18,7 @@ import torch
 from octfw.cli import main
 from octfw.errors import RecipeError
 from octfw.evaluation.evaluator import Encoded, FineTuneEvaluator
-from octfw.evaluation.evaluators.fine_tune import FineTuneConfig
+from octfw.plugins.evaluators.fine_tune import FineTuneConfig
 from octfw.evaluation.features import LabelledVolumes
 from octfw.evaluation.fine_tune import FineTuneNetwork, fine_tune, frozen_prefix, parameter_groups
 from octfw.formats import encoder_info, write_export

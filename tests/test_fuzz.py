@@ -249,7 +249,7 @@ def cohort(tmp_path_factory):
     """One real volume and one series of three B-scans, for rows to name."""
     import numpy as np
 
-    from octfw.data.dicom.reader import write_oct_dicom
+    from octfw.plugins.datasets.dicom.reader import write_oct_dicom
 
     folder = tmp_path_factory.mktemp("fuzz-cohort")
     rng = np.random.default_rng(0)
@@ -264,7 +264,7 @@ def cohort(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipeline_parts(tmp_path_factory):
     """The ``dicom`` component and a transform, as ``octfw check`` builds them."""
-    from octfw.data.oct_standard import OCTStandardConfig, build
+    from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build
     from octfw.registry import load_registry
     from octfw.types import BuildContext
 
@@ -286,7 +286,7 @@ def pipeline_parts(tmp_path_factory):
        split=st.sampled_from([None, "train"]), domain_from=st.sampled_from(["header", "manifest", "folder"]))
 def test_any_manifest_rows_build_a_dataset_or_one_user_error(cohort, pipeline_parts, rows, raw_lines, kind,
                                                              split, domain_from):
-    from octfw.data.dicom.config import DicomConfig
+    from octfw.plugins.datasets.dicom.config import DicomConfig
     from octfw.engine.data import SampleSource
     from octfw.fields import Location
 

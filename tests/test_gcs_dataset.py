@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from octfw.cli import main
-from octfw.data.dicom.dataset import DicomDataset
-from octfw.data.synthetic.cohort import write_synthetic_cohort
+from octfw.plugins.datasets.dicom.dataset import DicomDataset
+from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.errors import CorruptFile
 
 from conftest import TINY_RECIPE

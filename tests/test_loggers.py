@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octfw.loggers.console import ConsoleConfig, ConsoleLogger
-from octfw.loggers.console import build as build_console
-from octfw.loggers.jsonl import JsonlConfig
-from octfw.loggers.jsonl import build as build_jsonl
+from octfw.plugins.loggers.console import ConsoleConfig, ConsoleLogger
+from octfw.plugins.loggers.console import build as build_console
+from octfw.plugins.loggers.jsonl import JsonlConfig
+from octfw.plugins.loggers.jsonl import build as build_jsonl
 from octfw.types import BuildContext, Logger
 
 CTX = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0)
@@ -171,7 +171,7 @@ def test_jsonl_refuses_reserved_metric_names_and_bad_filenames(tmp_path):
 def test_console_prints_evaluator_results_on_their_own_line():
     import io
 
-    from octfw.loggers.console import ConsoleLogger
+    from octfw.plugins.loggers.console import ConsoleLogger
 
     stream = io.StringIO()
     logger = ConsoleLogger(mode="plain", stream=stream)
@@ -182,7 +182,7 @@ def test_console_prints_evaluator_results_on_their_own_line():
 
 
 def test_summary_shows_skipped_saves_and_the_resume_hint_only_when_they_apply():
-    from octfw.loggers.console import format_summary
+    from octfw.plugins.loggers.console import format_summary
 
     quiet = format_summary({"update_steps": 4, "total_update_steps": 4, "skipped_saves": 0, "preempted": False})
     assert "skipped saves" not in quiet and "preempted" not in quiet
@@ -193,7 +193,7 @@ def test_summary_shows_skipped_saves_and_the_resume_hint_only_when_they_apply():
 
 
 def test_summary_says_a_failed_final_save_and_where_the_state_went_only_when_it_happened():
-    from octfw.loggers.console import format_summary
+    from octfw.plugins.loggers.console import format_summary
 
     fine = format_summary({"update_steps": 4, "interrupted": False, "final_save_failed": False,
                            "fallback_checkpoint": None})

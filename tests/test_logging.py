@@ -173,6 +173,6 @@ def test_a_run_writes_its_warnings_to_octfw_log_and_leaves_no_handler_behind(wri
     assert "octfw: warning: collapse: metric/target_std" in err
     [run_dir] = (tmp_path / "runs" / "recipe").iterdir()
     text = (run_dir / LOG_FILE).read_text()
-    assert "WARNING  octfw.guards.collapse [MainThread]: collapse: metric/target_std" in text
+    assert "WARNING  octfw.plugins.guards.collapse [MainThread]: collapse: metric/target_std" in text
     assert handlers_of("octfw") == console
     assert not any(h.get_name() == "octfw-run-log" for name in THIRD_PARTY_LEVELS for h in handlers_of(name))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import octfw
-from octfw.models.mae3d import MAE3DConfig, build
-from octfw.models.mae3d.model import NORM_PIX_EPS, masked_pixel_loss, patchify
+from octfw.plugins.models.mae3d import MAE3DConfig, build
+from octfw.plugins.models.mae3d.model import NORM_PIX_EPS, masked_pixel_loss, patchify
 from octfw.models.vit3d import PatchEmbed3D, ViT3DEncoder
 from octfw.registry import load_registry
 from octfw.types import BuildContext, ModelOutput
@@ -70,12 +70,12 @@ def patch_marks(batch, idx_key, num_patches=8):
 
 
 def test_plugin_modules_import_without_torch():
-    code = "import sys, octfw.models.mae3d; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, octfw.plugins.models.mae3d; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_mae3d_is_registered_with_its_config():
-    registry = load_registry(builtins=["octfw.models.mae3d"], entry_points=[])
+    registry = load_registry(builtins=["octfw.plugins.models.mae3d"], entry_points=[])
     component = registry.get("model", "mae3d")
     assert component.config is MAE3DConfig
     model = component.build(MAE3DConfig(preset="tiny", patch_size=TINY_PATCH), make_ctx())
@@ -83,7 +83,7 @@ def test_mae3d_is_registered_with_its_config():
 
 
 def test_presets_share_vjepa3d_encoders_and_fields_override_them():
-    from octfw.models.vjepa3d import VJEPA3DConfig
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig
 
     for preset in ("tiny", "small", "base"):
         mae, vjepa = MAE3DConfig(preset=preset).architecture(), VJEPA3DConfig(preset=preset).architecture()
@@ -96,8 +96,8 @@ def test_presets_share_vjepa3d_encoders_and_fields_override_them():
 
 
 def test_the_preset_sizes_octfw_list_shows_are_the_models_parameter_counts():
-    from octfw.models.mae3d.config import PRESET_PARAMETERS, PRESETS
-    from octfw.models.mae3d.model import MAE3D
+    from octfw.plugins.models.mae3d.config import PRESET_PARAMETERS, PRESETS
+    from octfw.plugins.models.mae3d.model import MAE3D
 
     for name, sizes in PRESETS.items():
         model = MAE3D(image_size=(16, 64, 64), patch_size=(4, 16, 16), in_channels=1, **sizes)
@@ -294,7 +294,7 @@ XLA_SCRIPT = textwrap.dedent("""
     import torch_xla.debug.metrics as met
 
     from octfw.engine.optim import GatedAdamW
-    from octfw.models.mae3d import MAE3DConfig, build
+    from octfw.plugins.models.mae3d import MAE3DConfig, build
     from octfw.types import BuildContext
 
     STEPS, BATCH, IMAGE, PATCH = 5, 2, (8, 32, 32), (4, 8, 8)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from octfw.data.oct_standard import MaskConfig
-from octfw.data.oct_standard.masks import (
+from octfw.plugins.transforms.oct_standard import MaskConfig
+from octfw.models.masks import (
     MultiBlock3DMask,
     RandomMask,
     mask_generator_from_config,

@@ -65,7 +65,7 @@ def test_activations_measured_on_meta_equal_what_autograd_saves():
 
 
 def seeds_model():
-    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
 
     ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
                        image_size=(64, 384, 384), patch_size=(4, 16, 16))

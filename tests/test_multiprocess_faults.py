@@ -61,7 +61,7 @@ class Collapsing(torch.nn.Module):
         return self.inner.param_groups(weight_decay)
 
 def build_model(config, ctx):
-    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
     return Collapsing(build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx), ctx.rank == config.rank)
 
 @attrs.frozen
@@ -382,7 +382,7 @@ class SlowConfig:
     seconds: float = 60.0
 
 def build_model(config, ctx):
-    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
     model = build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx)
     forward = model.forward
     calls = []

@@ -11,8 +11,8 @@ import attrs
 import numpy as np
 import pytest
 
-from octfw.data.oct_standard import MaskConfig, OCTStandardConfig, build
-from octfw.data.oct_standard.masks import validate_indices
+from octfw.plugins.transforms.oct_standard import MaskConfig, OCTStandardConfig, build
+from octfw.models.masks import validate_indices
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.registry import load_registry
 from octfw.types import BATCH_KEYS, BuildContext, Provenance, Sample
@@ -43,9 +43,9 @@ ALL_AUGMENTATIONS = dict(flip_prob=0.5, affine_prob=0.5, intensity_jitter=0.2,
 
 
 def test_registered_and_listing_does_not_import_torch_or_monai():
-    assert load_registry(["octfw.data.oct_standard"], entry_points=[]).get(
+    assert load_registry(["octfw.plugins.transforms.oct_standard"], entry_points=[]).get(
         "transform", "oct-standard").config is OCTStandardConfig
-    code = ("import sys, octfw.data.oct_standard as t; "
+    code = ("import sys, octfw.plugins.transforms.oct_standard as t; "
             "print('torch' in sys.modules, 'monai' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

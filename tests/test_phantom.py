@@ -13,8 +13,8 @@ import pytest
 from conftest import TINY_RECIPE
 from test_user_mistakes import octfw, refused
 from octfw.types import BuildContext
-from octfw.data.dicom.dataset import DicomDataset
-from octfw.data.dicom.manifest import read_manifest
+from octfw.plugins.datasets.dicom.dataset import DicomDataset
+from octfw.plugins.datasets.dicom.manifest import read_manifest
 from octfw.registry import load_registry
 
 PACKAGE = Path(__file__).resolve().parents[1] / "octfw" / "data" / "phantom"
@@ -68,7 +68,7 @@ def test_the_families_have_their_own_vendors_and_shapes(tmp_path):
 def test_a_positive_eye_has_its_negative_twins_noise_and_differs_in_part():
     # The finding draws from its own stream; what it changes is a region (the swelling of the
     # held-out family moves the layers below it), not the whole volume's speckle.
-    from octfw.data.phantom import held_out, tuning
+    from octfw.plugins.datasets.phantom import held_out, tuning
 
     for module in (tuning, held_out):
         anatomy = module.draw_patient(np.random.default_rng(0))
@@ -111,12 +111,12 @@ def test_the_package_imports_nothing_of_synthetic_oct():
         tree = ast.parse(source.read_text())
         imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
         imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
-        assert not [m for m in imported if m and m.startswith("octfw.data.synthetic")], source.name
+        assert not [m for m in imported if m and m.startswith("octfw.plugins.datasets.synthetic")], source.name
 
 
 _WRITE = """
 import sys
-from octfw.data.phantom.cohort import write_phantom_cohort
+from octfw.plugins.datasets.phantom.cohort import write_phantom_cohort
 write_phantom_cohort(sys.argv[1], "held-out", int(sys.argv[2]), seed=4, labels=True)
 """
 
@@ -140,7 +140,7 @@ def test_a_write_killed_mid_way_is_finished_by_the_next_and_two_writers_agree(tm
     import signal
     import time
 
-    from octfw.data.phantom.cohort import write_phantom_cohort
+    from octfw.plugins.datasets.phantom.cohort import write_phantom_cohort
 
     reference = tmp_path / "reference"
     write_phantom_cohort(str(reference), "held-out", 24, seed=4, labels=True)

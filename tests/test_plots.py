@@ -10,7 +10,7 @@ import pytest
 
 from octfw.cli import main
 from octfw.errors import UserError
-from octfw.loggers.jsonl import JsonlLogger
+from octfw.plugins.loggers.jsonl import JsonlLogger
 from octfw.plots import collapse_thresholds, plan_panels, read_metrics, step_axis, step_label
 
 from conftest import make_dist

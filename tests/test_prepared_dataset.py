@@ -23,14 +23,14 @@ import torch
 import pytest
 
 from octfw.cli import main
-from octfw.data.dicom.dataset import DicomDataset
-from octfw.data.oct_standard import OCTStandardConfig, build as build_transform
-from octfw.data.prepared.dataset import PreparedDataset
-from octfw.data.prepared.prepare import prepare_dataset
-from octfw.data.prepared.store import (
+from octfw.plugins.datasets.dicom.dataset import DicomDataset
+from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
+from octfw.plugins.datasets.prepared.dataset import PreparedDataset
+from octfw.plugins.datasets.prepared.prepare import prepare_dataset
+from octfw.plugins.datasets.prepared.store import (
     CHUNK, HEADER_FILE, dequantize, quantize, read_header,
 )
-from octfw.data.synthetic.cohort import write_synthetic_cohort
+from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.engine.data import domain_counts
 from octfw.errors import CorruptFile
 from octfw.recipe import load_recipe
@@ -278,7 +278,7 @@ def test_a_damaged_volume_is_quarantined_never_trained_on(prepared, write_recipe
 def test_a_flipped_byte_in_the_first_volumes_metadata_quarantines_that_volume_only(prepared, write_recipe, tmp_path):
     """zarr.json is the same for every volume of a dtype; one damaged and read first must stay that
     volume's damage, not make the whole store unusable (all 10 failed, quarantine empty, before)."""
-    from octfw.data.prepared.store import ARRAY_METADATA
+    from octfw.plugins.datasets.prepared.store import ARRAY_METADATA
 
     dataset = PreparedDataset.open(str(prepared))
     victim = dataset.rows[0]

@@ -59,7 +59,7 @@ def test_duplicate_component_names_both_origins(site):
         load_registry()
     message = str(exc.value)
     assert "'constant' is registered twice" in message
-    assert "octfw.schedulers.constant (octfw" in message and "plug_dup (octfw-dup 1.2.3)" in message
+    assert "octfw.plugins.schedulers.constant (octfw" in message and "plug_dup (octfw-dup 1.2.3)" in message
 
 
 def test_broken_plugin_is_reported_with_its_distribution_and_the_rest_loads(site):
@@ -101,7 +101,7 @@ def test_a_config_with_a_name_field_is_refused_at_registration(site):
 
 def test_disable_env_blocks_plugins_by_entry_point_or_distribution(site, monkeypatch):
     make_dist(site, "octfw-dup", "plug_dup", SCHEDULER_PLUGIN.format(name="constant"))
-    monkeypatch.setenv("OCTFW_DISABLE_PLUGINS", "plug_dup, octfw.guards.collapse")
+    monkeypatch.setenv("OCTFW_DISABLE_PLUGINS", "plug_dup, octfw.plugins.guards.collapse")
     registry = load_registry()
     assert registry.get("scheduler", "constant").distribution == "octfw"
     assert "collapse" not in registry.names("guard") and "nan-skip" in registry.names("guard")

@@ -14,11 +14,11 @@ import pytest
 import torch
 from monai.transforms import Resize
 
-from octfw.data.dicom.reader import read_oct_volume
-from octfw.data.oct_standard.config import OCTStandardConfig
-from octfw.data.oct_standard.resize import resize
-from octfw.data.oct_standard.transform import OCTStandardTransform
-from octfw.data.synthetic.cohort import PROFILES, write_synthetic_cohort
+from octfw.plugins.datasets.dicom.reader import read_oct_volume
+from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
+from octfw.plugins.transforms.oct_standard.resize import resize
+from octfw.plugins.transforms.oct_standard.transform import OCTStandardTransform
+from octfw.plugins.datasets.synthetic.cohort import PROFILES, write_synthetic_cohort
 from octfw.types import Sample
 
 #: float32 rounding, relative to the largest value: the two differ in the order of the sums only.

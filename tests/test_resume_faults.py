@@ -128,7 +128,7 @@ class SlowFirstConfig:
     patch_size: tuple[int, int, int] = (4, 16, 16)
 
 def build_model(config, ctx):
-    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
     model = build(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx)
     forward, calls = model.forward, []
     def compiling_forward(batch):  # the first step compiles: a long wait, as XLA's on a pod

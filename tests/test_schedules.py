@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from octfw.errors import UserError
-from octfw.schedulers.constant import ConstantConfig
-from octfw.schedulers.constant import build as build_constant
-from octfw.schedulers.cosine import CosineConfig, warmup_steps
-from octfw.schedulers.cosine import build as build_cosine
+from octfw.plugins.schedulers.constant import ConstantConfig
+from octfw.plugins.schedulers.constant import build as build_constant
+from octfw.plugins.schedulers.cosine import CosineConfig, warmup_steps
+from octfw.plugins.schedulers.cosine import build as build_cosine
 from octfw.schedules import effective_lr, plot_schedule, simulate, validate_schedule
 from octfw.types import BuildContext, Schedule
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from octfw.checkpointers.gcs import GcsCheckpointConfig
-from octfw.checkpointers.gcs import build as build_gcs
-from octfw.checkpointers.local import LocalCheckpointConfig, LocalCheckpointer
-from octfw.checkpointers.local import build as build_local
+from octfw.plugins.checkpointers.gcs import GcsCheckpointConfig
+from octfw.plugins.checkpointers.gcs import build as build_gcs
+from octfw.plugins.checkpointers.local import LocalCheckpointConfig, LocalCheckpointer
+from octfw.plugins.checkpointers.local import build as build_local
 from octfw.errors import UserError
 from octfw.fields import Location
 from octfw.storage.checkpoints import (

@@ -11,8 +11,8 @@ import numpy as np
 import pydicom
 import pytest
 
-from octfw.data.dicom.reader import encode_oct_dicom, read_header, read_oct_volume
-from octfw.data.synthetic.cohort import (
+from octfw.plugins.datasets.dicom.reader import encode_oct_dicom, read_header, read_oct_volume
+from octfw.plugins.datasets.synthetic.cohort import (
     _LOG_FLOOR,
     CORRUPTION_KINDS,
     DEVICE_PROFILES,
@@ -24,7 +24,7 @@ from octfw.data.synthetic.cohort import (
     synthetic_volume,
     write_synthetic_cohort,
 )
-from octfw.data.synthetic.config import SyntheticOctConfig
+from octfw.plugins.datasets.synthetic.config import SyntheticOctConfig
 from octfw.errors import CorruptFile, UserError
 from octfw.recipe import load_recipe
 

@@ -9,7 +9,7 @@ return the B-scans as ``[D, H, W]`` with the values the reader decodes,
 the spacing the format records, the vendor's domain and no patient
 identifier; a truncated copy and garbage must be quarantined with a
 reason. oct-converter's Topcon readers need octfw's numpy >= 2.3 shim
-(``octfw.data.vendor.oct_converter_compat``), tested here too. OPT DICOM written
+(``octfw.plugins.datasets.vendor.oct_converter_compat``), tested here too. OPT DICOM written
 by oct-converter's DICOM writer (from a ``.img`` and from explicit metadata
 carrying patient identifiers) is read by octfw's DICOM reader with its
 spacing.
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octfw.data.vendor import OctVendorConfig, build
+from octfw.plugins.datasets.vendor import OctVendorConfig, build
 from octfw.errors import CorruptFile, UserError
 from octfw.registry import load_registry
 from octfw.types import BuildContext
@@ -59,7 +59,7 @@ def test_component_is_registered_with_documented_options():
 
 
 def test_numpy_proxy_reads_binary_fromstring_as_a_writable_frombuffer_copy():
-    from octfw.data.vendor.oct_converter_compat import NUMPY_PROXY
+    from octfw.plugins.datasets.vendor.oct_converter_compat import NUMPY_PROXY
 
     raw = np.arange(6, dtype="<u2").tobytes()
     got = NUMPY_PROXY.fromstring(raw, dtype=np.uint16)
@@ -74,8 +74,8 @@ def test_numpy_proxy_reads_binary_fromstring_as_a_writable_frombuffer_copy():
 
 
 def test_oct_converter_patch_is_idempotent_and_leaves_numpy_alone(oct_converter):
-    from octfw.data.vendor import oct_converter_compat as compat
-    from octfw.data.vendor.reader import require_oct_converter
+    from octfw.plugins.datasets.vendor import oct_converter_compat as compat
+    from octfw.plugins.datasets.vendor.reader import require_oct_converter
 
     fromstring = np.fromstring
     require_oct_converter()  # applies the patch
@@ -165,7 +165,7 @@ def test_topcon_fda_jpeg2000_bscans_read_exactly(tmp_path, oct_converter):
 
 
 def test_heidelberg_e2e_reads_log_intensities_axial_spacing_and_no_identifiers(tmp_path, oct_converter):
-    from octfw.data.dicom.reader import SpacingDefaulted
+    from octfw.plugins.datasets.dicom.reader import SpacingDefaulted
 
     values = _e2e_values(4)
     data = e2e_bytes(values, axial_mm=0.0039, patient=PATIENT)
@@ -190,7 +190,7 @@ def test_heidelberg_e2e_reads_log_intensities_axial_spacing_and_no_identifiers(t
 
 
 def test_bioptigen_oct_reads_bscans_axial_by_lateral(tmp_path, oct_converter):
-    from octfw.data.dicom.reader import SpacingDefaulted
+    from octfw.plugins.datasets.dicom.reader import SpacingDefaulted
 
     volume = _volume(9, shape=(4, 30, 14))
     (tmp_path / "mouse_OD.OCT").write_bytes(
@@ -255,7 +255,7 @@ def test_opt_dicom_converted_by_oct_converter_from_a_zeiss_img_is_read_with_its_
         tmp_path, oct_converter):
     from oct_converter.dicom import create_dicom_from_oct
 
-    from octfw.data.dicom.reader import read_oct_volume
+    from octfw.plugins.datasets.dicom.reader import read_oct_volume
 
     rows, cols, slices = 24, 16, 5
     raw = np.random.default_rng(5).integers(1, 255, size=(rows, cols, slices), dtype=np.uint8)
@@ -279,8 +279,8 @@ def test_opt_dicom_from_oct_converters_writer_keeps_spacing_and_drops_identifier
     from oct_converter.dicom.metadata import (DicomMetadata, ImageGeometry, ManufacturerMeta,
                                               OCTImageParams, PatientMeta, SeriesMeta)
 
-    from octfw.data.dicom.dataset import DicomDataset
-    from octfw.data.dicom.reader import read_header, read_oct_volume
+    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.plugins.datasets.dicom.reader import read_header, read_oct_volume
 
     meta = DicomMetadata(
         patient_info=PatientMeta(first_name=FIRST, last_name=LAST, patient_id=PATIENT_ID,

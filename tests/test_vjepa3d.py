@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from octfw.errors import UserError
-from octfw.models.vjepa3d import PRESETS, VJEPA3DConfig, build
+from octfw.plugins.models.vjepa3d import PRESETS, VJEPA3DConfig, build
 from octfw.models.health import embedding_std
-from octfw.models.vjepa3d.model import masked_feature_loss
+from octfw.plugins.models.vjepa3d.model import masked_feature_loss
 from octfw.registry import load_registry
 from octfw.types import BuildContext, ModelOutput
 
@@ -64,14 +64,14 @@ def patch_slices(model, index: int) -> tuple[slice, slice, slice]:
 
 def test_plugin_modules_import_without_torch():
     code = (
-        "import sys, octfw.models.vjepa3d;"
+        "import sys, octfw.plugins.models.vjepa3d;"
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_vjepa3d_is_registered_with_its_config():
-    registry = load_registry(builtins=["octfw.models.vjepa3d"], entry_points=[])
+    registry = load_registry(builtins=["octfw.plugins.models.vjepa3d"], entry_points=[])
     component = registry.get("model", "vjepa3d")
     assert component.config is VJEPA3DConfig
     model = component.build(VJEPA3DConfig(preset="tiny", patch_size=TINY_PATCH), make_ctx())
@@ -433,8 +433,8 @@ def test_effective_rank_compiles_without_a_graph_break():
 
 
 def test_the_preset_sizes_octfw_list_shows_are_the_models_parameter_counts():
-    from octfw.models.vjepa3d.config import PRESET_PARAMETERS, PRESETS
-    from octfw.models.vjepa3d.model import VJEPA3D
+    from octfw.plugins.models.vjepa3d.config import PRESET_PARAMETERS, PRESETS
+    from octfw.plugins.models.vjepa3d.model import VJEPA3D
 
     for name, sizes in PRESETS.items():
         model = VJEPA3D(image_size=(16, 64, 64), patch_size=(4, 16, 16), in_channels=1, **sizes)

@@ -12,7 +12,7 @@ import pytest
 
 from octfw.cli import main
 from octfw.errors import UserError
-from octfw.loggers.wandb import WandbConfig, WandbLogger, build
+from octfw.plugins.loggers.wandb import WandbConfig, WandbLogger, build
 from octfw.types import BuildContext, Logger
 
 WANDB_LOGGER = '\n[[logger]]\nname = "wandb"\nproject = "octfw-test"\ntags = ["tiny"]\n'

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     import torch_xla.debug.metrics as met
 
     from octfw.engine.optim import GatedAdamW
-    from octfw.models.vjepa3d import VJEPA3DConfig, build
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
     from octfw.types import BuildContext
 
     STEPS, BATCH, IMAGE, PATCH = int(sys.argv[1]), 2, (8, 32, 32), (4, 8, 8)

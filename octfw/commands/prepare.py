@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     recipe, registry = load_recipe_from_args(args)
-    from octfw.data.prepared.prepare import prepare_dataset
+    from octfw.plugins.datasets.prepared.prepare import prepare_dataset
     from octfw.errors import UserError
 
     if args.workers is not None and args.workers < 1:

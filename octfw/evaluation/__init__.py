@@ -1,7 +1,7 @@
 """Frozen-encoder evaluation: labelled volumes -> features or tokens -> probe or kNN -> metrics.
 
 Everything evaluation is here: the library, the evaluator components
-(:mod:`octfw.evaluation.evaluators`) and what ``octfw eval`` runs.
+(:mod:`octfw.plugins.evaluators`) and what ``octfw eval`` runs.
 
 The library:
 

@@ -1,7 +1,8 @@
-"""Models (recipe table ``[model]``) and the networks they share.
+"""The model parts the built-in models, third-party ones and the core share.
 
 :mod:`octfw.models.vit3d` (the 3D ViT encoder every model and the exported
-encoder use) and :mod:`octfw.models.flops` are shared code; each model is a
-package holding its config, its code and its registration
-(:mod:`octfw.models.vjepa3d`, :mod:`octfw.models.mae3d`).
+encoder use), :mod:`octfw.models.masks` (patch masks), :mod:`octfw.models.health`,
+:mod:`octfw.models.flops`, :mod:`octfw.models.masked_decoder` and
+:mod:`octfw.models.presets`. The models themselves are plugins
+(:mod:`octfw.plugins.models`).
 """

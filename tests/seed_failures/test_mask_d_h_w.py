@@ -32,7 +32,7 @@ class VoxelMask:
         return arrays
 
 def build(config, ctx):
-    from octfw.data.oct_standard import OCTStandardConfig, build as standard
+    from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as standard
     return VoxelMask(standard(OCTStandardConfig(image_size=config.image_size), ctx), config, ctx.patch_size)
 
 @hookimpl

@@ -24,7 +24,7 @@ class UntypedConfig:
 
 def build(config, ctx):
     import torch
-    from octfw.models.vjepa3d import VJEPA3DConfig, build as vjepa
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build as vjepa
 
     class Untyped(torch.nn.Module):
         def __init__(self):

@@ -34,7 +34,7 @@ class Stalling:
         return self.inner.load(index)
 
 def build(config, ctx):
-    from octfw.data.synthetic import SyntheticOctConfig, build as synthetic
+    from octfw.plugins.datasets.synthetic import SyntheticOctConfig, build as synthetic
     return Stalling(synthetic(SyntheticOctConfig(n_volumes=config.n_volumes), ctx), config)
 
 @hookimpl

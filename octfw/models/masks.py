@@ -1,0 +1,299 @@
+"""Fixed-size patch masks for JEPA pretraining.
+
+A mask generator splits the patch grid ``(D/pd, H/ph, W/pw)`` into the
+patches the context encoder sees (``context_idx``) and the patches the
+predictor must predict (``target_idx``). Indices count patches in row-major
+order over the grid. Both arrays are sorted int64 and their lengths depend
+only on the generator's options and the grid, never on the draw: XLA compiles
+one graph per shape, so a count that varied per sample would recompile every
+step (and a varying count cannot be batched anyway).
+
+All randomness comes from the ``rng`` argument, so the same seed gives the
+same mask in any worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import Protocol
+
+import numpy as np
+
+from octfw.errors import ContractError, UserError
+from octfw.models.mask_config import MaskConfig
+
+__all__ = [
+    "Grid",
+    "MaskGenerator",
+    "RandomMask",
+    "MultiBlock3DMask",
+    "mask_generator_from_config",
+    "validate_indices",
+]
+
+#: Patch grid ``(gd, gh, gw)``: patches along depth, height and width.
+Grid = tuple[int, int, int]
+
+
+class MaskGenerator(Protocol):
+    """What the transform needs from a mask generator."""
+
+    def counts(self, grid: Grid) -> tuple[int, int]:
+        """``(num_context, num_target)`` for ``grid``; the same for every draw."""
+        ...
+
+    def __call__(self, grid: Grid, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted int64 ``(context_idx, target_idx)``, disjoint, covering the grid."""
+        ...
+
+
+def _num_patches(grid: Grid) -> int:
+    if len(grid) != 3 or any(int(g) < 1 for g in grid):
+        raise UserError(f"patch grid must be 3 positive sizes (D, H, W), got {list(grid)}")
+    return int(np.prod(grid))
+
+
+def _clamped_target_count(fraction: float, num_patches: int) -> int:
+    """``round(fraction * N)`` clamped to ``[1, N - 1]`` so neither side is empty.
+
+    Rounds half up (not Python's half-to-even) so the count is easy to predict.
+    """
+    if num_patches < 2:
+        raise UserError(
+            f"the patch grid has {num_patches} patch; masking needs at least 2 "
+            "(make transform.image_size larger or the model's patch_size smaller)"
+        )
+    count = int(math.floor(fraction * num_patches + 0.5))
+    return min(max(count, 1), num_patches - 1)
+
+
+def _split(target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(context_idx, target_idx)`` from a boolean target mask over the flat grid."""
+    return (
+        np.flatnonzero(~target).astype(np.int64),
+        np.flatnonzero(target).astype(np.int64),
+    )
+
+
+class RandomMask:
+    """Masks a fixed fraction of patches chosen uniformly at random.
+
+    The seeds' variant: ``ratio`` 0.6 of the patches are targets.
+    """
+
+    def __init__(self, ratio: float = 0.6):
+        if not 0.0 < ratio < 1.0:
+            raise UserError(f"transform.mask.ratio must be in (0, 1), got {ratio!r}")
+        self.ratio = float(ratio)
+
+    def counts(self, grid: Grid) -> tuple[int, int]:
+        n = _num_patches(grid)
+        num_target = _clamped_target_count(self.ratio, n)
+        return n - num_target, num_target
+
+    def __call__(self, grid: Grid, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        n = _num_patches(grid)
+        _, num_target = self.counts(grid)
+        target = np.zeros(n, dtype=bool)
+        target[rng.permutation(n)[:num_target]] = True
+        return _split(target)
+
+    def __repr__(self) -> str:
+        return f"RandomMask(ratio={self.ratio})"
+
+
+def _block_size(scale: float, ratio: float, gh: int, gw: int) -> tuple[int, int]:
+    """Height and width in patches of a block of ``scale`` x plane area and ``ratio`` = h / w."""
+    area = scale * gh * gw
+    height = min(max(int(round(math.sqrt(area * ratio))), 1), gh)
+    width = min(max(int(round(math.sqrt(area / ratio))), 1), gw)
+    return height, width
+
+
+def _line_cover(n: int, size: int) -> np.ndarray:
+    """Probability that each of ``n`` cells is inside a run of ``size`` placed uniformly."""
+    starts = n - size + 1
+    cells = np.arange(n)
+    first = np.maximum(cells - size + 1, 0)
+    last = np.minimum(cells, n - size)
+    return (last - first + 1) / starts
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_union_fraction(
+    scales: tuple[float, ...], aspect_ratio: tuple[float, float], gh: int, gw: int
+) -> float:
+    """Expected share of the H x W plane covered by the union of independent blocks.
+
+    Exact for the sampling in :meth:`MultiBlock3DMask.block_mask` up to the
+    quadrature over the aspect ratio: a cell stays uncovered only if every
+    block misses it, and blocks are drawn independently.
+    """
+    low, high = aspect_ratio
+    steps = 2048
+    ratios = low + (np.arange(steps) + 0.5) / steps * (high - low)
+    uncovered = np.ones((gh, gw))
+    for scale, blocks in collections.Counter(scales).items():
+        hit = np.zeros((gh, gw))  # probability that one block of this scale covers a cell
+        for (height, width), times in collections.Counter(
+            _block_size(scale, float(r), gh, gw) for r in ratios
+        ).items():
+            hit += times / steps * np.outer(_line_cover(gh, height), _line_cover(gw, width))
+        uncovered *= (1.0 - hit) ** blocks
+    return float(1.0 - uncovered.mean())
+
+
+class MultiBlock3DMask:
+    """V-JEPA-style multi-block masking on the patch grid.
+
+    Each block covers a rectangle of the H x W patch plane whose area is
+    ``scale`` of the plane, with an aspect ratio (height / width) drawn from
+    ``aspect_ratio``, placed uniformly at random, and spans the full depth.
+    ``short_blocks`` blocks use ``short_scale`` and ``long_blocks`` blocks use
+    ``long_scale``. The target is the union of all blocks, the context its
+    complement.
+
+    Blocks overlap at random, so the union's size varies per draw. To keep
+    the counts fixed, the union is then trimmed (random target patches are
+    returned to the context) or padded (random context patches join the
+    target) to the expected union size for this grid, computed exactly from
+    the block distribution (no sampling), clamped to ``[1, N - 1]``.
+    """
+
+    def __init__(
+        self,
+        short_blocks: int = 8,
+        short_scale: float = 0.15,
+        long_blocks: int = 2,
+        long_scale: float = 0.7,
+        aspect_ratio: tuple[float, float] = (0.75, 1.5),
+    ):
+        if short_blocks < 0 or long_blocks < 0 or short_blocks + long_blocks < 1:
+            raise UserError(
+                "transform.mask needs at least one block: short_blocks="
+                f"{short_blocks}, long_blocks={long_blocks}"
+            )
+        for key, scale in (("short_scale", short_scale), ("long_scale", long_scale)):
+            if not 0.0 < scale <= 1.0:
+                raise UserError(f"transform.mask.{key} must be in (0, 1], got {scale!r}")
+        low, high = aspect_ratio
+        if not 0.0 < low <= high:
+            raise UserError(
+                f"transform.mask.aspect_ratio must be [low, high] with 0 < low <= high, "
+                f"got {list(aspect_ratio)}"
+            )
+        self.scales = (float(short_scale),) * short_blocks + (float(long_scale),) * long_blocks
+        self.aspect_ratio = (float(low), float(high))
+
+    def expected_fraction(self, grid: Grid) -> float:
+        """Expected share of the grid inside the union of the blocks (before trimming)."""
+        _num_patches(grid)
+        # Blocks span the full depth, so the share of the plane is the share of the grid.
+        return _expected_union_fraction(self.scales, self.aspect_ratio, int(grid[1]), int(grid[2]))
+
+    def counts(self, grid: Grid) -> tuple[int, int]:
+        n = _num_patches(grid)
+        num_target = _clamped_target_count(self.expected_fraction(grid), n)
+        return n - num_target, num_target
+
+    def block_mask(self, grid: Grid, rng: np.random.Generator) -> np.ndarray:
+        """The union of the blocks before trimming: boolean ``[gd, gh, gw]``."""
+        _num_patches(grid)
+        gd, gh, gw = (int(g) for g in grid)
+        mask = np.zeros((gd, gh, gw), dtype=bool)
+        for scale in self.scales:
+            height, width = _block_size(scale, rng.uniform(*self.aspect_ratio), gh, gw)
+            top = int(rng.integers(0, gh - height + 1))
+            left = int(rng.integers(0, gw - width + 1))
+            # V-JEPA blocks are tubes: every depth slice of the block is masked.
+            mask[:, top:top + height, left:left + width] = True
+        return mask
+
+    def __call__(self, grid: Grid, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        _, num_target = self.counts(grid)
+        target = self.block_mask(grid, rng).reshape(-1)
+        drawn = int(target.sum())
+        if drawn > num_target:
+            drop = rng.choice(np.flatnonzero(target), size=drawn - num_target, replace=False)
+            target[drop] = False
+        elif drawn < num_target:
+            add = rng.choice(np.flatnonzero(~target), size=num_target - drawn, replace=False)
+            target[add] = True
+        return _split(target)
+
+    def __repr__(self) -> str:
+        return f"MultiBlock3DMask(scales={self.scales}, aspect_ratio={self.aspect_ratio})"
+
+
+def mask_generator_from_config(config: "MaskConfig") -> MaskGenerator:
+    """The generator a ``[transform.mask]`` table names."""
+    if config.generator == "random":
+        return RandomMask(config.ratio)
+    if config.generator == "multiblock3d":
+        return MultiBlock3DMask(
+            short_blocks=config.short_blocks,
+            short_scale=config.short_scale,
+            long_blocks=config.long_blocks,
+            long_scale=config.long_scale,
+            aspect_ratio=tuple(config.aspect_ratio),
+        )
+    raise UserError(
+        f"transform.mask.generator must be 'random' or 'multiblock3d', got {config.generator!r}"
+    )
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _check_one(name: str, value: object, num_patches: int) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim != 1:
+        hint = ""
+        if array.ndim >= 3:
+            hint = ": did you pass a voxel mask?"
+        elif array.ndim == 2:
+            hint = ": did you pass a batch? validate one sample's indices"
+        raise ContractError(
+            f"{name}: mask must be patch indices of shape [num_patches_masked], "
+            f"got a {_shape_text(array.shape)} array{hint}"
+        )
+    if array.dtype == np.bool_:
+        raise ContractError(
+            f"{name}: mask must be integer patch indices, got a boolean array of shape "
+            f"{_shape_text(array.shape)}: pass np.flatnonzero(mask), not the mask itself"
+        )
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ContractError(f"{name}: patch indices must be integers, got dtype {array.dtype}")
+    if array.size == 0:
+        raise ContractError(f"{name}: no patch indices; each side needs at least one patch")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= num_patches:
+        raise ContractError(
+            f"{name}: patch indices must be in [0, {num_patches - 1}] for a grid of "
+            f"{num_patches} patches, got values from {low} to {high}"
+        )
+    if np.unique(array).size != array.size:
+        raise ContractError(f"{name}: patch indices repeat; each patch may appear once")
+    return array
+
+
+def validate_indices(context_idx: object, target_idx: object, num_patches: int) -> None:
+    """Check one sample's patch indices; raise :class:`ContractError` if unusable.
+
+    Both must be 1-D integer arrays of distinct indices in ``[0, num_patches)``,
+    and no patch may be both context and target. Accepts numpy arrays, CPU
+    tensors or lists.
+    """
+    context = _check_one("context_idx", context_idx, num_patches)
+    target = _check_one("target_idx", target_idx, num_patches)
+    both = np.intersect1d(context, target)
+    if both.size:
+        shown = ", ".join(str(int(i)) for i in both[:5])
+        more = ", ..." if both.size > 5 else ""
+        raise ContractError(
+            f"context_idx and target_idx must be disjoint, but {both.size} patch(es) are in "
+            f"both: {shown}{more}"
+        )

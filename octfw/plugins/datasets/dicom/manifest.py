@@ -1,0 +1,163 @@
+"""Dataset manifests: a CSV or JSON-lines file listing volumes.
+
+Columns (CSV header or JSON keys): ``path`` (required), ``domain``, ``split``,
+``label`` and ``patient`` (all optional; empty or null means unknown). Other
+columns are ignored, so a manifest may carry bookkeeping of its own.
+``patient`` is any key shared by the volumes of one patient (use a
+pseudonym): evaluation splits keep a patient's volumes on one side. It is
+only compared, never written to a run's outputs. A relative ``path``
+is relative to the manifest's folder, on the same filesystem (a manifest in
+``gs://bucket/cohort/`` can list ``scans/a.dcm``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from typing import Any, Iterable
+
+import attrs
+
+from octfw.plugins.datasets.dicom.reader import open_file, write_bytes
+from octfw.errors import UserError
+
+__all__ = ["MANIFEST_SUFFIXES", "ManifestRow", "is_manifest", "read_manifest", "write_manifest"]
+
+MANIFEST_SUFFIXES = (".csv", ".jsonl")
+
+
+@attrs.frozen
+class ManifestRow:
+    """One volume listed by a manifest; ``path`` is absolute (a path or URL)."""
+
+    path: str
+    domain: str | None = None
+    split: str | None = None
+    label: int | None = None
+    patient: str | None = None  #: groups volumes of one patient; compared only, never written out
+
+
+def is_manifest(location: str) -> bool:
+    """Whether ``location`` names a manifest file (by its suffix)."""
+    return str(location).lower().endswith(MANIFEST_SUFFIXES)
+
+
+def _folder_of(url: str) -> str:
+    return url.rsplit("/", 1)[0] if "/" in url else "."
+
+
+def _resolve(manifest: str, path: str) -> str:
+    if "://" in path or os.path.isabs(path):
+        return path
+    return f"{_folder_of(manifest)}/{path}"
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    return text or None
+
+
+def _short(value: Any) -> str:
+    """A cell as an error message shows it: a 400-digit number is not read in full."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _label(manifest: str, line: int, value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool):
+        raise UserError(f"{manifest}:{line}: label must be an integer, got {_short(value)}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond any float
+        raise UserError(f"{manifest}:{line}: label must be an integer, got {_short(value)}") from None
+    if not number.is_integer():
+        raise UserError(f"{manifest}:{line}: label must be an integer, got {_short(value)}")
+    return int(number)
+
+
+def _row(manifest: str, line: int, record: dict[str, Any]) -> ManifestRow:
+    path = _text(record.get("path"))
+    if path is None:
+        raise UserError(f"{manifest}:{line}: empty path")
+    return ManifestRow(
+        path=_resolve(manifest, path),
+        domain=_text(record.get("domain")),
+        split=_text(record.get("split")),
+        label=_label(manifest, line, record.get("label")),
+        patient=_text(record.get("patient")),
+    )
+
+
+def read_manifest(url: str) -> list[ManifestRow]:
+    """Every row of the manifest at ``url`` (local path or fsspec URL).
+
+    Raises UserError naming the file (and line) for a missing file, a missing
+    ``path`` column, an empty path, bad JSON or a non-integer label.
+    """
+    url = str(url)
+    if not is_manifest(url):
+        raise UserError(f"{url}: a manifest must end in {' or '.join(MANIFEST_SUFFIXES)}")
+    try:
+        with open_file(url) as f:
+            text = f.read().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise UserError(f"dataset.path: manifest not found: {url}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{url}: not UTF-8 text") from None
+
+    rows: list[ManifestRow] = []
+    if url.lower().endswith(".csv"):
+        reader = csv.DictReader(io.StringIO(text))
+        try:
+            if reader.fieldnames is None or "path" not in [n.strip() for n in reader.fieldnames]:
+                raise UserError(f"{url}: no 'path' column (columns: {reader.fieldnames or []})")
+            for record in reader:
+                record = {str(k).strip(): v for k, v in record.items() if k is not None}
+                rows.append(_row(url, reader.line_num, record))
+        except csv.Error as exc:  # e.g. a carriage return alone inside an unquoted cell
+            reason = str(exc).split(" - ")[0]  # without the csv module's advice to Python programmers
+            raise UserError(f"{url}:{reader.line_num}: not valid CSV ({reason})") from None
+        return rows
+
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{url}:{line_number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{url}:{line_number}: expected a JSON object")
+        if "path" not in record:
+            raise UserError(f"{url}:{line_number}: no 'path' key")
+        rows.append(_row(url, line_number, record))
+    return rows
+
+
+def write_manifest(url: str, rows: Iterable[ManifestRow], relative: bool = True) -> None:
+    """Write ``rows`` as JSON lines to ``url`` (must end in ``.jsonl``).
+
+    With ``relative``, paths inside the manifest's folder are written
+    relative to it, so the folder can be moved or copied to a bucket whole.
+    """
+    url = str(url)
+    if not url.lower().endswith(".jsonl"):
+        raise ValueError(f"write_manifest writes JSON lines; {url!r} must end in .jsonl")
+    folder = _folder_of(url) + "/"
+    lines = []
+    for row in rows:
+        path = row.path
+        if relative and path.startswith(folder):
+            path = path[len(folder):]
+        record: dict[str, Any] = {"path": path, "domain": row.domain, "split": row.split, "label": row.label}
+        if row.patient is not None:  # left out otherwise: manifests without patients stay byte-identical
+            record["patient"] = row.patient
+        lines.append(json.dumps(record))
+    write_bytes(url, ("\n".join(lines) + "\n").encode("utf-8"))
+

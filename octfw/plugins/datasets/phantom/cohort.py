@@ -1,0 +1,139 @@
+"""Writing a phantom cohort: patients, two eyes each, as DICOM plus a manifest.
+
+The families (:mod:`.tuning`, :mod:`.held_out`) draw a patient's anatomy and
+render one eye; this module only assigns vendors, labels and patients, and
+writes. Layout of a cohort folder::
+
+    <folder>/<vendor>/<index>.dcm   one Ophthalmic Tomography file per eye
+    <folder>/manifest.jsonl         path, domain, label, patient of every file
+    <folder>/cohort.json            options, files, sizes; written last
+
+``cohort.json`` goes last, so a folder without it (or with one for other
+options, or with a file of the wrong size) is written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from types import ModuleType
+from typing import Any
+
+import attrs
+import numpy as np
+
+from octfw.plugins.datasets.dicom.manifest import ManifestRow, write_manifest
+from octfw.plugins.datasets.dicom.reader import encode_oct_dicom, open_file, write_bytes
+from octfw.storage.files import open_filesystem
+
+__all__ = ["GENERATOR_VERSION", "COHORT_FILE", "MANIFEST_FILE", "Vendor", "family_module",
+           "cohort_options", "cohort_key", "write_phantom_cohort"]
+
+#: Bumped whenever a family's output changes, so cached cohorts are written again.
+GENERATOR_VERSION = 2  # 2: findings four times larger (sized by benchmarks/phantom_tasks.py)
+COHORT_FILE = "cohort.json"
+MANIFEST_FILE = "manifest.jsonl"
+EYES = ("OD", "OS")
+
+
+@attrs.frozen
+class Vendor:
+    """One device of a family: what its files look like."""
+
+    name: str  #: the DICOM Manufacturer, and so the domain
+    model_name: str
+    shape: tuple[int, int, int]  #: [D, H, W] voxels
+    spacing: tuple[float, float, float]  #: (dz, dy, dx) mm; about 6 x 2 x 6 mm in all
+    gain: float  #: 16-bit level of a reflectivity of 1
+    speckle: float  #: the family's speckle parameter (its meaning is the family's)
+
+
+def family_module(family: str) -> ModuleType:
+    """The module that draws ``family``; imported here so the config stays light."""
+    if family == "tuning":
+        from octfw.plugins.datasets.phantom import tuning as module
+    elif family == "held-out":
+        from octfw.plugins.datasets.phantom import held_out as module
+    else:
+        raise ValueError(f"unknown phantom family {family!r}")
+    return module
+
+
+def cohort_options(family: str, n_volumes: int, seed: int, labels: bool, finding_scale: float) -> dict[str, Any]:
+    return {"generator_version": GENERATOR_VERSION, "family": family, "n_volumes": n_volumes,
+            "seed": seed, "labels": labels, "finding_scale": finding_scale}
+
+
+def cohort_key(options: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(options, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}"
+
+
+def _size(url: str) -> int | None:
+    fs, path = open_filesystem(url)
+    try:
+        return int(fs.info(path)["size"])
+    except FileNotFoundError:
+        return None
+
+
+def _is_complete(folder: str, options: dict[str, Any]) -> bool:
+    try:
+        with open_file(_join(folder, COHORT_FILE)) as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return False  # none, or damaged: write the cohort again
+    if not isinstance(record, dict) or record.get("options") != options:
+        return False
+    return all(_size(_join(folder, item["path"])) == item["size"] for item in record["files"])
+
+
+def write_phantom_cohort(folder: str, family: str, n_volumes: int, *, seed: int, labels: bool = False,
+                         finding_scale: float = 1.0) -> str:
+    """Write (or reuse) a cohort of ``family`` in ``folder``; return its manifest's location.
+
+    Volumes ``2p`` and ``2p + 1`` are the two eyes of patient ``p``, on
+    vendor ``p mod 3``: one anatomy, each eye its own noise, small shifts and
+    finding (drawn with probability 1/2 per eye). Every draw comes from
+    generators seeded with (seed, family, patient[, eye]), so the same
+    options give the same bytes.
+    """
+    module = family_module(family)
+    options = cohort_options(family, n_volumes, seed, labels, finding_scale)
+    manifest = _join(folder, MANIFEST_FILE)
+    if _is_complete(folder, options):
+        return manifest
+    # The record goes first, so a rewrite cut short is seen as incomplete.
+    fs, record_path = open_filesystem(_join(folder, COHORT_FILE))
+    if fs.exists(record_path):
+        fs.rm_file(record_path)
+
+    family_id = int.from_bytes(hashlib.sha256(family.encode()).digest()[:4], "little")
+    files, rows = [], []
+    for index in range(n_volumes):
+        patient, eye = divmod(index, 2)
+        vendor = module.VENDORS[patient % len(module.VENDORS)]
+        anatomy = module.draw_patient(np.random.default_rng([seed, family_id, patient]))
+        rng = np.random.default_rng([seed, family_id, patient, eye + 1])
+        positive = bool(rng.random() < 0.5)
+        volume = module.render(rng, anatomy, vendor, mirrored=eye == 1, positive=positive,
+                               finding_scale=finding_scale)
+        # The seed is in the key: cohorts of two seeds hold different patients.
+        key = f"s{seed}-p{patient:04d}"
+        name = f"{vendor.name}/{index:05d}.dcm"
+        data = encode_oct_dicom(volume, vendor.spacing, vendor.name, vendor.model_name, {"PatientID": key},
+                                uid_entropy=["phantom-oct", family, str(seed), name, str(GENERATOR_VERSION)])
+        url = _join(folder, name)
+        write_bytes(url, data)
+        label = int(positive) if labels else None
+        files.append({"path": name, "domain": vendor.name, "eye": EYES[eye], "label": label, "size": len(data)})
+        rows.append(ManifestRow(path=url, domain=vendor.name, label=label, patient=key))
+
+    write_manifest(manifest, rows)
+    record = {"options": options, "files": files}
+    write_bytes(_join(folder, COHORT_FILE), json.dumps(record, indent=1).encode("utf-8"))
+    return manifest

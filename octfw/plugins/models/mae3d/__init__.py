@@ -1,0 +1,36 @@
+"""The ``mae3d`` model component: a masked autoencoder on the shared 3D ViT encoder.
+
+Light at import (attrs only); the network lives in :mod:`octfw.plugins.models.mae3d.model`
+and torch is imported when :func:`build` runs. The config lives in
+:mod:`octfw.plugins.models.mae3d.config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from octfw.hookspecs import Register, hookimpl
+from octfw.plugins.models.mae3d.config import PRESETS, Architecture, MAE3DConfig
+from octfw.models.presets import network_arguments
+
+__all__ = ["PRESETS", "Architecture", "MAE3DConfig", "build"]
+
+
+def build(config: MAE3DConfig, ctx: Any):
+    """Make a :class:`octfw.plugins.models.mae3d.model.MAE3D` for ``ctx.image_size`` and ``ctx.in_channels``."""
+    arguments = network_arguments("mae3d", config, ctx)  # checks the sizes before torch is imported
+
+    from octfw.plugins.models.mae3d.model import MAE3D
+
+    return MAE3D(norm_pix_loss=config.norm_pix_loss, **arguments)
+
+
+@hookimpl
+def octfw_register_models(register: Register) -> None:
+    register(
+        "mae3d",
+        MAE3DConfig,
+        build,
+        "MAE 3D ViT: the encoder sees the visible patches, a narrow decoder reconstructs the "
+        "(normalised) voxels of the masked ones; no EMA.",
+    )

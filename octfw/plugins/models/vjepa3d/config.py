@@ -1,0 +1,87 @@
+"""Config of the ``vjepa3d`` component (light: attrs only).
+
+Validating a recipe imports it and nothing heavier; the implementation
+reads it, and the package's ``__init__`` (:mod:`octfw.plugins.models.vjepa3d`) registers it
+and holds the factory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+from octfw.fields import choices, doc, positive
+from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, model_presets,
+                                  patch_size_field, size_field)
+
+__all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
+
+#: Predictor sizes by preset name, beside the shared encoder sizes
+#: (:data:`octfw.models.presets.ENCODER_PRESETS`).
+PREDICTOR_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(predictor_embed_dim=64, predictor_depth=2, predictor_num_heads=2),
+    "small": dict(predictor_embed_dim=320, predictor_depth=6, predictor_num_heads=5),
+    "base": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
+}
+
+#: Network sizes by preset name. ``small`` is the seeds' V-JEPA3D: with one
+#: input channel and patch (4, 16, 16) it has 29,333,120 trainable parameters
+#: (context encoder + predictor), within 0.3% of the seeds' 29.4M.
+PRESETS: dict[str, dict[str, Any]] = model_presets(PREDICTOR_PRESETS)
+
+#: Parameters of each preset with one input channel and patch (4, 16, 16) (they do not
+#: depend on the image size: position embeddings are fixed sin-cos): trainable (context
+#: encoder + predictor) and the exported encoder's. tests/test_vjepa3d.py checks them.
+PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
+    "tiny": (658_560, 545_952),
+    "small": (29_333_120, 21_687_936),
+    "base": (107_728_896, 85_843_200),
+}
+
+
+LOSS_CHOICES = ("l1", "mse", "nmse")
+
+
+@attrs.frozen
+class Architecture(EncoderArchitecture):
+    """The resolved network sizes: the preset with explicit fields applied."""
+
+    predictor_embed_dim: int
+    predictor_depth: int
+    predictor_num_heads: int
+
+
+@attrs.frozen
+class VJEPA3DConfig(PresetSized):
+    """V-JEPA with a 3D ViT: context encoder, narrower predictor, EMA target encoder."""
+
+    PRESETS: ClassVar = PRESETS
+    ARCHITECTURE: ClassVar = Architecture
+    WIDTH_HEADS: ClassVar = (("embed_dim", "num_heads"), ("predictor_embed_dim", "predictor_num_heads"))
+
+    preset: str = doc(
+        "network size: 'tiny' (CPU quickstart), 'small' (the seeds' 29.4M model), 'base'. "
+        f"{describe_presets(PRESETS, PRESET_PARAMETERS)} (patch 4x16x16, one channel)",
+        default="small", validator=choices(*PRESETS),
+    )
+    patch_size: tuple[int, int, int] = patch_size_field()
+    loss: str = doc(
+        "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
+        default="l1", validator=choices(*LOSS_CHOICES),
+    )
+    embed_dim: int | None = size_field("encoder width")
+    depth: int | None = size_field("encoder blocks")
+    num_heads: int | None = size_field("encoder attention heads")
+    predictor_embed_dim: int | None = size_field("predictor width")
+    predictor_depth: int | None = size_field("predictor blocks")
+    predictor_num_heads: int | None = size_field("predictor attention heads")
+    mlp_ratio: float | None = doc(
+        "MLP hidden width / embedding width (default: from preset)", default=None, validator=positive,
+    )
+    activation_checkpointing: bool = doc(
+        "recompute each transformer block's activations in the backward pass instead of keeping "
+        "them: much less activation memory (octfw check shows how much, and the largest batch that "
+        "fits) for about one more forward pass of the context encoder and predictor",
+        default=False,
+    )
