@@ -165,7 +165,7 @@ def stream(location: str, transform: Any, samples: int, batch: int = 4) -> dict[
         items.append(source[(1, done % len(dataset))])
         done += 1
         if len(items) == batch:
-            collate(items)
+            collate(items, transform.batch_spec())
             items = []
     seconds = time.perf_counter() - started
     torch.set_num_threads(os.cpu_count() or 1)

@@ -140,7 +140,7 @@ def compile_worker(preset: str, image: tuple[int, int, int], accum: int, dump: P
         host = iter(loaders[0])
         host_batches = [next(host) for _ in range(accum)]
         context = int(host_batches[0]["tensors"]["context_idx"].shape[1])
-        trainer.batches = iter(trainer.backend.device_batches(host_batches))
+        trainer.batches = iter(trainer.backend.device_batches(host_batches, trainer.parts.transform.batch_spec()))
 
         def compile_only(backend) -> None:
             # What torch_xla.sync() would compile (every live XLA tensor), compiled and

@@ -112,9 +112,12 @@ class OctfwSpecs:
         """Register transform components (recipe table ``[transform]``).
 
         The factory returns an :class:`octfw.types.Transform`:
-        ``transform(sample, rng) -> dict`` with the numpy arrays of
-        :data:`octfw.types.BATCH_KEYS` (two views ``[C, D, H, W]`` and
-        fixed-length patch index arrays). ``ctx.patch_size`` gives the model's
+        ``transform(sample, rng) -> dict`` of numpy arrays, and
+        ``batch_spec() -> dict[str, BatchKey]`` declaring every key it returns
+        (per-sample shape, dtype, whether it is a view): collate, the device
+        transfer, SPMD sharding and ``octfw check`` follow the declaration.
+        The built-in ``oct-standard`` makes :data:`octfw.types.BATCH_KEYS`
+        (two views ``[C, D, H, W]`` and fixed-length patch index arrays). ``ctx.patch_size`` gives the model's
         patch grid. A transform config with an ``image_size`` field declares
         the model's input size.
 
@@ -131,10 +134,12 @@ class OctfwSpecs:
         """Register model components (recipe table ``[model]``).
 
         The factory returns a ``torch.nn.Module`` whose ``forward(batch)``
-        takes the collated batch (a dict of device tensors keyed by
-        :data:`octfw.types.BATCH_KEYS`, each with a leading batch dimension,
-        plus :data:`octfw.types.DOMAIN_ID_KEY`, which a model may ignore)
-        and returns an :class:`octfw.types.ModelOutput`. A model config with
+        takes the collated batch (a dict of device tensors keyed as the
+        transform's ``batch_spec``, each with a leading batch dimension, plus
+        :data:`octfw.types.DOMAIN_ID_KEY`, which a model may ignore) and
+        returns an :class:`octfw.types.ModelOutput`. It declares the keys it
+        reads in ``inputs`` (:class:`octfw.types.BatchConsumer`); a key the
+        transform does not make is refused when the run is built. A model config with
         a ``patch_size`` field declares the patch grid.
 
         Optional methods the engine uses when present:

@@ -36,12 +36,15 @@ __all__ = [
     "StopTraining",
     "TrainingDone",
     "BATCH_KEYS",
+    "BatchKey",
+    "BatchConsumer",
     "UINT8_SCALE",
     "bytes_to_intensity",
 ]
 
-#: Keys of the tensors a transform returns for one sample, and that the
-#: collated batch carries to the model (with a leading batch dimension).
+#: The batch octfw's built-in transform makes and its built-in models consume
+#: (each transform declares its own in :meth:`Transform.batch_spec`, each model
+#: what it reads in :attr:`BatchConsumer.inputs`):
 #:
 #: - ``context``: float32 ``[C, D, H, W]``, the view the context encoder sees.
 #: - ``target``: float32 ``[C, D, H, W]``, the view the target encoder sees.
@@ -58,6 +61,36 @@ __all__ = [
 #: ``(D / pd, H / ph, W / pw)``. The counts are the same for every sample so
 #: that an XLA graph compiles once; a ``[D, H, W]`` voxel mask is refused.
 BATCH_KEYS = ("context", "target", "context_idx", "target_idx")
+
+
+@attrs.frozen
+class BatchKey:
+    """One array a transform returns per sample, as the batch carries it (declared in
+    :meth:`Transform.batch_spec`): collate, the transfer to the device, SPMD sharding and
+    ``octfw check`` read the declaration, so a new key needs no engine change.
+
+    ``view``: an image the model reads as float32. It may travel as uint8 (each byte
+    ``b`` meaning ``b * UINT8_SCALE``), converted on the device; a view that is the
+    same array as an earlier view of the sample (nothing augmented it) travels once.
+    Every key is split along the batch dimension over the devices (SPMD)."""
+
+    shape: tuple[int, ...]  #: per sample, without the batch dimension (fixed: one XLA graph)
+    dtype: str  #: numpy dtype name as returned ("float32", "int64"); a view may also come as "uint8"
+    view: bool = False
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@runtime_checkable
+class BatchConsumer(Protocol):
+    """A model's declaration of the batch keys its ``forward`` reads: checked against the
+    transform's :meth:`~Transform.batch_spec` when the run is built."""
+
+    inputs: tuple[str, ...]
+
+
 #: A uint8 view's (and a uint8 stored volume's) byte ``b`` is the intensity ``b * UINT8_SCALE``.
 UINT8_SCALE = 1.0 / 255.0
 
@@ -245,13 +278,17 @@ class SourcedDataset(Dataset, Protocol):
 
 @runtime_checkable
 class Transform(Protocol):
-    """Turns a :class:`Sample` into the arrays of :data:`BATCH_KEYS`.
+    """Turns a :class:`Sample` into the arrays its :meth:`batch_spec` declares.
 
     ``rng`` is derived from (seed, epoch, index), so a sample's views and
     masks do not depend on worker count or order, and a batch can be rebuilt.
     """
 
     def __call__(self, sample: Sample, rng: "np.random.Generator") -> dict[str, "np.ndarray"]: ...
+
+    def batch_spec(self) -> dict[str, BatchKey]:
+        """Every key ``__call__`` returns, with its per-sample shape and dtype (fixed for the run)."""
+        ...
 
 
 @runtime_checkable

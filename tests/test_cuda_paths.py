@@ -282,7 +282,7 @@ def test_a_volume_both_views_share_travels_once_from_pinned_memory(tiny_recipe, 
     assert ("target" in host["tensors"]) is not shared
     if device == "cuda":
         assert all(t.is_pinned() for t in host["tensors"].values())
-    (batch,) = itertools.islice(trainer.backend.device_batches([host]), 1)
+    (batch,) = itertools.islice(trainer.backend.device_batches([host], parts.transform.batch_spec()), 1)
     views = batch["tensors"]
     assert (views["target"] is views["context"]) is shared
     assert views["context"].device.type == device and views["context"].dtype == torch.float32

@@ -37,6 +37,7 @@ class PoisonConfig:
 class Poisoned(torch.nn.Module):
     def __init__(self, inner, nan_at, where, loss_is_domain_id=False):
         super().__init__()
+        self.inputs = inner.inputs  # what the wrapped model reads
         self.inner, self.where, self.loss_is_domain_id = inner, where, loss_is_domain_id
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         # A plain attribute, not a buffer: DDP would overwrite buffers with rank 0's.
@@ -183,7 +184,7 @@ def test_each_sample_carries_the_id_of_its_own_domain(tiny_recipe):
     assert parts.domains == ["heidelberg", "topcon", "zeiss"]
     source = SampleSource(parts.dataset, parts.transform, seed=0, domains=parts.domains)
     items = [source[(0, i)] for i in range(len(parts.dataset))]
-    batch = collate(items)
+    batch = collate(items, parts.transform.batch_spec())
     assert batch["tensors"]["domain_id"].dtype == torch.int64
     assert batch["tensors"]["domain_id"].tolist() == [parts.domains.index(p.domain) for p in batch["provenance"]]
     assert {p.domain for p in batch["provenance"]} == set(parts.domains)

@@ -23,7 +23,7 @@ import pytest
 from conftest import TINY_RECIPE
 from octfw.engine.data import BalancedEpochOrder, EpochOrder, SampleSource, make_loader
 from octfw.engine.distributed import BatchLayout
-from octfw.types import Provenance, Sample
+from octfw.types import BatchKey, Provenance, Sample
 from test_xla_engine import FAST_COMPILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,12 +45,20 @@ class NumberedVolumes:
                       Provenance(f"vol{index:02d}", DOMAINS[index], (1.0, 1.0, 1.0), (1, 1, 1)))
 
 
-def numbered_views(sample: Sample, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return {"context": sample.volume[None], "target": sample.volume[None],
-            "context_idx": np.zeros(1, np.int64), "target_idx": np.zeros(1, np.int64)}
+class NumberedViews:
+    """Both views are the volume; one context and one target patch."""
+
+    def __call__(self, sample: Sample, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {"context": sample.volume[None], "target": sample.volume[None],
+                "context_idx": np.zeros(1, np.int64), "target_idx": np.zeros(1, np.int64)}
+
+    def batch_spec(self) -> dict[str, BatchKey]:
+        view = BatchKey((1, 1, 1, 1), "float32", view=True)
+        return {"context": view, "target": view, "context_idx": BatchKey((1,), "int64"),
+                "target_idx": BatchKey((1,), "int64")}
 
 
-SOURCE = SampleSource(NumberedVolumes(), numbered_views, seed=7)
+SOURCE = SampleSource(NumberedVolumes(), NumberedViews(), seed=7)
 
 
 def host_loaders(layout: BatchLayout, sampling: str = "natural", start: int = 0) -> list:

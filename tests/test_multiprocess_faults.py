@@ -48,6 +48,7 @@ class CollapsingConfig:
 class Collapsing(torch.nn.Module):
     def __init__(self, inner, collapsed):
         super().__init__()
+        self.inputs = inner.inputs  # what the wrapped model reads
         self.inner, self.collapsed = inner, collapsed
     def forward(self, batch):
         out = self.inner(batch)

@@ -15,7 +15,7 @@ from octfw.plugins.transforms.oct_standard import MaskConfig, OCTStandardConfig,
 from octfw.models.masks import validate_indices
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.registry import load_registry
-from octfw.types import BATCH_KEYS, BuildContext, Provenance, Sample
+from octfw.types import BATCH_KEYS, BatchKey, BuildContext, Provenance, Sample
 
 IMAGE = (8, 32, 32)
 PATCH = (4, 8, 8)  # grid (2, 4, 4): 32 patches
@@ -83,24 +83,24 @@ def test_config_refuses_bad_values():
 
 
 @pytest.mark.parametrize("generator", ["random", "multiblock3d"])
-def test_output_has_batch_keys_shapes_and_dtypes_of_output_spec(generator):
+def test_output_has_the_keys_shapes_and_dtypes_its_batch_spec_declares(generator):
     transform = make_transform(target_spacing=(0.2, 0.02, 0.02), mask=MaskConfig(generator=generator),
                                **ALL_AUGMENTATIONS)
-    spec = transform.output_spec()
+    spec = transform.batch_spec()
     assert tuple(spec) == BATCH_KEYS
-    assert spec["context"] == ((1, *IMAGE), "float32")
+    assert spec["context"] == BatchKey((1, *IMAGE), "float32", view=True)
     for seed in range(4):
         out = transform(make_sample(seed=seed), np.random.default_rng(seed))
         assert tuple(out) == BATCH_KEYS
-        for key, (shape, dtype) in spec.items():
+        for key, field in spec.items():
             assert type(out[key]) is np.ndarray  # plain arrays, no MetaTensor or tensor
-            assert out[key].shape == shape and str(out[key].dtype) == dtype
+            assert out[key].shape == field.shape and str(out[key].dtype) == field.dtype
         validate_indices(out["context_idx"], out["target_idx"], 32)
 
 
 def test_random_mask_counts_follow_the_ratio():
-    spec = make_transform(mask=MaskConfig(ratio=0.75)).output_spec()
-    assert spec["target_idx"] == ((24,), "int64") and spec["context_idx"] == ((8,), "int64")
+    spec = make_transform(mask=MaskConfig(ratio=0.75)).batch_spec()
+    assert spec["target_idx"] == BatchKey((24,), "int64") and spec["context_idx"] == BatchKey((8,), "int64")
 
 
 # --- prepare: resample, normalise, fit ---------------------------------------------

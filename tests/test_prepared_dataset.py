@@ -146,9 +146,10 @@ def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_o
     # float32 on the device, bit for bit (octfw.engine.data.float_views).
     from octfw.engine.data import SampleSource, collate, float_views
 
-    batch = collate([SampleSource(dataset, transform, seed=0)[(0, i)] for i in range(2)])["tensors"]
+    spec = transform.batch_spec()
+    batch = collate([SampleSource(dataset, transform, seed=0)[(0, i)] for i in range(2)], spec)["tensors"]
     assert batch["context"].dtype == batch["target"].dtype == torch.uint8
-    views = float_views(batch)
+    views = float_views(batch, ("context", "target"))
     for position in range(2):  # SampleSource[(epoch, i)] is dataset sample i
         expected = transform.prepare(dataset.load(position))
         assert views["context"].dtype == torch.float32

@@ -12,18 +12,18 @@ import numpy as np
 import torch
 
 from octfw.engine.build import build_components, check_schedule
-from octfw.engine.data import SampleSource, collate, domain_counts, float_views, listed
+from octfw.engine.data import SampleSource, collate, domain_counts, float_views, listed, view_keys
 from octfw.engine.distributed import layout_for, step_time
 from octfw.engine.update import grad_norm
 from octfw.errors import ContractError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.tables import counted
-from octfw.types import BATCH_KEYS, ModelOutput
+from octfw.types import BatchConsumer, BatchKey, ModelOutput
 
 __all__ = ["check_recipe"]
 
-FLOAT_KEYS = ("context", "target")
+#: Patch index arrays (V-JEPA's and MAE's masks): checked against the patch grid when present.
 INDEX_KEYS = ("context_idx", "target_idx")
 
 
@@ -33,24 +33,22 @@ def _describe(t: Any) -> str:
     return type(t).__name__
 
 
-def check_batch_contract(tensors: dict[str, torch.Tensor], num_patches: int | None) -> None:
-    """Shapes and dtypes the model may rely on; a [D, H, W] mask is refused here."""
-    for key in FLOAT_KEYS:
+def check_batch_contract(tensors: dict[str, torch.Tensor], spec: dict[str, BatchKey],
+                         num_patches: int | None) -> None:
+    """The collated batch against the transform's declaration, as the model will get it: views
+    float32, every key of its declared shape and dtype; patch indices inside the grid (a
+    ``[D, H, W]`` voxel mask is refused here)."""
+    for key, field in spec.items():
         t = tensors[key]
-        if t.dtype != torch.float32 or t.dim() != 5:
-            raise ContractError(f"transform output {key!r} must be float32 [B, C, D, H, W], got {_describe(t)}")
-    if tensors["context"].shape != tensors["target"].shape:
-        raise ContractError(f"context {_describe(tensors['context'])} and target "
-                            f"{_describe(tensors['target'])} views differ in shape")
-    for key in INDEX_KEYS:
-        t = tensors[key]
-        if t.dim() != 2 or t.dtype != torch.int64:
+        dtype = "float32" if field.view else field.dtype
+        if str(t.dtype).replace("torch.", "") != dtype or tuple(t.shape[1:]) != tuple(field.shape):
             raise ContractError(
-                f"{key!r} must be int64 patch indices [B, N] (a fixed count per sample), got "
-                f"{_describe(t)}" + ("; this looks like a voxel mask [D, H, W]: masks are patch "
-                                     "indices, never volumes" if t.dim() >= 4 else ""))
-    if num_patches is not None:
-        both = torch.cat([tensors["context_idx"], tensors["target_idx"]], dim=1)
+                f"batch {key!r} must be {dtype} [B, {', '.join(map(str, field.shape))}] as the transform's "
+                f"batch_spec declares, got {_describe(t)}"
+                + ("; this looks like a voxel mask [D, H, W]: masks are patch indices, never volumes"
+                   if key in INDEX_KEYS and t.dim() >= 4 else ""))
+    if num_patches is not None and all(key in tensors for key in INDEX_KEYS):
+        both = torch.cat([tensors[key] for key in INDEX_KEYS], dim=1)
         if both.min() < 0 or both.max() >= num_patches:
             raise ContractError(f"patch indices must lie in [0, {num_patches}), got "
                                 f"[{int(both.min())}, {int(both.max())}]")
@@ -91,17 +89,15 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     report(f"sample    volume {list(volume_shape)} spacing {list(first['provenance'].spacing)} mm "
            f"domain {first['provenance'].domain}")
     arrays = first["arrays"]
-    missing = [k for k in BATCH_KEYS if k not in arrays]
-    if missing:
-        raise ContractError(f"transform {recipe.transform.name!r} output lacks {', '.join(missing)}; "
-                            f"it must return {', '.join(BATCH_KEYS)}")
-    report(f"transform {recipe.transform.name}: " + ", ".join(f"{k} {_describe(arrays[k])}" for k in BATCH_KEYS))
-    batch = float_views(collate(items)["tensors"])  # as the engine hands it to the model
+    spec = parts.transform.batch_spec()
+    report(f"transform {recipe.transform.name}: " + ", ".join(f"{k} {_describe(arrays[k])}" for k in spec
+                                                              if k in arrays))
+    batch = float_views(collate(items, spec)["tensors"], view_keys(spec))  # as the engine hands it to the model
     num_patches = None
     if ctx.image_size and ctx.patch_size:
         num_patches = int(np.prod([s // p for s, p in zip(ctx.image_size, ctx.patch_size)]))
-    check_batch_contract(batch, num_patches)
-    report("batch     " + ", ".join(f"{k} {_describe(batch[k])}" for k in BATCH_KEYS))
+    check_batch_contract(batch, spec, num_patches)
+    report("batch     " + ", ".join(f"{k} {_describe(batch[k])}" for k in spec))
 
     model = parts.model
     # The one slow step of a check: a full-size model on the CPU takes minutes (the multi-domain

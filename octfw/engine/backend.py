@@ -16,16 +16,12 @@ import attrs
 import torch
 
 from octfw.engine.attention import kernel_priority, priority_context
-from octfw.engine.data import float_views, with_aliases
+from octfw.engine.data import float_views, view_keys, with_aliases
 from octfw.engine.distributed import BatchLayout, Processes, layout_for
 from octfw.errors import UserError
-from octfw.types import DOMAIN_ID_KEY
+from octfw.types import DOMAIN_ID_KEY, BatchKey
 
 __all__ = ["Backend", "select_backend"]
-
-#: Rank of each batch tensor (with the batch dimension), for SPMD input sharding.
-BATCH_NDIMS = {"context": 5, "target": 5, "context_idx": 2, "target_idx": 2, DOMAIN_ID_KEY: 1}
-
 
 def _tpu_present() -> bool:
     return any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists()
@@ -80,7 +76,7 @@ class Backend:
         return layout_for(per_device_batch, grad_accum_steps, global_batch, processes=self.world_size,
                           devices_per_process=self.local_devices)
 
-    def input_sharding(self) -> dict[str, Any] | None:
+    def input_sharding(self, spec: Mapping[str, BatchKey]) -> dict[str, Any] | None:
         """SPMD: how each batch tensor goes onto the mesh; None without SPMD.
 
         The batch dimension is split over the mesh's one axis ``"data"``
@@ -96,9 +92,9 @@ class Backend:
             return None
         import torch_xla.distributed.spmd as xs
 
-        return {key: xs.ShardingSpec(self.mesh, ("data",) + (None,) * (ndim - 1),
-                                     minibatch=self.world_size > 1)
-                for key, ndim in BATCH_NDIMS.items()}
+        ranks = {**{key: field.rank for key, field in spec.items()}, DOMAIN_ID_KEY: 0}
+        return {key: xs.ShardingSpec(self.mesh, ("data",) + (None,) * rank, minibatch=self.world_size > 1)
+                for key, rank in ranks.items()}
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Around a model's forward: bf16 autocast where the precision asks for it, and the
@@ -109,18 +105,22 @@ class Backend:
         stack.enter_context(priority_context(self.attention_priority))
         return stack
 
-    def device_batches(self, loader: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
-        """Batches with their tensors on the device. On xla through the parallel
-        loader, which uploads the next batch while the current one runs."""
+    def device_batches(self, loader: Iterable[Mapping[str, Any]], spec: Mapping[str, BatchKey]
+                       ) -> Iterator[Mapping[str, Any]]:
+        """Batches (of the transform's ``spec``) with their tensors on the device, views as
+        float32. On xla through the parallel loader, which uploads the next batch while the
+        current one runs."""
+        views = view_keys(spec)
         if self.kind == "xla":
-            yield from self._xla_batches(loader)
+            yield from self._xla_batches(loader, spec, views)
             return
         non_blocking = self.kind == "cuda"  # from the loader's pinned memory: the copy overlaps compute
         for batch in loader:
             tensors = {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch["tensors"].items()}
-            yield {**batch, "tensors": with_aliases(float_views(tensors), batch.get("aliases", {}))}
+            yield {**batch, "tensors": with_aliases(float_views(tensors, views), batch.get("aliases", {}))}
 
-    def _xla_batches(self, loader: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+    def _xla_batches(self, loader: Iterable[Mapping[str, Any]], spec: Mapping[str, BatchKey],
+                     views: tuple[str, ...]) -> Iterator[Mapping[str, Any]]:
         # The parallel loader moves only tensors; provenance travels beside it
         # in a FIFO, in the same order (one producer thread).
         import collections
@@ -135,7 +135,7 @@ class Backend:
                 # Every input whole: the sharding specification names each key.
                 yield with_aliases(batch["tensors"], batch.get("aliases", {}))
 
-        sharding = self.input_sharding()
+        sharding = self.input_sharding(spec)
         # The loader would cut the graph (torch_xla.sync) before every batch it
         # hands out, as a default for loops that never cut it themselves. The
         # engine cuts it where it wants: after each micro-step and at each
@@ -143,7 +143,7 @@ class Backend:
         never = sys.maxsize
         for tensors in pl.MpDeviceLoader(tensors_only(), self.device, input_sharding=sharding,
                                          batches_per_execution=never):
-            yield {"tensors": float_views(tensors), **host_parts.popleft()}
+            yield {"tensors": float_views(tensors, views), **host_parts.popleft()}
 
     def step_boundary(self) -> None:
         """End of an update step or a micro-step: cut and launch the XLA graph; nothing elsewhere."""

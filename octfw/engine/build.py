@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.errors import PluginError, UserError
 from octfw.hookspecs import STAGES
 from octfw.recipe import Recipe
 from octfw.recipe.resolved import ByStage
 from octfw.registry import Registry
-from octfw.types import BuildContext, TransformCheckingDataset
+from octfw.types import BatchConsumer, BuildContext, TransformCheckingDataset
 from octfw.tables import counted
 
 if TYPE_CHECKING:
@@ -78,7 +78,20 @@ def build_components(
             built[stage] = [s.build(ctx) for s in spec] if many else spec.build(ctx)
     if isinstance(dataset, TransformCheckingDataset):  # e.g. prepared volumes must meet their transform
         dataset.check_transform(built["transform"])
+    check_inputs(recipe, built["transform"], built["model"])
     return Components(ctx, built, steps_per_epoch, dataset_domains(dataset))
+
+
+def check_inputs(recipe: Recipe, transform: Any, model: Any) -> None:
+    """The model reads only keys the transform declares it makes (refused at build, in one line)."""
+    spec = transform.batch_spec()
+    if not isinstance(model, BatchConsumer):
+        raise PluginError(f"[model] {recipe.model.name}: declares no `inputs`, the batch keys its forward reads "
+                          f"(a tuple such as {tuple(spec)!r}; octfw.types.BatchConsumer)")
+    missing = [key for key in model.inputs if key not in spec]
+    if missing:
+        raise UserError(f"[model] {recipe.model.name} reads {', '.join(map(repr, missing))}, which [transform] "
+                        f"{recipe.transform.name} does not make (it makes {', '.join(map(repr, spec))})")
 
 
 def check_schedule(recipe: Recipe, parts: Components) -> None:

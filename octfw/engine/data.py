@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from octfw.errors import ContractError, CorruptFile, UserError
-from octfw.types import BATCH_KEYS, DOMAIN_ID_KEY, UINT8_SCALE, Dataset, Provenance, Transform, bytes_to_intensity
+from octfw.types import (DOMAIN_ID_KEY, UINT8_SCALE, BatchKey, Dataset, Provenance, Transform,
+                         bytes_to_intensity)
 from octfw.storage.failures import format_bytes
 from octfw.tables import counted
 
@@ -239,15 +240,16 @@ class SampleSource(torch.utils.data.Dataset):
         return self.transform.augment_and_mask(prepared, rng), sample.provenance
 
 
-#: The view keys of :data:`~octfw.types.BATCH_KEYS`, which may travel as uint8 (``b / 255``).
-VIEW_KEYS = ("context", "target")
+def view_keys(spec: Mapping[str, BatchKey]) -> tuple[str, ...]:
+    """The keys of a batch specification that are views (images the model reads as float32)."""
+    return tuple(key for key, field in spec.items() if field.view)
 
 
-def float_views(tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """The batch with uint8 views as float32 in [0, 1], converted where they are (on the
+def float_views(tensors: Mapping[str, Any], views: tuple[str, ...]) -> dict[str, Any]:
+    """The batch with its uint8 ``views`` as float32 in [0, 1], converted where they are (on the
     device, after the transfer): the one place a stored-byte view becomes model input."""
     out = dict(tensors)
-    for key in VIEW_KEYS:
+    for key in views:
         view = out.get(key)
         if isinstance(view, torch.Tensor) and view.dtype == torch.uint8:
             if view.device.type == "cpu":  # numpy's cast is 3x torch's on the host, and bitwise the same
@@ -259,43 +261,59 @@ def float_views(tensors: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def collate_float_views(items: list[dict[str, Any]], share_views: bool = False) -> dict[str, Any]:
+def shared_views(arrays: Mapping[str, Any], views: tuple[str, ...]) -> dict[str, str]:
+    """Each view that is the same array as an earlier view of the sample (nothing augmented
+    it) -> that earlier view."""
+    aliases: dict[str, str] = {}
+    for i, key in enumerate(views):
+        source = next((earlier for earlier in views[:i] if earlier not in aliases
+                       and _same_array(arrays.get(earlier), arrays.get(key))), None)
+        if source is not None:
+            aliases[key] = source
+    return aliases
+
+
+def collate_float_views(items: list[dict[str, Any]], spec: Mapping[str, BatchKey],
+                        share_views: bool = False) -> dict[str, Any]:
     """:func:`collate`, with uint8 views converted to float32 in the loader (for the cpu
     device, where the training process has no device to do it on). Each sample's views are
     converted before the stacking, so in a worker the float32 batch is stacked straight into
     shared memory, not converted afterwards and copied there."""
+    views = view_keys(spec)
     converted = []
     for item in items:
         arrays = item["arrays"]
-        floats = float_views(arrays)
-        if share_views and _same_array(arrays.get(VIEW_KEYS[0]), arrays.get(VIEW_KEYS[1])):
-            floats[VIEW_KEYS[1]] = floats[VIEW_KEYS[0]]  # converted once, still one volume
+        floats = float_views(arrays, views)
+        if share_views:  # converted once, still one volume
+            floats.update({key: floats[source] for key, source in shared_views(arrays, views).items()})
         converted.append({**item, "arrays": floats})
-    return collate(converted, share_views)
+    return collate(converted, spec, share_views)
 
 
-def collate(items: list[dict[str, Any]], share_views: bool = False) -> dict[str, Any]:
-    """Stack arrays into tensors; keep provenance and quarantine records on the host.
+def collate(items: list[dict[str, Any]], spec: Mapping[str, BatchKey], share_views: bool = False) -> dict[str, Any]:
+    """Stack each declared key's arrays into a batch tensor; keep provenance and quarantine
+    records on the host. A key the transform returns but does not declare, a declared key it
+    does not return, or an array of another shape than declared is a :class:`ContractError`:
+    nothing is dropped or reshaped silently.
 
-    ``share_views``: where every sample's target view is its context view (nothing
-    augments them), the batch carries the volume once: ``tensors`` lacks the target
-    and ``aliases`` maps it to the context, restored after the transfer to the device
+    ``share_views``: where every sample's view is the same array as an earlier view (nothing
+    augments them), the batch carries the volume once: ``tensors`` lacks the later view and
+    ``aliases`` maps it to the earlier, restored after the transfer to the device
     (:func:`with_aliases`). Half the shared memory, pinned memory and copy bytes."""
-    context, target = VIEW_KEYS
-    shared = share_views and all(_same_array(item["arrays"].get(context), item["arrays"].get(target))
-                                 for item in items)
-    aliases = {target: context} if shared else {}
+    _check_declared(items[0]["arrays"], spec)
+    aliases = shared_views(items[0]["arrays"], view_keys(spec)) if share_views else {}
+    aliases = {key: source for key, source in aliases.items()
+               if all(_same_array(item["arrays"][source], item["arrays"][key]) for item in items)}
     tensors = {}
-    for key in (*BATCH_KEYS, DOMAIN_ID_KEY):
+    for key in (*spec, DOMAIN_ID_KEY):
         if key in aliases:
             continue
-        try:
-            arrays = [np.asarray(item["arrays"][key]) for item in items]
-        except KeyError:
-            raise ContractError(f"transform output lacks {key!r}; it must return {', '.join(BATCH_KEYS)}") from None
-        shapes = [a.shape for a in arrays]
-        if len(set(shapes)) > 1:
-            raise ContractError(f"transform output {key!r} has different shapes across samples {shapes}")
+        arrays = [np.asarray(item["arrays"][key]) for item in items]
+        declared = spec[key].shape if key in spec else ()
+        wrong = next((a.shape for a in arrays if a.shape != tuple(declared)), None)
+        if wrong is not None:
+            raise ContractError(f"transform output {key!r} has shape {list(wrong)} per sample; "
+                                f"its batch_spec declares {list(declared)}")
         tensors[key] = _stack(arrays)
     return {
         "tensors": tensors,
@@ -303,6 +321,15 @@ def collate(items: list[dict[str, Any]], share_views: bool = False) -> dict[str,
         "provenance": [item["provenance"] for item in items],
         "quarantined": [q for item in items for q in item["quarantined"]],
     }
+
+
+def _check_declared(arrays: Mapping[str, Any], spec: Mapping[str, BatchKey]) -> None:
+    returned = set(arrays) - {DOMAIN_ID_KEY}
+    if returned != set(spec):
+        extra, missing = sorted(returned - set(spec)), sorted(set(spec) - returned)
+        raise ContractError("transform output does not match its batch_spec: "
+                            + "; ".join(([f"returns undeclared {', '.join(map(repr, extra))}"] if extra else [])
+                                        + ([f"lacks declared {', '.join(map(repr, missing))}"] if missing else [])))
 
 
 def with_aliases(tensors: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
@@ -379,7 +406,8 @@ def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
         source,
         batch_size=batch_size,
         sampler=order,
-        collate_fn=functools.partial(collate if views_to_device else collate_float_views, share_views=True),
+        collate_fn=functools.partial(collate if views_to_device else collate_float_views,
+                                     spec=source.transform.batch_spec(), share_views=True),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=PREFETCH_BATCHES if num_workers > 0 else None,

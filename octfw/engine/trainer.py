@@ -246,7 +246,7 @@ class Trainer:
                              self.loader_workers[0], backend.rank, backend.world_size,
                              domain_sampling=recipe.engine.domain_sampling,
                              views_to_device=backend.kind != "cpu", pin_memory=backend.kind == "cuda")
-        self.batches = iter(backend.device_batches(stating_shared_memory(loader)))
+        self.batches = iter(backend.device_batches(stating_shared_memory(loader), parts.transform.batch_spec()))
         writes = run_dir if backend.is_main_process else None  # only rank 0 writes files
         self.quarantine, self.guard_log = Quarantine(writes), GuardLog(writes)
         self.totals = DeviceTotals(backend.device, len(parts.domains))

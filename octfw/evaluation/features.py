@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.engine.data import float_views
+from octfw.engine.data import float_views, view_keys
 from octfw.errors import CorruptFile, UserError
 from octfw.types import Dataset, Sample
 from octfw.tables import counted
@@ -46,7 +46,8 @@ def prepare_volume(transform: Any, sample: Sample) -> np.ndarray:
     if hasattr(transform, "prepare"):
         volume = np.asarray(transform.prepare(sample), dtype=np.float32)
     else:
-        views = float_views(transform(sample, np.random.default_rng(0)))  # a uint8 view means b / 255
+        views = float_views(transform(sample, np.random.default_rng(0)),  # a uint8 view means b / 255
+                            view_keys(transform.batch_spec()))
         volume = np.asarray(views["target"], dtype=np.float32)
     return volume[None] if volume.ndim == 3 else volume
 

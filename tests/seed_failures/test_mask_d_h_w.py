@@ -2,8 +2,9 @@
 where the model expected patch indices; XLA died in the first forward with
 ``Check failed: lhs_shape.rank() == rhs_shape.rank() (1 vs. 4)``.
 
-octfw's batch contract wants int64 patch indices ``[B, N]``; ``octfw check``
-refuses a voxel mask with a message that says what it is, and exits with 2."""
+octfw's batch contract is the transform's declaration (``batch_spec``): this one
+declares oct-standard's int64 patch indices ``[N]`` and returns a voxel mask; ``octfw
+check`` refuses it naming the key and both shapes, and exits with 2."""
 
 from seedkit import cli, install_plugin, write_tiny
 
@@ -30,6 +31,8 @@ class VoxelMask:
             masked = np.repeat(masked, p, axis=axis)  # [D, H, W]
         arrays["context_idx"], arrays["target_idx"] = ~masked, masked
         return arrays
+    def batch_spec(self):
+        return self.inner.batch_spec()  # declares patch indices, returns a voxel mask
 
 def build(config, ctx):
     from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as standard
@@ -46,6 +49,5 @@ def test_voxel_mask_is_refused_by_check_with_a_clear_message(tmp_path, monkeypat
     recipe = write_tiny(tmp_path)
     code, out, err = cli(capsys, "check", recipe, "--set", 'transform={name="voxel-mask", image_size=[8, 32, 32]}')
     assert code == 2
-    assert "'context_idx' must be int64 patch indices [B, N]" in err
-    assert "[2, 8, 32, 32] bool" in err and "this looks like a voxel mask [D, H, W]" in err
+    assert "transform output 'context_idx' has shape [8, 32, 32] per sample; its batch_spec declares [" in err
     assert "check passed" not in out

@@ -30,6 +30,7 @@ def build(config, ctx):
         def __init__(self):
             super().__init__()
             self.inner = vjepa(VJEPA3DConfig(preset="tiny", patch_size=config.patch_size), ctx)
+            self.inputs = self.inner.inputs
         def forward(self, batch):
             out = self.inner(batch)
             if config.returns == "dict":

@@ -34,6 +34,7 @@ import torch_xla.runtime as xr
 
 import octfw.engine.trainer as trainer_module
 from octfw.engine.backend import Backend
+from octfw.types import BatchKey
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 
@@ -63,7 +64,7 @@ def pod_host(recipe, registry, rank: int, run_dir: Path) -> dict:
             mock.patch.object(trainer_module, "make_loader", recording_make_loader):
         trainer = trainer_module.Trainer(recipe, registry, run_dir)
         backend = trainer.backend
-        sharding = backend.input_sharding()
+        sharding = backend.input_sharding(trainer.parts.transform.batch_spec())
         layout = backend.batch_layout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps)
     data_log.removeHandler(handler)
     (args, kwargs, loader), = calls
@@ -101,7 +102,9 @@ def minibatch_transfer() -> dict:
         "target_idx": torch.arange(LOCAL * 2).reshape(LOCAL, 2),
         "domain_id": torch.arange(LOCAL),
     }
-    batch = next(iter(backend.device_batches([{"tensors": tensors, "provenance": ["p"], "quarantined": []}])))
+    spec = {"context": BatchKey((1, 2, 2, 2), "float32", view=True), "target": BatchKey((1, 2, 2, 2), "float32", view=True),
+            "context_idx": BatchKey((3,), "int64"), "target_idx": BatchKey((2,), "int64")}
+    batch = next(iter(backend.device_batches([{"tensors": tensors, "provenance": ["p"], "quarantined": []}], spec)))
     out = {}
     for key, tensor in batch["tensors"].items():
         shards = xs.wrap_if_sharded(tensor).local_shards

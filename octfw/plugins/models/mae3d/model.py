@@ -26,7 +26,7 @@ from torch import nn
 from octfw.models.health import health_metrics
 from octfw.models.masked_decoder import MaskedTokenDecoder
 from octfw.models.vit3d import ViT3DEncoder, gather_tokens, weight_decay_groups
-from octfw.types import ModelOutput
+from octfw.types import BATCH_KEYS, ModelOutput
 
 __all__ = ["NORM_PIX_EPS", "MAE3D", "patchify", "masked_pixel_loss"]
 
@@ -67,7 +67,7 @@ def masked_pixel_loss(predicted: torch.Tensor, target: torch.Tensor, norm_pix_lo
 class MAE3D(nn.Module):
     """Masked autoencoder with a 3D ViT encoder and a narrow reconstruction decoder.
 
-    ``forward(batch)`` takes the keys of :data:`octfw.types.BATCH_KEYS`
+    ``forward(batch)`` takes the keys of :data:`octfw.types.BATCH_KEYS` (its ``inputs``)
     (``context`` and ``target`` float32 ``[B, C, D, H, W]``, ``context_idx``
     int64 ``[B, Nc]``, ``target_idx`` int64 ``[B, Nt]``) and returns an
     :class:`~octfw.types.ModelOutput` with the reconstruction loss on the masked
@@ -84,6 +84,8 @@ class MAE3D(nn.Module):
 
     All parameters are trainable; :attr:`encoder` is the network to export.
     """
+
+    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.BatchConsumer)
 
     def __init__(
         self,

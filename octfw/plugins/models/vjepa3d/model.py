@@ -29,7 +29,7 @@ from octfw.models.vit3d import (
     set_activation_checkpointing,
     weight_decay_groups,
 )
-from octfw.types import ModelOutput
+from octfw.types import BATCH_KEYS, ModelOutput
 
 __all__ = [
     "LOSSES",
@@ -94,7 +94,7 @@ def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str
 class VJEPA3D(nn.Module):
     """V-JEPA with a 3D ViT context encoder, predictor and EMA target encoder.
 
-    ``forward(batch)`` takes the keys of :data:`octfw.types.BATCH_KEYS`
+    ``forward(batch)`` takes the keys of :data:`octfw.types.BATCH_KEYS` (its ``inputs``)
     (``context`` and ``target`` float32 ``[B, C, D, H, W]``, ``context_idx``
     int64 ``[B, Nc]``, ``target_idx`` int64 ``[B, Nt]``) and returns an
     :class:`~octfw.types.ModelOutput` with the loss on masked patches and the
@@ -107,6 +107,8 @@ class VJEPA3D(nn.Module):
     ``target_encoder`` (also :attr:`encoder`) is a copy updated only by
     :meth:`ema_update` and never receives gradients.
     """
+
+    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.BatchConsumer)
 
     def __init__(
         self,

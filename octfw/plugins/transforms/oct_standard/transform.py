@@ -33,7 +33,7 @@ from octfw.models.masks import Grid, mask_generator_from_config
 from octfw.plugins.transforms.oct_standard.cache import PreparedCache
 from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
 from octfw.plugins.transforms.oct_standard.resize import resize
-from octfw.types import Sample, dequantize
+from octfw.types import BatchKey, Sample, dequantize
 
 __all__ = ["OCTStandardTransform", "PREPARE_VERSION"]
 
@@ -236,14 +236,15 @@ class OCTStandardTransform:
             return self.augment_and_mask(self._as_stored(sample), rng)
         return self.augment_and_mask(self.prepare(sample), rng)
 
-    def output_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Shape and dtype of each array one call returns, for ``octfw check``."""
-        view = (1, *self.image_size)
+    def batch_spec(self) -> dict[str, BatchKey]:
+        """The batch this transform makes: two views ``[1, D, H, W]`` (float32, or uint8 as
+        stored when nothing augments them) and the fixed-length patch index arrays."""
+        view = BatchKey((1, *self.image_size), "float32", view=True)
         return {
-            "context": (view, "float32"),
-            "target": (view, "float32"),
-            "context_idx": ((self.num_context,), "int64"),
-            "target_idx": ((self.num_target,), "int64"),
+            "context": view,
+            "target": view,
+            "context_idx": BatchKey((self.num_context,), "int64"),
+            "target_idx": BatchKey((self.num_target,), "int64"),
         }
 
     def __repr__(self) -> str:
