@@ -50,6 +50,22 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
+def forget_compiled() -> None:
+    """Drop every graph dynamo compiled and what it learnt of shapes, before a compiled
+    trainer is built. Without it, a compiled trainer built after another one that ran
+    another batch size compiles a dynamic-shape graph (dynamo's automatic dynamic
+    shapes remember the earlier size per code object, across model instances), not
+    the static graph a run at one batch size compiles."""
+    torch._dynamo.reset()
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled since the last :func:`forget_compiled` (recompilations included)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int | None = 8):
     """The real Trainer, its loader replaced by ``n_batches`` pre-built device batches in a cycle
     (None: the engine's own loader kept, batches and all)."""

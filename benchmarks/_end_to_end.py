@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from _common import ROOT, make_trainer
+from _common import ROOT, compiled_graphs, forget_compiled, make_trainer
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 
@@ -67,6 +67,8 @@ def end_to_end(store: Path, device: str, preset: str, image_size: list[int], bat
 
     row: dict[str, Any] = {"preset": preset, "batch": batch, "workers": workers, "compile": compiled,
                            "steps": steps}
+    if compiled:
+        forget_compiled()  # compiled at this batch and preset only, static shapes, as in a run
     trainer, _ = make_trainer(RECIPE, [
         f"run.device={device}", 'dataset={name="prepared", path=' + json.dumps(str(store)) + "}",
         f"transform.image_size={json.dumps(image_size)}", f"model.preset={preset}",
@@ -76,14 +78,18 @@ def end_to_end(store: Path, device: str, preset: str, image_size: list[int], bat
         f"engine.compile={str(compiled).lower()}"], n_batches=None)
     try:
         started = time.perf_counter()
+        graphs = compiled_graphs()
         _timed_steps(trainer, 0, warm_up)  # compile, allocator growth, optimizer state, workers started
         row["warm_up_s"] = time.perf_counter() - started
+        warmed = compiled_graphs()
         cuda = device == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         seconds, waited = _timed_steps(trainer, warm_up, steps)
         row["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
         row.update(end_to_end_s=seconds, samples_per_s=batch * steps / seconds, data_wait_share=waited / seconds)
+        if compiled:  # 1 and 0 when the step is one graph compiled once
+            row["compiled_graphs"], row["recompiled_while_timed"] = warmed - graphs, compiled_graphs() - warmed
         on_result(row)
         device_batch = next(trainer.batches)
         trainer.batches = iter(lambda: device_batch, None)  # the same batch, from the device, forever

@@ -27,7 +27,9 @@ On a CUDA machine (``--device cuda``, or ``auto`` with a GPU visible):
      by ``_common.make_trainer`` from the quickstart recipe with the preset and
      size set), median over ``--steps`` steps after warm-up; the per-device
      batch is the engine's one real batch repeated, so the input pipeline is
-     left out;
+     left out; compiled afresh for each batch size (dynamo reset first, so the
+     graph has static shapes, as in a run at that batch), with the graphs
+     compiled in warm-up and any recompiled in the timed steps recorded;
    - MFU: model FLOPs (``training_flops_per_sample``: forward with the EMA
      target encoder plus backward; the forward that activation checkpointing
      recomputes is not counted) times samples/s, over the device's published
@@ -77,7 +79,7 @@ from typing import Any, Callable
 
 import torch
 
-from _common import ROOT, machine, make_trainer, median, write_result
+from _common import ROOT, compiled_graphs, forget_compiled, machine, make_trainer, median, write_result
 from model_efficiency import matmul_peak
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
@@ -212,6 +214,8 @@ class Probe:
 
     def __init__(self, config: Config):
         release()  # the previous probe's trainer, now unreferenced
+        if config.compiled:
+            forget_compiled()  # compiled at the batch it will run: static shapes, as in a run
         self.config = config
         self.trainer, self.single = config.build()
         self.kind = self.trainer.backend.kind
@@ -298,11 +302,14 @@ def throughput(probe: Probe, batch: int, steps: int, warm_up: int, flops_per_sam
     config = probe.config
     row: dict[str, Any] = {"checkpointing": config.checkpointing, "compile": config.compiled, "batch": batch}
     try:
-        started = time.perf_counter()
-        # Compilation (a new batch size recompiles), allocator growth, optimizer state.
+        started, graphs = time.perf_counter(), compiled_graphs()
+        # Compilation, allocator growth, optimizer state.
         probe.steps(batch, warm_up)
         row["warm_up_s"] = time.perf_counter() - started
+        warmed = compiled_graphs()
         times = probe.steps(batch, steps)
+        if config.compiled:  # 1 and 0 when the step is one graph compiled once
+            row["compiled_graphs"], row["recompiled_while_timed"] = warmed - graphs, compiled_graphs() - warmed
     except torch.cuda.OutOfMemoryError as exc:
         row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0]}"
     probe.trainer.optimizer.zero_grad(set_to_none=True)
@@ -349,12 +356,15 @@ def preset_section(preset: str, image_size: list[int], device: str, precision: s
     if True in args.compile and (device == "cuda" or preset == args.presets[0]):
         # On the CPU compiling takes minutes: the first preset at batch 1 without checkpointing only.
         for checkpointing in (False, True) if device == "cuda" else (False,):
-            probe = Probe(Config(preset, image_size, device, precision, checkpointing, True))
             sizes = sorted({1, max(largest[checkpointing], 1)}) if device == "cuda" else [1]
             for size in sizes:
+                # A fresh compiled probe per batch size: one probe compiled at batch 1 then run
+                # at the large batch recompiled it with a dynamic batch dimension, a graph no
+                # run at that batch would use.
+                probe = Probe(Config(preset, image_size, device, precision, checkpointing, True))
                 section["throughput"].append(throughput(probe, size, args.steps, 3, section["flops_per_sample"]))
                 print(f"  {_row_line(section['throughput'][-1])}", flush=True)
-            del probe
+                del probe
     return section
 
 

@@ -89,7 +89,8 @@ class EngineConfig:
     )
     compile: bool = doc(
         "torch.compile the model (cuda only; refused on xla, where it caused the "
-        "seeds' compile-worker storm).",
+        "seeds' compile-worker storm). `octfw check` then reports the graphs, graph breaks "
+        "and recompilations of one training step.",
         default=False,
     )
     domain_sampling: str = doc(

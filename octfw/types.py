@@ -1,12 +1,13 @@
 """The contracts between stages: what each component receives and returns.
 
-These types are light (attrs and typing only) so that listing and validating
+These types are light (attrs, dataclasses and typing only) so that listing and validating
 recipes never imports torch. Shapes are written ``[B, C, D, H, W]``: batch,
 channels, depth (B-scans), height (axial), width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
@@ -144,17 +145,22 @@ class Sample:
     prepared_key: str | None = None
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True)
 class ModelOutput:
     """What a model's ``forward`` returns. Every field is a device tensor.
 
     Reading any field on the host forces a device-to-host sync; the engine
     does so only on log steps.
+
+    A frozen dataclass rather than attrs: ``torch.compile`` (dynamo) traces a
+    dataclass's ``__init__``, but not the ``object.__setattr__.__get__`` of a
+    frozen attrs class, where it broke the graph at the end of every model's
+    ``forward`` (``tests/test_compile.py``).
     """
 
     loss: "torch.Tensor"  #: scalar float32, the value that is back-propagated
     per_sample_loss: "torch.Tensor"  #: float32 ``[B]``, for per-domain logging
-    metrics: Mapping[str, "torch.Tensor"] = attrs.field(factory=dict)  #: scalars
+    metrics: Mapping[str, "torch.Tensor"] = dataclasses.field(default_factory=dict)  #: scalars
 
 
 @attrs.frozen

@@ -147,6 +147,18 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     report(f"layout    {layout.describe()}")
     where = "on this CPU" + ("" if kind == "cpu" else f"; a {kind} device is faster: measure it with octfw bench")
     report(f"step time {step_time(layout, recipe.engine.global_batch, micro_step_s)}, {where}")
+    compiled = None
+    if recipe.engine.compile:  # what torch.compile makes of the step, before an accelerator hour compiles it
+        from octfw.diagnostics.graph_breaks import compile_report
+
+        compiled = compile_report(model, batch)
+        model.zero_grad(set_to_none=True)
+        report(f"compile   {compiled.summary()}")
+        for where_broken in compiled.breaks:
+            report(f"          graph break at {where_broken}")
+        if not compiled.clean:
+            report("warning: torch.compile splits or recompiles the training step; each graph break runs "
+                   "Python between compiled graphs, and code resumed after one can recompile every step")
     total = ctx.total_update_steps
     check_schedule(recipe, parts)
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
@@ -154,4 +166,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
            + ", ".join(f"step {s}: {effective_lr(parts.scheduler, s, recipe.engine.base_lr):.3g}" for s in steps))
     return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach()),
             "flops": flops, "memory": {**estimate.parts, "total": estimate.total},
-            "global_batch": layout.global_batch, "process_micro_batch": layout.process_micro_batch}
+            "global_batch": layout.global_batch, "process_micro_batch": layout.process_micro_batch,
+            "compile": None if compiled is None else {"graphs": compiled.graphs,
+                                                      "graph_breaks": [str(b) for b in compiled.breaks],
+                                                      "recompilations": compiled.recompilations}}

@@ -184,6 +184,27 @@ class DeviceTotals:
         })
 
 
+def training_forward(model: torch.nn.Module, *, compile: bool, ddp: bool) -> torch.nn.Module:
+    """What an update step calls: ``model``, compiled and wrapped in DDP as asked.
+
+    Compiled, then wrapped: ``DDP(torch.compile(model))``, as PyTorch's "Where
+    to apply torch.compile?" advises (compile the module passed to the wrapper;
+    ``torch.compile`` does not handle DDP's own forward well). DDPOptimizer
+    still splits the graph at DDP's gradient buckets, so all-reduces overlap
+    the backward: dynamo compiles the model's frame inside DDP's forward, where
+    it finds the active DDP module and its bucket size. Wrapped the other way
+    round, dynamo breaks the graph twice in ``DDP.forward`` (its logger and
+    ``_inside_ddp_forward``) and splits the model's graph the same
+    (``tests/test_compile.py`` checks the split). A separate compiled module rather
+    than ``model.compile()``: ``model`` stays eager for the FLOP count on meta
+    tensors, the evaluators and export.
+    """
+    forward = torch.compile(model) if compile else model
+    if ddp:  # gradients averaged across the processes
+        forward = torch.nn.parallel.DistributedDataParallel(forward)
+    return forward
+
+
 class Trainer:
     """``processes`` and ``peers``: who this process is and the job's other processes, from
     :func:`octfw.engine.distributed.join` (default: this process alone, on ``run.device``).
@@ -208,9 +229,7 @@ class Trainer:
         self.model = parts.model.to(backend.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, recipe, backend)
-        self.forward = torch.compile(self.model) if recipe.engine.compile else self.model
-        if backend.ddp:  # gradients averaged across the processes
-            self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
+        self.forward = training_forward(self.model, compile=recipe.engine.compile, ddp=backend.ddp)
         self.total = parts.ctx.total_update_steps
         #: samples one update step consumes on every device of the run (throughput, MFU)
         self.samples_per_update = layout.global_batch
