@@ -37,9 +37,9 @@ def tiny_model(name: str) -> nn.Module:
     ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
                        image_size=IMAGE_SIZE, in_channels=1)
     if name == "vjepa3d":
-        from octfw.models.vjepa3d import VJEPA3DConfig as Config, build
+        from octfw.plugins.models.vjepa3d import VJEPA3DConfig as Config, build
     else:
-        from octfw.models.mae3d import MAE3DConfig as Config, build
+        from octfw.plugins.models.mae3d import MAE3DConfig as Config, build
     return build(Config(preset="tiny", patch_size=PATCH_SIZE), ctx)
 
 
