@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import re
+import threading
 from typing import IO, Any, Iterable, Iterator, Mapping
 
 import attrs
@@ -63,6 +64,7 @@ from octfw.storage.files import Data, is_local_filesystem, open_filesystem, writ
 from octfw.storage.retry import RetryPolicy
 
 __all__ = [
+    "StoredCheckpointer",
     "LATEST", "POINTER_FORMAT", "PointerEntry", "CheckpointStorage", "CorruptCheckpoint", "checksum_name",
     "checkpoint_name", "checkpoint_step", "prunable", "parse_pointer", "format_pointer",
     "check_plain", "safe_load", "load_checkpoint",
@@ -545,3 +547,67 @@ class CheckpointStorage:
             return _read_checkpoint(self.fs, self._path(name), location, self.retry, data)
         # `--resume URL` of a checkpoint elsewhere: its own filesystem, the same retries.
         return load_checkpoint(location, self.retry)
+
+
+# --- a checkpointer over one storage folder ------------------------------------------------
+
+
+class StoredCheckpointer:
+    """The :class:`~octfw.types.Checkpointer` of one :class:`CheckpointStorage` folder: the
+    ``local`` and ``gcs`` checkpointers are this with their own config, and a new backend
+    (any fsspec URL: ``s3://``, ``az://``, ``memory://``) is this and a ``build`` (see
+    docs/architecture.md, "How to add a checkpoint backend").
+
+    Saves on rank 0 only; every rank may ask for ``latest()`` and ``load()`` to resume.
+
+    ``storage`` is None when there is no folder (``octfw check`` without a run
+    folder): nothing is listed, and a save raises UserError.
+    """
+
+    def __init__(self, storage: CheckpointStorage | None, rank: int = 0):
+        self.storage = storage
+        self.rank = rank
+        self._cancelled = threading.Event()
+
+    @property
+    def location(self) -> str | None:
+        """The checkpoint folder (a path or URL), for messages; None when there is none."""
+        return self.storage.url if self.storage is not None else None
+
+    def save(self, update_step: int, state: Mapping[str, Any]) -> str:
+        """Write ``state`` for ``update_step`` and return its location; "" on ranks other than 0."""
+        if self.rank != 0:
+            return ""
+        if self.storage is None:
+            raise UserError("checkpointer: no folder to save into (no run folder and no checkpointer.dir)")
+        return self.storage.save(update_step, state, cancelled=self._cancelled)
+
+    def cancel(self) -> None:
+        """Abort the save being written, and any later one (a second Ctrl-C: stop now). Its
+        temporary file is removed; the pointer still names the last complete checkpoint."""
+        self._cancelled.set()
+
+    def claim(self, needed_bytes: int) -> None:
+        """Before training (rank 0): hold the folder for this run and check that it can take a
+        checkpoint of ``needed_bytes``; UserError naming the owner or the cause otherwise."""
+        if self.rank == 0 and self.storage is not None:
+            self.storage.claim(needed_bytes)
+
+    def release(self) -> None:
+        """Give the folder up at the end of the run."""
+        if self.storage is not None:
+            self.storage.release()
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint (see ``CheckpointStorage.latest``); None if there is none."""
+        return self.storage.latest() if self.storage is not None else None
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """Every complete checkpoint as (update step, location), oldest first (for ``octfw replay``)."""
+        return self.storage.checkpoints() if self.storage is not None else []
+
+    def load(self, location: str) -> dict[str, Any]:
+        """Read a checkpoint onto the CPU; raises UserError for a missing or refused file."""
+        if self.storage is not None:
+            return self.storage.load(location)
+        return load_checkpoint(location)

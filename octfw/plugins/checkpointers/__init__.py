@@ -1,3 +1,4 @@
 """Checkpointers (recipe table ``[checkpointer]``): ``local`` and ``gcs``,
 both on :mod:`octfw.storage.checkpoints`. One module per checkpointer holds
-its config, its code and its registration; ``common`` is what both share."""
+its config, its code and its registration; both are
+:class:`octfw.storage.checkpoints.StoredCheckpointer` over their own folder."""

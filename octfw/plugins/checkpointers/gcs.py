@@ -37,10 +37,9 @@ from typing import Any, Callable
 
 import attrs
 
-from octfw.plugins.checkpointers.common import StoredCheckpointer
 from octfw.fields import Location, doc, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
-from octfw.storage.checkpoints import CheckpointStorage
+from octfw.storage.checkpoints import CheckpointStorage, StoredCheckpointer
 from octfw.storage.files import require_driver
 from octfw.storage.retry import RetryPolicy, StorageError
 from octfw.types import BuildContext

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import attrs
 
-from octfw.plugins.checkpointers.common import StoredCheckpointer
 from octfw.errors import UserError
 from octfw.fields import Location, doc, positive
 from octfw.hookspecs import Register, hookimpl
-from octfw.storage.checkpoints import LATEST, CheckpointStorage, checkpoint_name
+from octfw.storage.checkpoints import LATEST, CheckpointStorage, StoredCheckpointer, checkpoint_name
 from octfw.types import BuildContext
 
 __all__ = ["LocalCheckpointConfig", "LocalCheckpointer", "build", "checkpoint_name", "LATEST"]
