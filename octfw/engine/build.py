@@ -12,7 +12,7 @@ from octfw.hookspecs import STAGES
 from octfw.recipe import Recipe
 from octfw.recipe.resolved import ByStage
 from octfw.registry import Registry
-from octfw.types import BuildContext, TransformCheckingDataset
+from octfw.types import BuildContext, TransformCheckingDataset, WarmupSchedule
 from octfw.tables import counted
 
 if TYPE_CHECKING:
@@ -85,7 +85,8 @@ def check_schedule(recipe: Recipe, parts: Components) -> None:
     """Pre-flight: simulate the whole schedule and refuse one that restarts or hits 0."""
     from octfw.schedules import validate_schedule
 
-    problems = validate_schedule(parts.scheduler, parts.ctx.total_update_steps, recipe.engine.base_lr,
-                                 getattr(parts.scheduler, "warmup_steps", None))
+    schedule = parts.scheduler
+    problems = validate_schedule(schedule, parts.ctx.total_update_steps, recipe.engine.base_lr,
+                                 schedule.warmup_steps if isinstance(schedule, WarmupSchedule) else None)
     if problems:
         raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))
