@@ -42,7 +42,7 @@ from octfw.recipe import Recipe, build_component
 from octfw.registry import DISABLE_ENV, Registry
 from octfw.storage.files import write_atomically
 from octfw.tables import counted
-from octfw.types import BuildContext, Provenance, RecognisingDatasetConfig, Sample
+from octfw.types import BuildContext, EncoderModel, PreparingTransform, Provenance, RecognisingDatasetConfig, Sample
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PretrainedEncoder", "array_sample", "export_encoder",
            "embed_to_csv", "find_checkpoint", "is_export_path", "load_encoder", "open_volumes"]
@@ -168,7 +168,7 @@ class PretrainedEncoder(nn.Module):
                            image_size=self.image_size, patch_size=self.patch_size,
                            in_channels=self.in_channels, registry=registry)
         transform = build_component(registry, "transform", table, ctx, "the exported [transform]")
-        if not callable(getattr(transform, "prepare", None)):
+        if not isinstance(transform, PreparingTransform):
             raise UserError(f"embed: transform {table.get('name')!r} has no deterministic prepare()")
         return transform
 
@@ -441,7 +441,7 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
     if not isinstance(state, Mapping) or "model" not in state or "recipe" not in state:
         raise UserError(f"{location}: not an octfw training checkpoint (it lacks 'model' or 'recipe')")
     model = rebuild_model(state, location, registry)
-    encoder = getattr(model, "encoder", None)
+    encoder = model.encoder if isinstance(model, EncoderModel) else None
     if not isinstance(encoder, ViT3DEncoder):
         raise UserError(f"checkpoint {location}: model {state['recipe']['model']['name']!r} has no "
                         "ViT3D target encoder (.encoder) to export")

@@ -46,7 +46,9 @@ and is announced in its distribution's ``pyproject.toml``::
   recipe reference show (a plain attribute docstring is not shown).
 - ``factory``: ``factory(config, ctx) -> component``, a callable or a
   ``"module:function"`` string imported only when the component is built.
-  ``ctx`` is an :class:`octfw.types.BuildContext`.
+  ``ctx`` is an :class:`octfw.types.BuildContext`. What the factory returns
+  is checked against its stage's protocol (:data:`octfw.types.STAGE_PROTOCOLS`)
+  when it is built: a missing required method is refused before training.
 - ``summary``: one line for ``octfw list``.
 
 Keep the plugin module itself light (attrs only): ``octfw list`` and recipe
@@ -133,19 +135,24 @@ class OctfwSpecs:
     def octfw_register_models(self, register: Register) -> None:
         """Register model components (recipe table ``[model]``).
 
-        The factory returns a ``torch.nn.Module`` whose ``forward(batch)``
-        takes the collated batch (a dict of device tensors keyed as the
-        transform's ``batch_spec``, each with a leading batch dimension, plus
+        The factory returns an :class:`octfw.types.Model`, in practice a
+        ``torch.nn.Module``, whose ``forward(batch)`` takes the collated batch
+        (a dict of device tensors keyed as the transform's ``batch_spec``,
+        each with a leading batch dimension, plus
         :data:`octfw.types.DOMAIN_ID_KEY`, which a model may ignore) and
         returns an :class:`octfw.types.ModelOutput`. It declares the keys it
-        reads in ``inputs`` (:class:`octfw.types.BatchConsumer`); a key the
+        reads in ``inputs`` (:attr:`octfw.types.Model.inputs`); a key the
         transform does not make is refused when the run is built. A model config with
         a ``patch_size`` field declares the patch grid.
 
-        Optional methods the engine uses when present:
-        ``ema_update(momentum)`` (momentum a device scalar; 1.0 means "leave
-        the EMA as it is", which is how a skipped update leaves it untouched)
-        and ``param_groups(weight_decay) -> list[dict]``.
+        Optional capabilities, each a protocol the engine checks with
+        ``isinstance``: :class:`~octfw.types.EMAModel` (``ema_update(momentum)``,
+        momentum a device scalar; 1.0 means "leave the EMA as it is", which is
+        how a skipped update leaves it untouched),
+        :class:`~octfw.types.ParamGroupsModel` (``param_groups(weight_decay)``),
+        :class:`~octfw.types.EmbeddingModel` (``embed``, for evaluators),
+        :class:`~octfw.types.EncoderModel` (``encoder``, for export) and
+        :class:`~octfw.types.CountingModel` (``count_parameters``).
 
         Hot path: yes, ``forward`` and ``ema_update`` run every step. They
         must not force a device-to-host sync, must gather tokens with
@@ -177,7 +184,8 @@ class OctfwSpecs:
     def octfw_register_guards(self, register: Register) -> None:
         """Register guard components (recipe array ``[[guard]]``).
 
-        The factory returns an :class:`octfw.types.Guard`.
+        The factory returns an :class:`octfw.types.Guard`: both methods are
+        required (a guard without one is refused when it is built).
 
         Hot path: yes. ``before_step`` runs on every update step, after the global gradient
         norm is measured and before the optimizer step; it returns a boolean
@@ -200,7 +208,8 @@ class OctfwSpecs:
     def octfw_register_loggers(self, register: Register) -> None:
         """Register logger components (recipe array ``[[logger]]``).
 
-        The factory returns an :class:`octfw.types.Logger`. Loggers exist on
+        The factory returns an :class:`octfw.types.Logger` (optionally a
+        :class:`~octfw.types.StepListener`). Loggers exist on
         rank 0 only and receive host floats once per log step, read from the
         device in one transfer by the engine: a logger never forces a sync of
         its own.

@@ -21,6 +21,7 @@ import pluggy
 
 from octfw import hookspecs
 from octfw.errors import PluginError, UserError
+from octfw.types import STAGE_PROTOCOLS, missing_members, protocol_members
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -83,7 +84,13 @@ class Component:
     plugin: str  #: the plugin module (or entry-point name) that registered it
 
     def build(self, config: Any, ctx: Any) -> Any:
-        """Make the component. A ``"module:function"`` factory is imported now.
+        """Make the component and check it against its stage's protocol. A
+        ``"module:function"`` factory is imported now.
+
+        A component that lacks a member its stage's protocol
+        (:data:`octfw.types.STAGE_PROTOCOLS`) requires is refused here, before
+        training, with one PluginError naming the members, the component and
+        its distribution: not an AttributeError at the first update step.
 
         A third-party factory that raises anything but a UserError is reported
         as one PluginError naming the component, its stage and distribution
@@ -96,7 +103,7 @@ class Component:
             if isinstance(factory, str):
                 module_name, _, attr = factory.partition(":")
                 factory = getattr(importlib.import_module(module_name), attr)
-            return factory(config, ctx)
+            component = factory(config, ctx)
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - a broken plugin is named, not a traceback
@@ -108,6 +115,20 @@ class Component:
                 f"{self.stage} {self.name!r} from {self.distribution} {self.version} failed to build: "
                 f"{type(exc).__name__}: {first_line} (octfw --debug shows the traceback)"
             ) from None
+        self.check(component)
+        return component
+
+    def check(self, component: Any) -> None:
+        """Refuse a built component that lacks a required member of its stage's protocol."""
+        protocol = STAGE_PROTOCOLS.get(self.stage)
+        missing = missing_members(component, protocol) if protocol is not None else []
+        if missing:
+            required = ", ".join(protocol_members(protocol))
+            raise PluginError(
+                f"{self.stage} {self.name!r} from {self.distribution} {self.version} lacks "
+                f"{', '.join(missing)}, which every {self.stage} must have (octfw.types.{protocol.__name__}: "
+                f"{required}; built a {type(component).__name__}); see 'Writing a plugin' in octfw's README"
+            )
 
 
 @attrs.frozen

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -26,26 +26,49 @@ __all__ = [
     "SourcedDataset",
     "TransformCheckingDataset",
     "RecognisingDatasetConfig",
+    "LabelledDataset",
+    "PatientDataset",
+    "NamingDataset",
     "Transform",
     "PreparingTransform",
+    "Model",
+    "EMAModel",
+    "ParamGroupsModel",
+    "EmbeddingModel",
+    "EncoderModel",
+    "ExportableEncoder",
+    "CountingModel",
+    "ActivationCheckpointing",
     "Schedule",
+    "WarmupSchedule",
     "Guard",
     "GuardInputs",
+    "Stateful",
     "Logger",
+    "StepListener",
     "Checkpointer",
+    "ListingCheckpointer",
+    "ClaimingCheckpointer",
+    "CancellableCheckpointer",
+    "LocatedCheckpointer",
     "Evaluator",
+    "RefittingEvaluator",
+    "ComparingEvaluator",
+    "STAGE_PROTOCOLS",
+    "OPTIONAL_PROTOCOLS",
+    "protocol_members",
+    "missing_members",
     "StopTraining",
     "TrainingDone",
     "BATCH_KEYS",
     "BatchKey",
-    "BatchConsumer",
     "UINT8_SCALE",
     "bytes_to_intensity",
 ]
 
 #: The batch octfw's built-in transform makes and its built-in models consume
 #: (each transform declares its own in :meth:`Transform.batch_spec`, each model
-#: what it reads in :attr:`BatchConsumer.inputs`):
+#: what it reads in :attr:`Model.inputs`):
 #:
 #: - ``context``: float32 ``[C, D, H, W]``, the view the context encoder sees.
 #: - ``target``: float32 ``[C, D, H, W]``, the view the target encoder sees.
@@ -82,14 +105,6 @@ class BatchKey:
     @property
     def rank(self) -> int:
         return len(self.shape)
-
-
-@runtime_checkable
-class BatchConsumer(Protocol):
-    """A model's declaration of the batch keys its ``forward`` reads: checked against the
-    transform's :meth:`~Transform.batch_spec` when the run is built."""
-
-    inputs: tuple[str, ...]
 
 
 #: A uint8 view's (and a uint8 stored volume's) byte ``b`` is the intensity ``b * UINT8_SCALE``.
@@ -283,6 +298,41 @@ class SourcedDataset(Dataset, Protocol):
 
 
 @runtime_checkable
+class LabelledDataset(Dataset, Protocol):
+    """Optional: a dataset that knows each volume's class label without decoding it.
+
+    An evaluator refuses a dataset without labels at build time, before
+    training, when the dataset has ``label`` (else at its first evaluation).
+    Must be cheap (no I/O).
+    """
+
+    def label(self, index: int) -> int | None: ...
+
+
+@runtime_checkable
+class PatientDataset(Dataset, Protocol):
+    """Optional: a dataset that knows which patient each volume belongs to (or None).
+
+    Evaluators keep a patient's volumes on one side of a train/test split and
+    refuse a test dataset sharing a patient with the train dataset. The key is
+    never shown: it may be an identifier.
+    """
+
+    def patient(self, index: int) -> str | None: ...
+
+
+@runtime_checkable
+class NamingDataset(Dataset, Protocol):
+    """Optional: a dataset that names each volume's file without decoding it.
+
+    Messages name the file; a checkpoint records a hash of all the names, so
+    a resume can tell that the dataset changed.
+    """
+
+    def url(self, index: int) -> str: ...
+
+
+@runtime_checkable
 class Transform(Protocol):
     """Turns a :class:`Sample` into the arrays its :meth:`batch_spec` declares.
 
@@ -320,6 +370,131 @@ class PreparingTransform(Transform, Protocol):
 
 
 @runtime_checkable
+class Model(Protocol):
+    """What the engine trains: in practice a ``torch.nn.Module``.
+
+    ``model(batch)`` (that is, ``forward``) takes the collated batch, a dict
+    of device tensors keyed as the transform's :meth:`Transform.batch_spec`
+    (plus ``domain_id``), and returns a :class:`ModelOutput`. ``inputs``
+    names the keys it reads: a key the transform does not make is refused
+    when the run is built. The other members are the ``nn.Module``
+    methods the engine, ``octfw check`` and the evaluators call: placing the
+    model on its device, the optimizer's parameters, checkpoints, and
+    switching between training and evaluation.
+
+    Hot path: ``forward`` runs every micro-step and must not force a
+    device-to-host sync.
+    """
+
+    inputs: tuple[str, ...]
+
+    def forward(self, batch: Mapping[str, "torch.Tensor"]) -> ModelOutput: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator["torch.nn.Parameter"]: ...
+
+    def modules(self) -> Iterator[Any]: ...
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+
+@runtime_checkable
+class EMAModel(Model, Protocol):
+    """Optional: a model with an EMA target encoder (V-JEPA's ``vjepa3d``).
+
+    ``ema_update(momentum)`` runs after every optimizer step when the
+    schedule gives an EMA momentum. ``momentum`` is a device scalar; 1.0
+    means "leave the EMA as it is", which is how a vetoed update leaves it
+    untouched. Hot path: must not force a sync.
+    """
+
+    def ema_update(self, momentum: "torch.Tensor | float") -> None: ...
+
+
+@runtime_checkable
+class ParamGroupsModel(Model, Protocol):
+    """Optional: the model chooses its optimizer groups.
+
+    ``param_groups(weight_decay) -> [{"params": [...], "weight_decay": w, ...}]``
+    over the trainable parameters; the engine asks at weight decay 1.0 to
+    learn which groups decay (``weight_decay > 0``). Without it every
+    trainable parameter is one decaying group.
+    """
+
+    def param_groups(self, weight_decay: float) -> list[dict]: ...
+
+
+@runtime_checkable
+class EmbeddingModel(Protocol):
+    """Optional: the frozen representation evaluators measure.
+
+    ``embed(volume)`` takes float32 ``[B, C, D, H, W]`` and returns the
+    target encoder's tokens ``[B, N, E]`` (or pooled ``[B, E]``). The
+    evaluators call it under ``torch.no_grad``; without it they call
+    ``model(volume)`` (an encoder on its own).
+    """
+
+    def embed(self, volume: "torch.Tensor") -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class ExportableEncoder(Protocol):
+    """An encoder ``octfw export`` and ``run.export_encoder`` can write out.
+
+    ``architecture()`` returns its constructor arguments as plain data (an
+    export records them); ``encoder(volume)`` maps ``[B, C, D, H, W]`` to
+    tokens ``[B, N, E]``; its ``state_dict`` holds the weights. The export
+    formats rebuild the network as :class:`octfw.models.vit3d.ViT3DEncoder`,
+    so ``octfw export`` also requires that class.
+    """
+
+    def architecture(self) -> dict: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator["torch.nn.Parameter"]: ...
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class EncoderModel(Protocol):
+    """Optional: a model whose ``encoder`` is the network to keep after pretraining
+    (the target encoder); exported when it is an :class:`ExportableEncoder`,
+    and what the ``fine-tune`` evaluator trains."""
+
+    encoder: Any
+
+
+@runtime_checkable
+class CountingModel(Protocol):
+    """Optional: ``count_parameters() -> {"encoder": n, "predictor": m, ...}``, shown by
+    ``octfw check`` (else the number of trainable parameters)."""
+
+    def count_parameters(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class ActivationCheckpointing(Protocol):
+    """Optional, on a **submodule** of a model: its activations can be recomputed in backward.
+
+    ``checkpoint_activations`` says whether it does; ``octfw check``'s memory
+    estimate toggles it to measure the saving (the built-in ViT blocks).
+    """
+
+    checkpoint_activations: bool
+
+
+@runtime_checkable
 class Schedule(Protocol):
     """Pure functions of the update step (0-based): no hidden state to restart.
 
@@ -333,6 +508,14 @@ class Schedule(Protocol):
     def weight_decay(self, update_step: int) -> float | None: ...
 
     def ema_momentum(self, update_step: int) -> float | None: ...
+
+
+@runtime_checkable
+class WarmupSchedule(Schedule, Protocol):
+    """Optional: the schedule states its warmup length (update steps), so the pre-flight
+    check knows where the learning rate may rise; without it the rise is inferred."""
+
+    warmup_steps: int | None
 
 
 @attrs.frozen
@@ -364,12 +547,24 @@ class Guard(Protocol):
 
 
 @runtime_checkable
+class Stateful(Protocol):
+    """Optional, for guards and loggers: state saved in every checkpoint and given back on resume.
+
+    ``state_dict()`` returns plain data (it is loaded with
+    ``weights_only=True``); ``load_state_dict(state)`` restores it.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
 class Logger(Protocol):
     """Receives host scalars once per log step. Only rank 0 has loggers.
 
-    An optional ``on_step(update_step: int)`` is called after every update
-    step with the host step count only (no device value, no sync), for
-    progress displays.
+    Optional: :class:`StepListener` (``on_step``) for progress displays,
+    :class:`Stateful` for state kept across a resume.
     """
 
     def start(self, total_update_steps: int, run_dir: Path, recipe: Mapping[str, Any]) -> None: ...
@@ -380,21 +575,28 @@ class Logger(Protocol):
 
 
 @runtime_checkable
+class StepListener(Protocol):
+    """Optional, for loggers: ``on_step(update_step)`` after every update step.
+
+    It receives the host step count only (no device value, no sync), for
+    progress displays. It may raise :class:`StopTraining`.
+    """
+
+    def on_step(self, update_step: int) -> None: ...
+
+
+@runtime_checkable
 class Checkpointer(Protocol):
     """Saves and restores the whole training state.
 
     ``save`` is atomic: a reader never sees a partial checkpoint, and
     ``latest`` never points at one. It raises on failure; the engine warns,
-    keeps training and lists the failed save in the summary. An optional
-    ``checkpoints() -> list[(update_step, location)]`` lists the complete
-    ones, so ``octfw replay`` can start from the nearest. Two more are
-    optional, and the built-ins have them: ``claim(needed_bytes)`` holds the
-    folder for the run (one writer) and raises UserError before training when
-    it is held by another process or a checkpoint could not be written (no
-    space, no permission, store unreachable), ``release()`` gives it up, and
-    ``cancel()`` aborts the save in flight when the user asks to stop at once
-    (a second Ctrl-C).
+    keeps training and lists the failed save in the summary.
     ``load`` must refuse a damaged checkpoint, never load it.
+
+    Optional, and the built-ins have them all: :class:`ListingCheckpointer`,
+    :class:`ClaimingCheckpointer`, :class:`CancellableCheckpointer`,
+    :class:`LocatedCheckpointer`.
     """
 
     def save(self, update_step: int, state: Mapping[str, Any]) -> str: ...
@@ -402,6 +604,47 @@ class Checkpointer(Protocol):
     def latest(self) -> str | None: ...
 
     def load(self, location: str) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ListingCheckpointer(Checkpointer, Protocol):
+    """Optional: ``checkpoints() -> [(update_step, location)]``, the complete checkpoints,
+    so ``octfw replay`` and ``octfw eval --checkpoints`` can choose among them (else
+    only ``latest()`` is known)."""
+
+    def checkpoints(self) -> Sequence[tuple[int, str]]: ...
+
+
+@runtime_checkable
+class ClaimingCheckpointer(Checkpointer, Protocol):
+    """Optional: one writer per folder.
+
+    ``claim(needed_bytes)`` holds the folder for the run (rank 0, before
+    training) and raises :class:`octfw.errors.UserError` when another
+    process holds it or a checkpoint could not be written (no space, no
+    permission, store unreachable); ``release()`` gives it up at the end.
+    """
+
+    def claim(self, needed_bytes: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class CancellableCheckpointer(Checkpointer, Protocol):
+    """Optional: ``cancel()`` aborts the save in flight (from another thread) when the user
+    asks to stop at once (a second Ctrl-C); the unfinished write must never be loaded."""
+
+    def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class LocatedCheckpointer(Checkpointer, Protocol):
+    """Optional: ``location``, the folder or URL checkpoints go to, named in messages about
+    a failed or slow save (and probed when a store seems unreachable); None where there is none
+    (a rank that does not write)."""
+
+    location: str | None
 
 
 
@@ -420,3 +663,105 @@ class Evaluator(Protocol):
     every_steps: int | None
 
     def evaluate(self, model: Any, device: Any, update_step: int) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class RefittingEvaluator(Evaluator, Protocol):
+    """Optional: an evaluator that encodes once and refits on subsets (``octfw eval --shots``).
+
+    ``split()`` returns the (train, test) labelled volumes (each with
+    ``labels``, an int array); ``fit_positions()`` the train positions a fit
+    may draw from; ``encode(model, device)`` runs the frozen encoder over both
+    splits once; ``score(encoded, positions)`` fits on ``positions`` and
+    returns host floats. ``split_seed`` seeds the draws, so two encoders are
+    fitted on the same volumes.
+    """
+
+    split_seed: int
+
+    def split(self) -> tuple[Any, Any]: ...
+
+    def fit_positions(self) -> Any: ...
+
+    def encode(self, model: Any, device: Any) -> Any: ...
+
+    def score(self, encoded: Any, positions: Any = None) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class ComparingEvaluator(Evaluator, Protocol):
+    """Optional: an evaluator that compares two models on the same test volumes (``octfw eval``:
+    pretrained against random init).
+
+    ``last_test_probabilities`` holds the test probabilities of its newest
+    evaluation (None before one); ``difference(first, second)`` returns the
+    paired metrics of two such arrays, first minus second.
+    """
+
+    last_test_probabilities: Any
+
+    def difference(self, first: Any, second: Any) -> Mapping[str, float]: ...
+
+
+#: The protocol every built component of a stage must satisfy: the build refuses one that
+#: lacks a member (see :func:`missing_members`). Keyed by the stages of
+#: :data:`octfw.hookspecs.STAGES` (a test keeps the two in step).
+STAGE_PROTOCOLS: dict[str, type] = {
+    "dataset": Dataset,
+    "transform": Transform,
+    "model": Model,
+    "scheduler": Schedule,
+    "guard": Guard,
+    "logger": Logger,
+    "checkpointer": Checkpointer,
+    "evaluator": Evaluator,
+}
+
+#: The optional capabilities the engine, the evaluators and the commands use when a
+#: stage's component has them (``isinstance(component, Protocol)``); the plugin guide
+#: lists them (a test keeps it in step).
+OPTIONAL_PROTOCOLS: dict[str, tuple[type, ...]] = {
+    "dataset": (SourcedDataset, LabelledDataset, PatientDataset, NamingDataset, TransformCheckingDataset),
+    "transform": (PreparingTransform,),
+    "model": (EMAModel, ParamGroupsModel, EmbeddingModel, EncoderModel, CountingModel),
+    "scheduler": (WarmupSchedule,),
+    "guard": (Stateful,),
+    "logger": (StepListener, Stateful),
+    "checkpointer": (ListingCheckpointer, ClaimingCheckpointer, CancellableCheckpointer, LocatedCheckpointer),
+    "evaluator": (RefittingEvaluator, ComparingEvaluator),
+}
+
+_DUNDERS_DECLARED = ("__call__", "__len__")
+
+
+def protocol_members(protocol: type, *, inherited: bool = True) -> tuple[str, ...]:
+    """The members ``protocol`` declares, methods and attributes, in declaration order.
+
+    ``inherited=False``: only those it adds to the protocols it extends
+    (``SourcedDataset`` adds ``source`` and ``label`` to ``Dataset``)."""
+    bases = [b for b in reversed(protocol.__mro__) if getattr(b, "_is_protocol", False) and b is not Protocol]
+    inherited_names = {n for b in bases if b is not protocol for n in protocol_members(b)} if bases[:-1] else set()
+    names: list[str] = []
+    for base in bases if inherited else [protocol]:
+        for name in [*base.__dict__.get("__annotations__", {}), *base.__dict__]:
+            if (name.startswith("_") and name not in _DUNDERS_DECLARED) or name in names:
+                continue
+            if not inherited and name in inherited_names:
+                continue
+            names.append(name)
+    return tuple(names)
+
+
+def missing_members(component: Any, protocol: type) -> list[str]:
+    """The members of ``protocol`` that ``component`` lacks (a method that is present but
+    not callable counts as missing). ``isinstance(component, protocol)`` only asks whether
+    each name exists; this also tells which."""
+    missing = []
+    for name in protocol_members(protocol):
+        # A dunder is looked up on the type, as Python does when it calls it.
+        owner = type(component) if name in _DUNDERS_DECLARED else component
+        if not hasattr(owner, name):
+            missing.append(name)
+        elif callable(getattr(protocol, name, None)) and not callable(getattr(owner, name)):
+            missing.append(name)
+    return missing

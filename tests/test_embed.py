@@ -235,10 +235,23 @@ def test_a_location_is_opened_by_the_dataset_whose_config_recognises_it(tmp_path
         def recognises(cls, fs, path: str) -> bool:
             return path.endswith(".probe")
 
+    @attrs.frozen
+    class ProbeVolumes:  # a dataset (octfw.types.Dataset) that only says where it reads
+        path: str
+
+        def __len__(self):
+            return 0
+
+        def load(self, index):
+            raise IndexError(index)
+
+        def domain(self, index):
+            return "probe"
+
     class Probe:
         @hookimpl
         def octfw_register_datasets(self, register):
-            register("probe-volumes", ProbeConfig, lambda config, ctx: ("probe", str(config.path)), "probe")
+            register("probe-volumes", ProbeConfig, lambda config, ctx: ProbeVolumes(str(config.path)), "probe")
 
     module = types.ModuleType("plug_probe_volumes")
     module.plugin = Probe()
@@ -246,7 +259,7 @@ def test_a_location_is_opened_by_the_dataset_whose_config_recognises_it(tmp_path
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     entry_point = metadata.EntryPoint(name="plug_probe_volumes", value="plug_probe_volumes:plugin", group="octfw")
     registry = load_registry(entry_points=[entry_point])
-    assert open_volumes(tmp_path / "eye.probe", registry) == ("probe", str(tmp_path / "eye.probe"))
+    assert open_volumes(tmp_path / "eye.probe", registry) == ProbeVolumes(str(tmp_path / "eye.probe"))
     with pytest.raises(UserError, match="no DICOM files in"):  # without the prepared dataset: dicom
         open_volumes(tmp_path / "store", load_registry(builtins=["octfw.plugins.datasets.dicom"], entry_points=[]))
     (tmp_path / "eye.e2e.probe").mkdir()

@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.types import WarmupSchedule
 
 __all__ = ["add_parser", "schedule_for"]
 
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{label:<9} first {series[0]:.6g}, last {series[-1]:.6g}")
     if args.png:
         print(f"plot      {plot_schedule(values, args.png)}")
-    problems = validate_schedule(schedule, total, base_lr, getattr(schedule, "warmup_steps", None))
+    problems = validate_schedule(schedule, total, base_lr,
+                                 schedule.warmup_steps if isinstance(schedule, WarmupSchedule) else None)
     if problems:
         raise UserError(f"[scheduler] {recipe.scheduler.name}: refused: " + "; ".join(problems))
     print("verdict   ok: the LR stays above 0 and never rises after warmup")

@@ -19,7 +19,7 @@ from octfw.errors import ContractError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.tables import counted
-from octfw.types import BatchConsumer, BatchKey, ModelOutput
+from octfw.types import BatchKey, CountingModel, ModelOutput
 
 __all__ = ["check_recipe"]
 
@@ -119,8 +119,8 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     norm = float(grad_norm(parameters))
     if not norm > 0:
         raise ContractError(f"gradient norm after one backward is {norm}; no gradient reaches the parameters")
-    counts_fn = getattr(model, "count_parameters", None)
-    params = counts_fn() if counts_fn else {"trainable": sum(p.numel() for p in parameters)}
+    params = (model.count_parameters() if isinstance(model, CountingModel)
+              else {"trainable": sum(p.numel() for p in parameters)})
     report(f"model     {recipe.model.name}: loss {float(out.loss.detach()):.4f}, grad norm {norm:.4g}, "
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 

@@ -48,6 +48,7 @@ import attrs
 import torch
 
 from octfw import fields
+from octfw.types import ActivationCheckpointing
 
 __all__ = [
     "ATTENTION_BY_DEVICE", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
@@ -189,7 +190,7 @@ def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention
             (current[-1] if current else outside).add(key)
         return t
 
-    checkpointable = [m for m in model.modules() if hasattr(m, "checkpoint_activations")]
+    checkpointable = [m for m in model.modules() if isinstance(m, ActivationCheckpointing)]
     configured = {id(m): m.checkpoint_activations for m in checkpointable}
     handles = []
 
@@ -371,7 +372,7 @@ def batch_advice(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes:
     model can checkpoint activations but does not, with checkpointing."""
     fitting = largest_batch(model, batch, device_bytes, device=device)
     line = f"fits      per-device batch up to {fitting}" if fitting else "fits      not even 1 sample per device"
-    configured = [m.checkpoint_activations for m in model.modules() if hasattr(m, "checkpoint_activations")]
+    configured = [m.checkpoint_activations for m in model.modules() if isinstance(m, ActivationCheckpointing)]
     if configured and not any(configured):
         with_checkpointing = largest_batch(model, batch, device_bytes, device=device, checkpointing=True)
         line += f"; {with_checkpointing} with model.activation_checkpointing = true"

@@ -21,7 +21,7 @@ from octfw.errors import UserError
 from octfw.recipe import load_recipe
 from octfw.registry import Registry
 from octfw.tables import render_table
-from octfw.types import GuardInputs
+from octfw.types import GuardInputs, ListingCheckpointer
 from octfw.tables import counted
 
 __all__ = ["replay"]
@@ -34,8 +34,8 @@ REPLAY_OVERRIDES = ["run.device=cpu", "engine.num_workers=0", "engine.precision=
 def _nearest_checkpoint(recipe: Any, registry: Registry, run_dir: Path, step: int) -> tuple[int, str | None]:
     """(update step, location) of the newest checkpoint at or before ``step``."""
     checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
-    listing = getattr(checkpointer, "checkpoints", None)
-    candidates = listing() if listing else []
+    listing = isinstance(checkpointer, ListingCheckpointer)
+    candidates = checkpointer.checkpoints() if listing else []
     latest = checkpointer.latest() if not listing else None
     if latest:
         candidates = [(int(checkpointer.load(latest)["update_step"]), latest)]

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
-from octfw.errors import PluginError, UserError
+from octfw.errors import UserError
 from octfw.hookspecs import STAGES
 from octfw.recipe import Recipe
 from octfw.recipe.resolved import ByStage
 from octfw.registry import Registry
-from octfw.types import BatchConsumer, BuildContext, TransformCheckingDataset
+from octfw.types import BuildContext, Model, Transform, TransformCheckingDataset, WarmupSchedule
 from octfw.tables import counted
 
 if TYPE_CHECKING:
@@ -82,12 +82,9 @@ def build_components(
     return Components(ctx, built, steps_per_epoch, dataset_domains(dataset))
 
 
-def check_inputs(recipe: Recipe, transform: Any, model: Any) -> None:
+def check_inputs(recipe: Recipe, transform: Transform, model: Model) -> None:
     """The model reads only keys the transform declares it makes (refused at build, in one line)."""
     spec = transform.batch_spec()
-    if not isinstance(model, BatchConsumer):
-        raise PluginError(f"[model] {recipe.model.name}: declares no `inputs`, the batch keys its forward reads "
-                          f"(a tuple such as {tuple(spec)!r}; octfw.types.BatchConsumer)")
     missing = [key for key in model.inputs if key not in spec]
     if missing:
         raise UserError(f"[model] {recipe.model.name} reads {', '.join(map(repr, missing))}, which [transform] "
@@ -98,7 +95,8 @@ def check_schedule(recipe: Recipe, parts: Components) -> None:
     """Pre-flight: simulate the whole schedule and refuse one that restarts or hits 0."""
     from octfw.schedules import validate_schedule
 
-    problems = validate_schedule(parts.scheduler, parts.ctx.total_update_steps, recipe.engine.base_lr,
-                                 getattr(parts.scheduler, "warmup_steps", None))
+    schedule = parts.scheduler
+    problems = validate_schedule(schedule, parts.ctx.total_update_steps, recipe.engine.base_lr,
+                                 schedule.warmup_steps if isinstance(schedule, WarmupSchedule) else None)
     if problems:
         raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))

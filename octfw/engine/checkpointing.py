@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable
 
 from octfw.storage.failures import storage_cause
+from octfw.types import CancellableCheckpointer, LocatedCheckpointer
 
 __all__ = ["BackgroundSaver"]
 
@@ -155,7 +156,7 @@ class BackgroundSaver:
         if self._overrun_cause is None:
             from octfw.storage.reach import unreachable
 
-            where = getattr(self.checkpointer, "location", None)  # the built-ins name their folder
+            where = self._location()  # the built-ins name their folder
             cause = unreachable(where) if isinstance(where, str) else None
             self._overrun_cause = f"the store is unreachable: {cause}" if cause else "a slow store"
         return self._overrun_cause
@@ -177,9 +178,8 @@ class BackgroundSaver:
             self._in_flight = in_flight
             self._settle()  # it finished after all: it is complete, and counts
             return
-        cancel = getattr(self.checkpointer, "cancel", None)
-        if in_flight is not None and cancel is not None:
-            cancel()
+        if in_flight is not None and isinstance(self.checkpointer, CancellableCheckpointer):
+            self.checkpointer.cancel()
             in_flight.finished.wait(5.0)  # a cancelled write ends at its next block
             if in_flight.finished.is_set() and in_flight.error is None:  # it completed all the same
                 self._in_flight = in_flight
@@ -189,13 +189,17 @@ class BackgroundSaver:
         logger.warning("the checkpoint of update step %d was not written: stopped at once by a second signal "
                        "(the last complete checkpoint, %s, is kept)", update_step, self.latest or "none of this run")
 
+    def _location(self) -> str | None:
+        """The checkpointer's folder or URL, for messages (None: it names none)."""
+        return self.checkpointer.location if isinstance(self.checkpointer, LocatedCheckpointer) else None
+
     def _settle(self) -> None:
         save, self._in_flight = self._in_flight, None
         self._overrun_cause = None
         if save.error is None:
             self.latest, self.written_step = save.location or self.latest, save.update_step
             return
-        where = getattr(self.checkpointer, "location", None) or "the checkpoint folder"
+        where = self._location() or "the checkpoint folder"
         cause = storage_cause(save.error, where, save.nbytes) or f"{type(save.error).__name__}: {save.error}"
         self._fail(save.update_step, cause, save.error)
 

@@ -27,6 +27,7 @@ import torch
 from octfw.engine.build import Components
 from octfw.errors import UserError
 from octfw.tables import counted
+from octfw.types import NamingDataset, Stateful
 
 __all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "checkpoint_nbytes"]
 
@@ -56,7 +57,7 @@ def checkpoint_nbytes(model: torch.nn.Module, parameters: list[torch.Tensor]) ->
 def dataset_fingerprint(dataset: Any) -> dict[str, Any]:
     """How many samples, and a hash of their names where the dataset can name them."""
     size = len(dataset)
-    if not hasattr(dataset, "url"):
+    if not isinstance(dataset, NamingDataset):
         return {"samples": size, "sha256": None}
     digest = hashlib.sha256()
     for index in range(size):
@@ -84,7 +85,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _component_states(components: list[Any]) -> list[Any]:
-    return [c.state_dict() if hasattr(c, "state_dict") else None for c in components]
+    return [c.state_dict() if isinstance(c, Stateful) else None for c in components]
 
 
 def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -181,7 +182,7 @@ def restore(location: str, parts: Components, model: torch.nn.Module, optimizer:
         if _names(state.get("recipe"), stage) != _names(parts.ctx.recipe, stage):
             continue  # the stage's components changed (an accepted recipe change): each starts afresh
         for component, saved in zip(components, saved_states):
-            if saved is not None and hasattr(component, "load_state_dict"):
+            if saved is not None and isinstance(component, Stateful):
                 component.load_state_dict(saved)
     _set_rng_state(state["rng"])
     return int(state["update_step"]), {**(state.get("run") or {}), "recipe": state.get("recipe")}

@@ -56,7 +56,8 @@ from octfw.errors import RecipeError, UserError
 from octfw.recipe.changes import recipe_changes
 from octfw.tables import counted
 from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
-from octfw.types import DOMAIN_ID_KEY, GuardInputs, ModelOutput, StopTraining, TrainingDone
+from octfw.types import (DOMAIN_ID_KEY, ClaimingCheckpointer, EMAModel, EncoderModel, ExportableEncoder, GuardInputs,
+                         ModelOutput, ParamGroupsModel, StepListener, StopTraining, TrainingDone, WarmupSchedule)
 
 __all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR"]
 
@@ -115,7 +116,7 @@ def seed_everything(seed: int) -> None:
 
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> torch.optim.Optimizer:
     engine = recipe.engine
-    if hasattr(model, "param_groups"):
+    if isinstance(model, ParamGroupsModel):
         # Which groups decay is asked at weight decay 1: at engine.weight_decay
         # = 0 every group would read 0, and a schedule rising from 0
         # (weight_decay_end > 0) could not tell the decaying ones apart.
@@ -286,7 +287,7 @@ class Trainer:
         self._pending: StopTraining | None = None
         self._last_log = (time.perf_counter(), self.start_step)
         self._skipped_seen = 0.0
-        self._step_listeners = [lg for lg in parts.loggers if hasattr(lg, "on_step")]
+        self._step_listeners = [lg for lg in parts.loggers if isinstance(lg, StepListener)]
         self._data_wait_s = 0.0  # host time blocked on the data loader since the last log step
         self._data_wait_total_s = 0.0  # ... and since the run (this attempt) started
         self.peak_flops, self.device_name = device_peak_flops(
@@ -423,7 +424,7 @@ class Trainer:
         step_unless_vetoed(self.optimizer, verdict)
         ok = self._applied if verdict is None else verdict
         momentum = schedule.ema_momentum(update_step)
-        if momentum is not None and hasattr(self.model, "ema_update"):
+        if momentum is not None and isinstance(self.model, EMAModel):
             # Momentum 1.0 leaves the EMA untouched when the update was skipped.
             self.model.ema_update(torch.where(ok, backend.scalar(momentum), 1.0))
         self.optimizer.zero_grad(set_to_none=True)
@@ -579,9 +580,9 @@ class Trainer:
         from octfw.formats import encoder_info, write_export
         from octfw.rundir import versions
 
-        encoder = getattr(self.model, "encoder", None)
+        encoder = self.model.encoder if isinstance(self.model, EncoderModel) else None
         if not (self.backend.is_main_process and self.recipe.run.export_encoder
-                and callable(getattr(encoder, "architecture", None))):
+                and isinstance(encoder, ExportableEncoder)):
             return None
         folder = self.run_dir / "encoder"
         info = encoder_info(encoder.architecture(), self.parts.ctx.recipe, self.saver.latest or "", done, versions())
@@ -599,7 +600,8 @@ class Trainer:
     def run(self) -> RunSummary:
         """Hold the checkpoint folder (rank 0), train, summarise."""
         checkpointer = self.parts.checkpointer
-        if self.backend.is_main_process and hasattr(checkpointer, "claim"):  # before an hour is spent
+        claiming = isinstance(checkpointer, ClaimingCheckpointer)
+        if self.backend.is_main_process and claiming:  # before an hour is spent
             checkpointer.claim(checkpoint_nbytes(self.model, self.parameters))
         try:
             if self._own_stop_requests:
@@ -607,7 +609,7 @@ class Trainer:
                     return self.train_loop()
             return self.train_loop()
         finally:
-            if hasattr(checkpointer, "release"):
+            if claiming:
                 checkpointer.release()
 
     def agree_to_stop(self, done: int) -> tuple[str | None, str]:
@@ -766,7 +768,7 @@ class _ResumedSchedule:
 
     def __init__(self, old: Any, old_base_lr: float, new: Any, new_base_lr: float, start: int):
         self.parts, self.start = ((old, old_base_lr), (new, new_base_lr)), start
-        self.warmup_steps = getattr(old, "warmup_steps", None)
+        self.warmup_steps = old.warmup_steps if isinstance(old, WarmupSchedule) else None
 
     def _at(self, step: int) -> tuple[Any, float]:
         return self.parts[step >= self.start]

@@ -32,6 +32,7 @@ from octfw.evaluation.target import (
 from octfw.registry import Registry
 from octfw.tables import render_table
 from octfw.tables import counted
+from octfw.types import ListingCheckpointer
 
 __all__ = ["CheckpointsReport", "run_checkpoints", "select_checkpoints", "compare_checkpoints",
            "format_checkpoints", "plot_checkpoints"]
@@ -73,8 +74,7 @@ def run_checkpoints(run_dir: Path, registry: Registry) -> tuple[Any, list[tuple[
                         "checkpoints of a run folder")
     recipe = load_recipe(recorded, (), registry)
     checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
-    listing = getattr(checkpointer, "checkpoints", None)
-    found = list(listing()) if listing is not None else []
+    found = list(checkpointer.checkpoints()) if isinstance(checkpointer, ListingCheckpointer) else []
     if not found:
         # A checkpointer that cannot list still names its newest checkpoint.
         latest = checkpointer.latest()

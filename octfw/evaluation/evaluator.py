@@ -44,7 +44,7 @@ from octfw.evaluation.knn import knn_probabilities
 from octfw.evaluation.metrics import classification_metrics, paired_difference
 from octfw.evaluation.probe import fit_linear_probe
 from octfw.tables import counted
-from octfw.types import BuildContext
+from octfw.types import BuildContext, EncoderModel, LabelledDataset, NamingDataset, PatientDataset
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +64,12 @@ def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, wh
 
 def _check_labels_early(dataset: Any, where: str) -> None:
     """Refuse a dataset without labels before any volume is decoded, when it can tell."""
-    if not hasattr(dataset, "label"):
+    if not isinstance(dataset, LabelledDataset):
         return
     labels = [dataset.label(i) for i in range(len(dataset))]
     missing = [i for i, label in enumerate(labels) if label is None]
     if missing:
-        source = dataset.url(missing[0]) if hasattr(dataset, "url") else f"volume {missing[0]}"
+        source = dataset.url(missing[0]) if isinstance(dataset, NamingDataset) else f"volume {missing[0]}"
         raise UserError(
             f"{where}: {len(missing)} of {counted(len(labels), 'volume')} have no label (first: {source}); use a "
             "manifest with a label column, or labels = true for synthetic-oct"
@@ -83,7 +83,7 @@ def _check_patients_disjoint(train: Any, test: Any, where: str) -> None:
 
     The message names files, never the patient key: it may be an identifier.
     """
-    if not (hasattr(train, "patient") and hasattr(test, "patient")):
+    if not (isinstance(train, PatientDataset) and isinstance(test, PatientDataset)):
         return
     train_files: dict[str, int] = {}
     for index in range(len(train)):
@@ -94,7 +94,7 @@ def _check_patients_disjoint(train: Any, test: Any, where: str) -> None:
               if (p := test.patient(index)) is not None and p in train_files]
     if shared:
         first_train, first_test = shared[0]
-        name = (lambda ds, i: ds.url(i) if hasattr(ds, "url") else f"volume {i}")
+        name = (lambda ds, i: ds.url(i) if isinstance(ds, NamingDataset) else f"volume {i}")
         raise UserError(
             f"{where}: {len(shared)} test volumes belong to patients of the train dataset (first: "
             f"{name(test, first_test)} and {name(train, first_train)}); keep each patient on one side"
@@ -153,6 +153,11 @@ class FeatureEvaluator(abc.ABC):
         if ctx.image_size is not None and ctx.patch_size is not None:
             grid = tuple(int(i) // int(p) for i, p in zip(ctx.image_size, ctx.patch_size))
         return cls(config, train, test, transform, grid)
+
+    @property
+    def split_seed(self) -> int:
+        """Seeds the split and the draws of ``octfw eval --shots`` (:class:`octfw.types.RefittingEvaluator`)."""
+        return self.config.split_seed
 
     # --- data ----------------------------------------------------------------
 
@@ -376,7 +381,7 @@ class FineTuneEvaluator(ValidatedFeatureEvaluator):
         from octfw.evaluation.fine_tune import ALL_BLOCKS, frozen_prefix, is_vit3d_encoder
 
         where = f"evaluator {self.component}"
-        encoder = model if is_vit3d_encoder(model) else getattr(model, "encoder", None)
+        encoder = model if is_vit3d_encoder(model) else model.encoder if isinstance(model, EncoderModel) else None
         if not is_vit3d_encoder(encoder):
             raise UserError(f"{where}: fine-tunes a 3D ViT encoder (a model's .encoder); "
                             f"{type(model).__name__} has none")

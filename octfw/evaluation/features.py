@@ -32,7 +32,7 @@ import torch
 
 from octfw.engine.data import float_views, view_keys
 from octfw.errors import CorruptFile, UserError
-from octfw.types import Dataset, Sample
+from octfw.types import Dataset, EmbeddingModel, PatientDataset, PreparingTransform, Sample
 from octfw.tables import counted
 
 __all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def prepare_volume(transform: Any, sample: Sample) -> np.ndarray:
     """``[C, D, H, W]`` float32: the unaugmented, unmasked model input for ``sample``."""
-    if hasattr(transform, "prepare"):
+    if isinstance(transform, PreparingTransform):
         volume = np.asarray(transform.prepare(sample), dtype=np.float32)
     else:
         views = float_views(transform(sample, np.random.default_rng(0)),  # a uint8 view means b / 255
@@ -97,7 +97,7 @@ def load_labelled(dataset: Dataset, transform: Any, *, keep: bool, where: str) -
     patient, in a dataset that knows some, is a group of its own.
     """
     indices, labels, domains, sources, prepared, skipped = [], [], [], [], [], []
-    patient_of: Callable[[int], str | None] | None = getattr(dataset, "patient", None)
+    patient_of: Callable[[int], str | None] | None = dataset.patient if isinstance(dataset, PatientDataset) else None
     groups: list[str] = []
     for index in range(len(dataset)):
         try:
@@ -167,7 +167,7 @@ def stratified_split(
 
 def _tokens(model: Any, volumes: torch.Tensor) -> torch.Tensor:
     """``model.embed`` (target encoder tokens) or ``model(volumes)``: ``[B, N, E]`` or ``[B, E]``."""
-    encode = model.embed if hasattr(model, "embed") else model
+    encode = model.embed if isinstance(model, EmbeddingModel) else model
     return encode(volumes)
 
 

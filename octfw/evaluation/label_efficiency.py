@@ -31,6 +31,7 @@ from octfw.evaluation.target import (
 )
 from octfw.registry import Registry
 from octfw.tables import render_table
+from octfw.types import RefittingEvaluator
 
 __all__ = ["ShotsReport", "evaluate_shots", "format_shots", "write_shots"]
 
@@ -60,7 +61,7 @@ def _check_shots(evaluators: Sequence[tuple[str, Any]], shots: Sequence[int | No
     import numpy as np
 
     for name, evaluator in evaluators:
-        if not all(hasattr(evaluator, attr) for attr in ("encode", "score", "fit_positions", "split")):
+        if not isinstance(evaluator, RefittingEvaluator):
             raise UserError(f"--shots: evaluator {name} cannot refit on a subset of its train split "
                             "(the built-in linear-probe, knn, attentive-probe and fine-tune can)")
         labels = evaluator.split()[0].labels
@@ -100,9 +101,9 @@ def evaluate_shots(target: EvalTarget, recipe: EvalRecipe, registry: Registry, s
                 with torch.no_grad():
                     encoded = evaluator.encode(model, device)
                     advance(f"{where}: encoded")
-                    seed = int(getattr(evaluator.config, "split_seed", 0))
-                    results = label_efficiency(evaluator, encoded, shots, draws, seed,
-                                               on_fit=lambda text, where=where: advance(f"{where}: {text}"))
+                    results = label_efficiency(evaluator, encoded, shots, draws, int(evaluator.split_seed),
+                                               on_fit=lambda text, where=where: advance(f"{where}: {text}"),
+                                               name=name)
                 pool = len(evaluator.fit_positions())
                 classes = len(set(evaluator.split()[0].labels.tolist()))
                 for count, runs in results:

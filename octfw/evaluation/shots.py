@@ -80,13 +80,14 @@ def label_efficiency(
     draws: int,
     seed: int,
     on_fit: Callable[[str], None] | None = None,
+    name: str | None = None,
 ) -> list[tuple[int | None, list[dict[str, float]]]]:
-    """``[(shots, [metrics of each draw])]`` for an evaluator with ``split``,
-    ``fit_positions`` and ``score(encoded, positions)`` (the built-in feature
-    evaluators). ``on_fit(text)`` is called after each fit (progress)."""
+    """``[(shots, [metrics of each draw])]`` for a :class:`octfw.types.RefittingEvaluator`
+    (the built-in feature evaluators). ``on_fit(text)`` is called after each fit (progress);
+    ``name`` is the evaluator's in messages (default: its class)."""
     train = evaluator.split()[0]
     pool = np.asarray(evaluator.fit_positions(), dtype=np.int64)
-    where = f"evaluator {getattr(evaluator, 'component', type(evaluator).__name__)}: "
+    where = f"evaluator {name or type(evaluator).__name__}: "
     results = []
     for count in shots:
         runs = []

@@ -27,7 +27,7 @@ from octfw.fields import Location, choices, doc, non_negative
 from octfw.recipe import cache_dir_for
 from octfw.registry import Registry
 from octfw.tables import render_table
-from octfw.types import BuildContext
+from octfw.types import BuildContext, ComparingEvaluator
 
 __all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress", "load_eval_recipe",
            "load_target", "checkpoint_model", "eval_device", "build_evaluators", "evaluate_target",
@@ -272,13 +272,15 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
         def advance(name: str, label: str = label) -> None:
             nonlocal done
             done += 1
-            predictions[name].append(getattr(dict(evaluators)[name], "last_test_probabilities", None))
+            evaluator = dict(evaluators)[name]
+            predictions[name].append(evaluator.last_test_probabilities
+                                     if isinstance(evaluator, ComparingEvaluator) else None)
             if progress is not None:
                 progress(done, total, f"{label.replace('_', ' ')}: {name}")
 
         results[label] = run_evaluators(model, evaluators, device, target.update_step or 0, advance)
     difference = {f"{name}/{key}": value for name, evaluator in evaluators
-                  if callable(getattr(evaluator, "difference", None))
+                  if isinstance(evaluator, ComparingEvaluator)
                   and len(predictions[name]) == 2 and all(p is not None for p in predictions[name])
                   for key, value in evaluator.difference(*predictions[name]).items()}
     return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),

@@ -13,6 +13,7 @@ import attrs
 from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.fields import choices, doc, in_range, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Evaluator
 
 __all__ = ["AttentiveProbeConfig", "build"]
 
@@ -75,7 +76,7 @@ class AttentiveProbeConfig(FeatureEvaluatorConfig):
     )
 
 
-def build(config: AttentiveProbeConfig, ctx: Any):
+def build(config: AttentiveProbeConfig, ctx: BuildContext) -> Evaluator:
     from octfw.evaluation.evaluator import AttentiveProbeEvaluator
 
     return AttentiveProbeEvaluator.from_config(config, ctx)

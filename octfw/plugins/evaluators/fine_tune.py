@@ -13,6 +13,7 @@ import attrs
 from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.fields import doc, in_range, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Evaluator
 
 __all__ = ["FineTuneConfig", "build"]
 
@@ -68,7 +69,7 @@ class FineTuneConfig(FeatureEvaluatorConfig):
     )
 
 
-def build(config: FineTuneConfig, ctx: Any):
+def build(config: FineTuneConfig, ctx: BuildContext) -> Evaluator:
     from octfw.evaluation.evaluator import FineTuneEvaluator
 
     return FineTuneEvaluator.from_config(config, ctx)

@@ -5,13 +5,12 @@ Config and factory only; the implementation is :mod:`octfw.evaluation`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.fields import choices, doc, positive
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Evaluator
 
 __all__ = ["KNNConfig", "build"]
 
@@ -32,7 +31,7 @@ class KNNConfig(FeatureEvaluatorConfig):
     )
 
 
-def build(config: KNNConfig, ctx: Any):
+def build(config: KNNConfig, ctx: BuildContext) -> Evaluator:
     from octfw.evaluation.evaluator import KNNEvaluator
 
     return KNNEvaluator.from_config(config, ctx)

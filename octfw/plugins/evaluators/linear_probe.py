@@ -5,13 +5,12 @@ Config and factory only; the implementation is :mod:`octfw.evaluation`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.fields import doc, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Evaluator
 
 __all__ = ["LinearProbeConfig", "build"]
 
@@ -31,7 +30,7 @@ class LinearProbeConfig(FeatureEvaluatorConfig):
     )
 
 
-def build(config: LinearProbeConfig, ctx: Any):
+def build(config: LinearProbeConfig, ctx: BuildContext) -> Evaluator:
     from octfw.evaluation.evaluator import LinearProbeEvaluator
 
     return LinearProbeEvaluator.from_config(config, ctx)

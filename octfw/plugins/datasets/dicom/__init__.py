@@ -8,15 +8,14 @@ Registration and factory; the config lives in :mod:`octfw.plugins.datasets.dicom
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.plugins.datasets.dicom.config import DicomConfig
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Dataset
 
 __all__ = ['DicomConfig', 'build']
 
 
-def build(config: DicomConfig, ctx: Any):
+def build(config: DicomConfig, ctx: BuildContext) -> Dataset:
     from octfw.plugins.datasets.dicom.dataset import DicomDataset
     from octfw.storage.reach import require_reachable
 

@@ -14,15 +14,14 @@ the writing in :mod:`.cohort`, each family in its own module.
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.plugins.datasets.phantom.config import PhantomOctConfig
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Dataset
 
 __all__ = ["PhantomOctConfig", "build"]
 
 
-def build(config: PhantomOctConfig, ctx: Any):
+def build(config: PhantomOctConfig, ctx: BuildContext) -> Dataset:
     from octfw.plugins.datasets.dicom.dataset import DicomDataset
     from octfw.plugins.datasets.phantom.cohort import cohort_key, cohort_options, write_phantom_cohort
 

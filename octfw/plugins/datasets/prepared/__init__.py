@@ -6,15 +6,14 @@ and the reader in :mod:`octfw.plugins.datasets.prepared.dataset`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.plugins.datasets.prepared.config import PreparedConfig
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Dataset
 
 __all__ = ["PreparedConfig", "build"]
 
 
-def build(config: PreparedConfig, ctx: Any):
+def build(config: PreparedConfig, ctx: BuildContext) -> Dataset:
     from octfw.plugins.datasets.prepared.dataset import PreparedDataset, cache_folder
     from octfw.fields import parse_bytes
     from octfw.storage.disk_cache import DiskCache

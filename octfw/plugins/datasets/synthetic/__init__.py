@@ -10,15 +10,14 @@ Registration and factory; the config lives in :mod:`octfw.plugins.datasets.synth
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.plugins.datasets.synthetic.config import SyntheticOctConfig
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Dataset
 
 __all__ = ['SyntheticOctConfig', 'build']
 
 
-def build(config: SyntheticOctConfig, ctx: Any):
+def build(config: SyntheticOctConfig, ctx: BuildContext) -> Dataset:
     from octfw.plugins.datasets.dicom.dataset import DicomDataset
     from octfw.plugins.datasets.synthetic.cohort import MANIFEST_FILE, cohort_key, cohort_options, write_synthetic_cohort
 

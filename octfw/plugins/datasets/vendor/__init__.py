@@ -9,15 +9,14 @@ Registration and factory; the config lives in :mod:`octfw.plugins.datasets.vendo
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.plugins.datasets.vendor.config import OctVendorConfig
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Dataset
 
 __all__ = ['OctVendorConfig', 'build']
 
 
-def build(config: OctVendorConfig, ctx: Any):
+def build(config: OctVendorConfig, ctx: BuildContext) -> Dataset:
     from octfw.plugins.datasets.vendor.reader import VendorDataset, require_oct_converter
     from octfw.storage.reach import require_reachable
 

@@ -7,16 +7,15 @@ and torch is imported when :func:`build` runs. The config lives in
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Model
 from octfw.plugins.models.mae3d.config import PRESETS, Architecture, MAE3DConfig
 from octfw.models.presets import network_arguments
 
 __all__ = ["PRESETS", "Architecture", "MAE3DConfig", "build"]
 
 
-def build(config: MAE3DConfig, ctx: Any):
+def build(config: MAE3DConfig, ctx: BuildContext) -> Model:
     """Make a :class:`octfw.plugins.models.mae3d.model.MAE3D` for ``ctx.image_size`` and ``ctx.in_channels``."""
     arguments = network_arguments("mae3d", config, ctx)  # checks the sizes before torch is imported
 

@@ -85,7 +85,7 @@ class MAE3D(nn.Module):
     All parameters are trainable; :attr:`encoder` is the network to export.
     """
 
-    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.BatchConsumer)
+    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.Model.inputs)
 
     def __init__(
         self,

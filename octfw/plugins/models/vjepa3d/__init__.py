@@ -8,16 +8,15 @@ Registration and factory; the config lives in :mod:`octfw.plugins.models.vjepa3d
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Model
 from octfw.models.presets import network_arguments
 from octfw.plugins.models.vjepa3d.config import PRESETS, LOSS_CHOICES, Architecture, VJEPA3DConfig
 
 __all__ = ["PRESETS", "LOSS_CHOICES", "Architecture", "VJEPA3DConfig", "build"]
 
 
-def build(config: VJEPA3DConfig, ctx: Any):
+def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
     """Make a :class:`octfw.plugins.models.vjepa3d.model.VJEPA3D` for ``ctx.image_size`` and ``ctx.in_channels``."""
     arguments = network_arguments("vjepa3d", config, ctx)  # checks the sizes before torch is imported
 

@@ -108,7 +108,7 @@ class VJEPA3D(nn.Module):
     :meth:`ema_update` and never receives gradients.
     """
 
-    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.BatchConsumer)
+    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.Model.inputs)
 
     def __init__(
         self,

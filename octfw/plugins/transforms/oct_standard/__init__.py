@@ -8,16 +8,15 @@ transform is built.
 
 from __future__ import annotations
 
-from typing import Any
-
 from octfw.plugins.transforms.oct_standard.config import MaskConfig, OCTStandardConfig
 from octfw.errors import UserError
 from octfw.hookspecs import Register, hookimpl
+from octfw.types import BuildContext, Transform
 
 __all__ = ["MaskConfig", "OCTStandardConfig", "build"]
 
 
-def build(config: OCTStandardConfig, ctx: Any) -> Any:
+def build(config: OCTStandardConfig, ctx: BuildContext) -> Transform:
     """Make the transform for the model's patch grid (``ctx.patch_size``)."""
     patch = ctx.patch_size
     image = tuple(int(s) for s in config.image_size)
