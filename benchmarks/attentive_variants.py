@@ -4,7 +4,7 @@ For exported encoders (and the random encoder of the same architecture,
 ``octfw eval``'s baseline), on a phantom family's labelled task (200 volumes,
 cohort seed 1, patient-level splits), the tokens are encoded once per split
 and the attentive probe's grid is fitted in these variants of
-:mod:`octfw.evaluation.attentive`:
+:mod:`octfw.plugins.evaluators.attentive_probe.algorithm`:
 
 - ``base``: as committed;
 - ``steps``: at least 500 AdamW steps (30 epochs of 45 volumes are 85);
@@ -61,7 +61,7 @@ def _value_scaled_forward(original: Any, value_scale: torch.Tensor) -> Any:
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """The attentive module's fit, changed as ``name`` says, for the ``with`` block."""
-    import octfw.evaluation.attentive as attentive
+    import octfw.plugins.evaluators.attentive_probe.algorithm as attentive
 
     fit, forward = attentive.fit_attentive_grid, attentive._forward
 

@@ -27,7 +27,7 @@ vjepa3d ``tiny``, patches 4 x 16 x 16):
   ``finding_scale`` in its options, so every scale has its own cache folder);
 - split seeds 0-9: half of each (vendor, label) group trains the probe
   (:func:`~octfw.evaluation.features.stratified_split`);
-- voxel probe: :func:`~octfw.evaluation.probe.fit_linear_probe` on the
+- voxel probe: :func:`~octfw.plugins.evaluators.linear_probe.algorithm.fit_linear_probe` on the
   prepared volume average-pooled 2 x 4 x 4 (8 x 16 x 16 = 2048 values, no
   other processing); for reference also the max-pooled voxels the lesion
   was sized with (depth max of the 3-voxel-smoothed volume, then 8 x 8 max
@@ -74,7 +74,7 @@ class Harness:
     def __init__(self, n_volumes: int, cohort_seed: int, dataset: dict[str, Any] | None = None):
         import torch
 
-        from octfw.evaluation.evaluator import build_from_table
+        from octfw.evaluation.classification import build_from_table
         from octfw.recipe import load_recipe
         from octfw.registry import load_registry
 
@@ -92,7 +92,7 @@ class Harness:
                 "seed": self.cohort_seed, "task": task, "finding_scale": scale}
 
     def volumes(self, task: str, scale: float, n_volumes: int | None = None):
-        from octfw.evaluation.evaluator import build_from_table
+        from octfw.evaluation.classification import build_from_table
         from octfw.evaluation.features import load_labelled
 
         dataset = build_from_table("dataset", self.dataset_table(task, scale, n_volumes), self.ctx, "dataset")
@@ -108,7 +108,7 @@ class Harness:
             return self.recipe.model.build(self.ctx)
 
     def evaluator(self, name: str, task: str, scale: float, n_volumes: int | None = None, **options: Any):
-        from octfw.evaluation.evaluator import build_from_table
+        from octfw.evaluation.classification import build_from_table
 
         table = {"name": name, "dataset": self.dataset_table(task, scale, n_volumes), **options}
         return build_from_table("evaluator", table, self.ctx, name)
@@ -141,9 +141,9 @@ def probe(features, volumes, split_seed: int, classifier: str, l2: float = 1e-2)
     import torch
 
     from octfw.evaluation.features import stratified_split
-    from octfw.evaluation.knn import knn_probabilities
+    from octfw.plugins.evaluators.knn.algorithm import knn_probabilities
     from octfw.evaluation.metrics import classification_metrics
-    from octfw.evaluation.probe import fit_linear_probe
+    from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
 
     # Whole patients when the cohort knows them (phantom-oct), as the evaluators split.
     train, test = stratified_split(volumes.labels, volumes.domains, 0.5, split_seed, groups=volumes.groups)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from octfw.types import BuildContext, Schedule
 
 __all__ = [
+    "warmup_cosine",
     "EmaWdOptions",
     "EmaWdSchedule",
     "progress",
@@ -126,6 +127,19 @@ class EmaWdSchedule:
         if end is None:
             return self.weight_decay_start
         return end + (self.weight_decay_start - end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+#: The share of a probe's or a fine-tune's steps spent warming up (:func:`warmup_cosine`).
+PROBE_WARMUP_FRACTION = 0.1
+
+
+def warmup_cosine(step: int, total: int) -> float:
+    """The learning-rate factor of the evaluators' own training (the attentive probe, fine-tuning):
+    linear warmup over the first 10 % of ``total`` steps, then a cosine to zero."""
+    warmup = max(1, int(round(PROBE_WARMUP_FRACTION * total)))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
 def effective_lr(schedule: "Schedule", update_step: int, base_lr: float) -> float:

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from octfw.evaluation.attentive import fit_attentive_grid, select_member
-from octfw.evaluation.evaluator import AttentiveProbeEvaluator, Encoded
+from octfw.plugins.evaluators.attentive_probe.algorithm import fit_attentive_grid, select_member
+from octfw.evaluation.classification import Encoded
+from octfw.plugins.evaluators.attentive_probe.evaluator import AttentiveProbeEvaluator
 from octfw.plugins.evaluators.attentive_probe import AttentiveProbeConfig
 from octfw.evaluation.features import LabelledVolumes, pool_tokens, pooled_grid
 
@@ -138,7 +139,7 @@ def test_a_width_the_heads_do_not_divide_is_refused():
 def _grid_of(informative: list[bool], biases: list[list[float]], width: int = 4):
     """A grid whose members read channel 0 of the mean token (zero query, value = identity), or
     ignore the tokens (``informative`` False) and answer with their classifier bias alone."""
-    from octfw.evaluation.attentive import AttentiveProbeGrid
+    from octfw.plugins.evaluators.attentive_probe.algorithm import AttentiveProbeGrid
 
     members = len(biases)
     w_c = torch.zeros(members, width, 2)
@@ -180,7 +181,7 @@ def test_a_grid_where_every_member_predicts_one_class_is_flagged_and_warned_abou
     tokens = torch.zeros(len(labels), 4, 8)
     evaluator = _evaluator(labels, labels[:8], learning_rates=(1e-3, 1e-2), weight_decays=(0.0,), num_heads=2,
                            epochs=4, seed=0)
-    with caplog.at_level("WARNING", logger="octfw.evaluation.evaluator"):
+    with caplog.at_level("WARNING", logger="octfw.evaluation.classification"):
         metrics = evaluator.score(Encoded(tokens, tokens[:8]))
     assert metrics["single_class"] == 1.0 and metrics["single_class_members"] == 2.0
     assert "every member of the grid predicts one class for all 16 validation volumes" in caplog.text

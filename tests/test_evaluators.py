@@ -17,9 +17,9 @@ from octfw.cli import main
 from octfw.engine.trainer import train
 from octfw.errors import RecipeError, UserError
 from octfw.evaluation.features import stratified_split
-from octfw.evaluation.knn import knn_probabilities
+from octfw.plugins.evaluators.knn.algorithm import knn_probabilities
 from octfw.evaluation.metrics import auroc, classification_metrics
-from octfw.evaluation.probe import fit_linear_probe
+from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 from octfw.rundir import create_run_dir

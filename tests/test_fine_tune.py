@@ -17,10 +17,11 @@ import torch
 
 from octfw.cli import main
 from octfw.errors import RecipeError
-from octfw.evaluation.evaluator import Encoded, FineTuneEvaluator
+from octfw.evaluation.classification import Encoded
+from octfw.plugins.evaluators.fine_tune.evaluator import FineTuneEvaluator
 from octfw.plugins.evaluators.fine_tune import FineTuneConfig
 from octfw.evaluation.features import LabelledVolumes
-from octfw.evaluation.fine_tune import FineTuneNetwork, fine_tune, frozen_prefix, parameter_groups
+from octfw.plugins.evaluators.fine_tune.algorithm import FineTuneNetwork, fine_tune, frozen_prefix, parameter_groups
 from octfw.formats import encoder_info, write_export
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import load_recipe

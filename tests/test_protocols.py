@@ -129,8 +129,8 @@ def _specs(built, stage):
     ("dataset", "octfw.plugins.datasets.prepared.dataset", "PreparedDataset"),
     ("logger", "octfw.plugins.loggers.wandb", "WandbLogger"),
     ("checkpointer", "octfw.plugins.checkpointers.gcs", "GcsCheckpointer"),
-    ("evaluator", "octfw.evaluation.evaluator", "AttentiveProbeEvaluator"),
-    ("evaluator", "octfw.evaluation.evaluator", "FineTuneEvaluator"),
+    ("evaluator", "octfw.plugins.evaluators.attentive_probe.evaluator", "AttentiveProbeEvaluator"),
+    ("evaluator", "octfw.plugins.evaluators.fine_tune.evaluator", "FineTuneEvaluator"),
 ])
 def test_each_built_in_class_not_built_above_has_its_stages_methods(stage, module, name):
     """Built above: the tiny recipe's. These need files, a store or an account to build,

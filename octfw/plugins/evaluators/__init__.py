@@ -7,5 +7,6 @@ fine-tunes a copy of the target encoder on the volumes (``fine-tune``). Each
 reports accuracy, balanced accuracy, AUROC and AUPRC (with bootstrap 95 %
 intervals) on held-out volumes, overall and per domain.
 
-One module per evaluator holds its config and registration; the code they
-share is :mod:`octfw.evaluation.evaluator`."""
+One package per evaluator holds its config and registration (``__init__``,
+light), its class (``evaluator``) and its algorithm (``algorithm``); the
+classification base they share is :mod:`octfw.evaluation.classification`."""

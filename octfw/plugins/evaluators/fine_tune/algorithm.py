@@ -34,7 +34,7 @@ network. The protocol, scaled to the CPU:
   predicts the test volumes: the test split never chooses. An epoch whose
   network answers one class for every validation volume is kept only when
   every epoch does (``single_class`` is then reported), for the reason the
-  attentive probe's selection gives (:func:`octfw.evaluation.attentive.select_member`).
+  attentive probe's selection gives (:func:`octfw.plugins.evaluators.attentive_probe.algorithm.select_member`).
 
 Deterministic for a seed: the batch order comes from a CPU generator seeded
 with ``seed``, the head starts at zero, the network has no dropout, and
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octfw.evaluation.attentive import _lr_factor as warmup_cosine
+from octfw.schedules import warmup_cosine
 from octfw.evaluation.metrics import balanced_accuracy
 
 # The encoder is a :class:`octfw.models.vit3d.ViT3DEncoder` (``patch_embed``, ``pos_embed``,

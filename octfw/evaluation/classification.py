@@ -1,4 +1,10 @@
-"""The ``linear-probe``, ``knn``, ``attentive-probe`` and ``fine-tune`` evaluators.
+"""The base of the classification evaluators (``linear-probe``, ``knn``, ``attentive-probe``,
+``fine-tune``, each a package of :mod:`octfw.plugins.evaluators`): labelled volumes ->
+frozen encoder features -> a classifier -> metrics with bootstrap intervals.
+
+A dense or segmentation evaluator is not a classification evaluator: it implements
+:class:`octfw.types.Evaluator` (``every_steps``, ``evaluate``) beside these, and
+:class:`octfw.types.RefittingEvaluator` for ``octfw eval --shots`` and ``--checkpoints``.
 
 Each builds its labelled dataset(s) and the *training* transform (from the
 run's recipe in ``ctx.recipe``) through the registry, so features come from
@@ -8,8 +14,8 @@ are checked already at build time when the dataset can tell them without
 decoding (``dicom`` and ``synthetic-oct`` can), so a recipe without labels
 fails before training starts rather than after it.
 
-An evaluation is two steps: :meth:`FeatureEvaluator.encode` runs the frozen
-encoder over both splits once, :meth:`FeatureEvaluator.score` fits the
+An evaluation is two steps: :meth:`ClassificationEvaluator.encode` runs the frozen
+encoder over both splits once, :meth:`ClassificationEvaluator.score` fits the
 classifier on (a subset of) the train split and measures it on the test
 split. ``octfw eval --shots`` scores one encoding many times. Fine-tuning
 fits the same way: its encoding is the network's inputs (volumes, or the
@@ -40,16 +46,14 @@ from octfw.evaluation.features import (
     map_volumes,
     stratified_split,
 )
-from octfw.evaluation.knn import knn_probabilities
 from octfw.evaluation.metrics import classification_metrics, paired_difference
-from octfw.evaluation.probe import fit_linear_probe
 from octfw.tables import counted
 from octfw.types import BuildContext, EncoderModel, LabelledDataset, NamingDataset, PatientDataset
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Encoded", "FeatureEvaluator", "PooledFeatureEvaluator", "LinearProbeEvaluator", "KNNEvaluator",
-           "ValidatedFeatureEvaluator", "AttentiveProbeEvaluator", "FineTuneEvaluator", "build_from_table"]
+__all__ = ["Encoded", "ClassificationEvaluator", "PooledClassificationEvaluator", "LinearProbeEvaluator", "KNNEvaluator",
+           "ValidatedClassificationEvaluator", "AttentiveProbeEvaluator", "FineTuneEvaluator", "build_from_table"]
 
 
 def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str) -> Any:
@@ -113,8 +117,9 @@ class Encoded:
     network: torch.nn.Module | None = None
 
 
-class FeatureEvaluator(abc.ABC):
-    """Labelled volumes -> frozen encoder features -> a classifier -> metrics.
+class ClassificationEvaluator(abc.ABC):
+    """Labelled volumes -> frozen encoder features -> a classifier -> metrics (a
+    :class:`~octfw.types.RefittingEvaluator`: ``--shots`` and ``--checkpoints`` refit it).
 
     Subclasses implement :meth:`encode` and :meth:`fit_and_predict`.
     ``evaluate`` returns ``accuracy``, ``balanced_accuracy``, ``auroc`` and
@@ -123,7 +128,7 @@ class FeatureEvaluator(abc.ABC):
     measured on the test split.
     """
 
-    component = "feature evaluator"
+    component = "classification evaluator"
 
     def __init__(self, config: FeatureEvaluatorConfig, train_dataset: Any, test_dataset: Any | None,
                  transform: Any, grid: tuple[int, int, int] | None = None):
@@ -244,7 +249,7 @@ def _warn_if_small(labels: np.ndarray, where: str) -> None:
                        where, held, SMALL_TEST_CLASS)
 
 
-class PooledFeatureEvaluator(FeatureEvaluator):
+class PooledClassificationEvaluator(ClassificationEvaluator):
     """A classifier on mean-pooled features ``[N, E]``; subclasses implement :meth:`classify`."""
 
     @abc.abstractmethod
@@ -267,25 +272,7 @@ class PooledFeatureEvaluator(FeatureEvaluator):
         return self.classify(features, targets, encoded.test, len(classes)), {}
 
 
-class LinearProbeEvaluator(PooledFeatureEvaluator):
-    component = "linear-probe"
-
-    def classify(self, train_features, train_targets, test_features, n_classes):
-        probe = fit_linear_probe(train_features, train_targets, n_classes,
-                                 l2=self.config.l2, max_iter=self.config.max_iter)
-        return probe.probabilities(test_features)
-
-
-class KNNEvaluator(PooledFeatureEvaluator):
-    component = "knn"
-
-    def classify(self, train_features, train_targets, test_features, n_classes):
-        return knn_probabilities(train_features, train_targets, test_features, n_classes,
-                                 k=self.config.k, weighting=self.config.weighting,
-                                 temperature=self.config.temperature)
-
-
-class ValidatedFeatureEvaluator(FeatureEvaluator):
+class ValidatedClassificationEvaluator(ClassificationEvaluator):
     """A feature evaluator that chooses (a grid member, an epoch) on a validation split.
 
     The validation split is carved out of the train split (the config's
@@ -319,101 +306,3 @@ class ValidatedFeatureEvaluator(FeatureEvaluator):
         logger.warning("evaluator %s: %s predicts one class for all %s; its metrics are those of a "
                        "classifier that learned nothing (reported as single_class = 1)",
                        self.component, who, counted(volumes, "validation volume"))
-
-
-class AttentiveProbeEvaluator(ValidatedFeatureEvaluator):
-    """Attentive probes on cached patch tokens; the grid member is chosen on a validation split.
-
-    The members are fitted on the train split less its validation split, the
-    one with the best validation balanced accuracy is measured on the test
-    split, and only that one: the test split never picks a member. Besides
-    the test metrics it reports the chosen ``selected_lr``,
-    ``selected_weight_decay`` and its ``val_balanced_accuracy``.
-    """
-
-    component = "attentive-probe"
-
-    def encode(self, model: Any, device: Any) -> Encoded:
-        # Tokens stay on the training device: the probe trains there in fixed-shape
-        # mini-batches (one XLA graph), with a sync per step.
-        train, test = self.split()
-        dtype = getattr(torch, self.config.token_dtype)
-        options = dict(grid=self.grid, max_tokens=self.config.max_tokens, dtype=dtype)
-        return Encoded(extract_tokens(model, train, device, self.config.batch_size, **options),
-                       extract_tokens(model, test, device, self.config.batch_size, **options))
-
-    def fit_and_predict(self, encoded, positions, classes):
-        from octfw.evaluation.attentive import fit_attentive_grid, select_member
-
-        config = self.config
-        if encoded.train.shape[-1] % config.num_heads:
-            raise UserError(f"evaluator {self.component}: num_heads = {config.num_heads} does not divide "
-                            f"the encoder's width {encoded.train.shape[-1]}")
-        fit_tokens, fit_targets = self._train_part(encoded, positions, classes)
-        val_tokens, val_targets = self._train_part(encoded, self.fit_val_positions()[1], classes)
-        grid = fit_attentive_grid(fit_tokens, fit_targets, len(classes), learning_rates=config.learning_rates,
-                                  weight_decays=config.weight_decays, num_heads=config.num_heads,
-                                  epochs=config.epochs, batch_size=config.fit_batch_size, seed=config.seed)
-        selection = select_member(grid, val_tokens, val_targets)
-        lr, weight_decay = grid.members[selection.chosen]
-        if selection.degenerate:
-            self._warn_single_class("every member of the grid", len(val_targets))
-        extra = {"selected_lr": lr, "selected_weight_decay": weight_decay,
-                 "val_balanced_accuracy": float(selection.balanced_accuracy[selection.chosen]),
-                 "single_class": float(selection.degenerate),
-                 "single_class_members": float(sum(selection.single_class))}
-        return grid.probabilities(encoded.test, selection.chosen), extra
-
-
-class FineTuneEvaluator(ValidatedFeatureEvaluator):
-    """The encoder fine-tuned with a head (:mod:`octfw.evaluation.fine_tune`); the epoch is
-    chosen on a validation split, and only its network predicts the test split.
-
-    Besides the test metrics it reports ``selected_epoch`` (1-based), its
-    ``val_balanced_accuracy`` and the number of ``trained_parameters``.
-    """
-
-    component = "fine-tune"
-
-    def encode(self, model: Any, device: Any) -> Encoded:
-        import copy
-
-        from octfw.evaluation.fine_tune import ALL_BLOCKS, frozen_prefix, is_vit3d_encoder
-
-        where = f"evaluator {self.component}"
-        encoder = model if is_vit3d_encoder(model) else model.encoder if isinstance(model, EncoderModel) else None
-        if not is_vit3d_encoder(encoder):
-            raise UserError(f"{where}: fine-tunes a 3D ViT encoder (a model's .encoder); "
-                            f"{type(model).__name__} has none")
-        blocks, depth = self.config.blocks, len(encoder.blocks)
-        if blocks != ALL_BLOCKS and blocks > depth:
-            raise UserError(f"{where}: blocks = {blocks}, but the encoder has {depth} blocks; "
-                            f"give 1 to {depth}, or 'all'")
-        # A snapshot: the caller's encoder may train on (the engine) or move off the device
-        # (octfw eval) before the fits; every fit copies this one again.
-        encoder = copy.deepcopy(encoder).to(device).eval()
-        train, test = self.split()
-
-        def inputs(volumes: torch.Tensor) -> torch.Tensor:
-            return frozen_prefix(encoder, blocks, volumes)
-
-        return Encoded(map_volumes(inputs, train, device, self.config.batch_size),
-                       map_volumes(inputs, test, device, self.config.batch_size), network=encoder)
-
-    def fit_and_predict(self, encoded, positions, classes):
-        from octfw.evaluation.fine_tune import fine_tune
-
-        config = self.config
-        fit_inputs, fit_targets = self._train_part(encoded, positions, classes)
-        val_inputs, val_targets = self._train_part(encoded, self.fit_val_positions()[1], classes)
-        result = fine_tune(encoded.network, fit_inputs, fit_targets, val_inputs, val_targets, encoded.test,
-                           len(classes), blocks=config.blocks, epochs=config.epochs,
-                           batch_size=config.fit_batch_size, lr=config.lr, layer_decay=config.layer_decay,
-                           weight_decay=config.weight_decay, seed=config.seed, eval_batch_size=config.batch_size)
-        if result.single_class:
-            self._warn_single_class("at every epoch the network", len(val_targets))
-        extra = {"selected_epoch": float(result.selected_epoch),
-                 "val_balanced_accuracy": result.val_balanced_accuracy,
-                 "trained_parameters": float(result.trained_parameters),
-                 "single_class": float(result.single_class)}
-        return result.test_probabilities, extra

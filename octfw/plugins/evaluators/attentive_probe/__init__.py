@@ -1,7 +1,7 @@
 """The ``attentive-probe`` evaluator: learned-query attention over frozen patch tokens.
 
-Config and factory only; the implementation is :mod:`octfw.evaluation.attentive`
-and :class:`octfw.evaluation.evaluator.AttentiveProbeEvaluator`.
+Config, factory and registration; the algorithm is :mod:`.algorithm`
+and its class :class:`.evaluator.AttentiveProbeEvaluator`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class AttentiveProbeConfig(FeatureEvaluatorConfig):
 
 
 def build(config: AttentiveProbeConfig, ctx: BuildContext) -> Evaluator:
-    from octfw.evaluation.evaluator import AttentiveProbeEvaluator
+    from octfw.plugins.evaluators.attentive_probe.evaluator import AttentiveProbeEvaluator
 
     return AttentiveProbeEvaluator.from_config(config, ctx)
 

@@ -1,6 +1,7 @@
 """The ``knn`` evaluator: k-nearest neighbours on frozen encoder features.
 
-Config and factory only; the implementation is :mod:`octfw.evaluation`.
+Config, factory and registration; the class is :mod:`.evaluator`, the algorithm :mod:`.algorithm`,
+the base they share :mod:`octfw.evaluation.classification`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class KNNConfig(FeatureEvaluatorConfig):
 
 
 def build(config: KNNConfig, ctx: BuildContext) -> Evaluator:
-    from octfw.evaluation.evaluator import KNNEvaluator
+    from octfw.plugins.evaluators.knn.evaluator import KNNEvaluator
 
     return KNNEvaluator.from_config(config, ctx)
 

@@ -51,6 +51,8 @@ from typing import Sequence
 
 import attrs
 import torch
+
+from octfw.schedules import warmup_cosine
 import torch.nn.functional as F
 
 __all__ = ["AttentiveProbeGrid", "Selection", "fit_attentive_grid", "select_member"]
@@ -58,7 +60,6 @@ __all__ = ["AttentiveProbeGrid", "Selection", "fit_attentive_grid", "select_memb
 _BETAS = (0.9, 0.999)
 _EPS = 1e-8
 _INIT_STD = 0.02
-_WARMUP_FRACTION = 0.1
 #: Weight decay applies to these (the projection and classifier matrices), not to biases or the query.
 _DECAYED = ("w_v", "w_c")
 
@@ -132,14 +133,6 @@ def _decay_mask(layout: dict[str, tuple[int, ...]]) -> torch.Tensor:
     return torch.cat([torch.full((math.prod(shape),), float(name in _DECAYED)) for name, shape in layout.items()])
 
 
-def _lr_factor(step: int, total: int) -> float:
-    """Linear warmup over the first 10 % of steps, then a cosine to zero."""
-    warmup = max(1, int(round(_WARMUP_FRACTION * total)))
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
 def _batch_order(n: int, epochs: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
     """``[steps, batch_size]`` sample indices: one permutation per epoch, concatenated.
 
@@ -204,7 +197,7 @@ def fit_attentive_grid(
             # that would change the traced graph (and recompile it on XLA) at every step.
             t = step + 1
             factor, correct_first, correct_second = torch.tensor(
-                [_lr_factor(step, len(order)), 1 - _BETAS[0] ** t, 1 - _BETAS[1] ** t]).to(device)
+                [warmup_cosine(step, len(order)), 1 - _BETAS[0] ** t, 1 - _BETAS[1] ** t]).to(device)
             with torch.no_grad():
                 first = first * _BETAS[0] + grad * (1 - _BETAS[0])
                 second = second * _BETAS[1] + grad * grad * (1 - _BETAS[1])

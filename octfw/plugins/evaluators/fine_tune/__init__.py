@@ -1,7 +1,7 @@
 """The ``fine-tune`` evaluator: the encoder trained further with a head, the field's protocol.
 
-Config and factory only; the implementation is :mod:`octfw.evaluation.fine_tune`
-and :class:`octfw.evaluation.evaluator.FineTuneEvaluator`.
+Config, factory and registration; the algorithm is :mod:`.algorithm`
+and its class :class:`.evaluator.FineTuneEvaluator`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class FineTuneConfig(FeatureEvaluatorConfig):
 
 
 def build(config: FineTuneConfig, ctx: BuildContext) -> Evaluator:
-    from octfw.evaluation.evaluator import FineTuneEvaluator
+    from octfw.plugins.evaluators.fine_tune.evaluator import FineTuneEvaluator
 
     return FineTuneEvaluator.from_config(config, ctx)
 

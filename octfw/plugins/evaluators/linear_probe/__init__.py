@@ -1,6 +1,7 @@
 """The ``linear-probe`` evaluator: logistic regression on frozen encoder features.
 
-Config and factory only; the implementation is :mod:`octfw.evaluation`.
+Config, factory and registration; the class is :mod:`.evaluator`, the algorithm :mod:`.algorithm`,
+the base they share :mod:`octfw.evaluation.classification`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class LinearProbeConfig(FeatureEvaluatorConfig):
 
 
 def build(config: LinearProbeConfig, ctx: BuildContext) -> Evaluator:
-    from octfw.evaluation.evaluator import LinearProbeEvaluator
+    from octfw.plugins.evaluators.linear_probe.evaluator import LinearProbeEvaluator
 
     return LinearProbeEvaluator.from_config(config, ctx)
 

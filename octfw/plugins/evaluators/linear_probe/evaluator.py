@@ -1,0 +1,14 @@
+"""The ``linear-probe`` evaluator's class (imports torch: loaded when the evaluator is built)."""
+
+from __future__ import annotations
+
+from octfw.evaluation.classification import PooledClassificationEvaluator
+from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
+
+class LinearProbeEvaluator(PooledClassificationEvaluator):
+    component = "linear-probe"
+
+    def classify(self, train_features, train_targets, test_features, n_classes):
+        probe = fit_linear_probe(train_features, train_targets, n_classes,
+                                 l2=self.config.l2, max_iter=self.config.max_iter)
+        return probe.probabilities(test_features)
