@@ -23,13 +23,11 @@ import collections
 import contextlib
 import json
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from octfw.engine.attention import record_attention
@@ -42,7 +40,7 @@ from octfw.engine.distributed import (Peers, PeerLost, Processes, all_reduce_, m
                                      step_time)
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics, mfu
-from octfw.engine.optim import GatedAdamW
+from octfw.engine.optim import apply_schedule, make_optimizer, seed_everything
 from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import device_peak_flops, flops_per_sample
@@ -57,9 +55,10 @@ from octfw.recipe.changes import recipe_changes
 from octfw.tables import counted
 from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.types import (DOMAIN_ID_KEY, ClaimingCheckpointer, EMAModel, EncoderModel, ExportableEncoder, GuardInputs,
-                         ModelOutput, ParamGroupsModel, StepListener, StopTraining, TrainingDone, WarmupSchedule)
+                         ModelOutput, StepListener, StopTraining, TrainingDone, WarmupSchedule)
 
-__all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR"]
+__all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR", "make_optimizer",
+           "training_forward"]
 
 PROVENANCE_WINDOW = 8  # update steps whose sample URLs are kept for guard reports
 #: An update step estimated to take longer than this is announced (with its time) at the start.
@@ -106,30 +105,6 @@ class RunSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> torch.optim.Optimizer:
-    engine = recipe.engine
-    if isinstance(model, ParamGroupsModel):
-        # Which groups decay is asked at weight decay 1: at engine.weight_decay
-        # = 0 every group would read 0, and a schedule rising from 0
-        # (weight_decay_end > 0) could not tell the decaying ones apart.
-        groups = model.param_groups(1.0)
-        for group in groups:
-            group["decays"] = group["weight_decay"] > 0.0
-            group["weight_decay"] = engine.weight_decay if group["decays"] else 0.0
-    else:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "decays": True}]
-    hyper = {"lr": engine.base_lr, "betas": engine.betas, "eps": engine.eps, "weight_decay": engine.weight_decay}
-    if backend.kind == "cpu":  # the verdict is on the host: a vetoed update is simply not taken
-        return torch.optim.AdamW(groups, **hyper, foreach=True)
-    return GatedAdamW(groups, **hyper)  # takes the device-side verdict into the update itself
 
 
 class GuardLog:
@@ -358,14 +333,7 @@ class Trainer:
         Returns the gradient norm (None when neither a guard nor this step's
         log needs it) and the last micro-step's model output."""
         engine, schedule, backend = self.recipe.engine, self.parts.scheduler, self.backend
-        lr, wd = schedule.lr(update_step), schedule.weight_decay(update_step)
-        for group in self.optimizer.param_groups:
-            if lr is not None:  # None: the schedule never rewrites the LR (constant)
-                group["lr"] = lr
-            # Biases and norms stay at 0. A checkpoint from before "decays"
-            # existed tells them by their weight decay.
-            if wd is not None and group.get("decays", group["weight_decay"] > 0.0):
-                group["weight_decay"] = wd
+        apply_schedule(self.optimizer, schedule.lr(update_step), schedule.weight_decay(update_step))
 
         step_loss = torch.zeros((), device=backend.device)
         provenance = []
