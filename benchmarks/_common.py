@@ -99,7 +99,7 @@ class HandLoop:
     does it, by reading the loss and gradient norm on the host every update.
 
     ``optimizer``: ``"octfw"`` builds the optimizer the engine builds
-    (:func:`octfw.engine.trainer.make_optimizer`: torch's multi-tensor AdamW
+    (:func:`octfw.engine.optim.make_optimizer`: torch's multi-tensor AdamW
     on the CPU, octfw's GatedAdamW on accelerators), so the pair measures the
     engine's own code; ``"torch"`` builds ``torch.optim.AdamW`` with torch's
     defaults for the device, as one writes it by hand.
@@ -107,7 +107,7 @@ class HandLoop:
 
     def __init__(self, trainer, batches: list[dict[str, torch.Tensor]], clip: float | None,
                  skip_on_host: bool = False, optimizer: str = "octfw"):
-        from octfw.engine.trainer import make_optimizer
+        from octfw.engine.optim import make_optimizer
 
         self.model = copy.deepcopy(trainer.model)
         if optimizer == "octfw":

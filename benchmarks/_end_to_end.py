@@ -49,12 +49,12 @@ def prepare_store(folder: Path, image_size: list[int], volumes: int, workers: in
 def _timed_steps(trainer, first_step: int, count: int) -> tuple[float, float]:
     """(seconds, of which the host waited on the loader) for ``count`` update steps."""
     trainer.backend.synchronize()
-    waited = trainer._data_wait_total_s
+    waited = trainer.throughput.data_wait_total_s
     started = time.perf_counter()
     for step in range(first_step, first_step + count):
         trainer.update(step)
     trainer.backend.synchronize()
-    return time.perf_counter() - started, trainer._data_wait_total_s - waited
+    return time.perf_counter() - started, trainer.throughput.data_wait_total_s - waited
 
 
 def end_to_end(store: Path, device: str, preset: str, image_size: list[int], batch: int, workers: int,

@@ -207,3 +207,22 @@ def test_a_stage_package_docstring_that_lists_its_builtins_lists_them_all():
             problems += [f"{module}: missing from the docstring of {stage_package} (which lists its siblings)"
                          for module, ok in named.items() if not ok]
     assert not problems, "\n".join(problems)
+
+
+def test_the_trainer_reads_in_one_sitting():
+    """octfw/engine/trainer.py stays short enough to read top to bottom (nanoGPT's train.py is
+    the model): resuming, the run's end, throughput and the optimizer live in modules of their
+    own, so the loop is not buried again."""
+    import ast
+
+    path = ROOT / "octfw" / "engine" / "trainer.py"
+    source = path.read_text(encoding="utf-8")
+    lines = len(source.splitlines())
+    assert lines <= 400, (f"{path.relative_to(ROOT)} has {lines} lines (at most 400): move what is not the loop "
+                          "into a module of its own (resume, run_end, throughput, records, optim)")
+    trainer = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == "Trainer")
+    for method in ("train_loop", "update"):
+        node = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == method)
+        length = node.end_lineno - node.lineno + 1
+        assert length <= 80, (f"Trainer.{method} has {length} lines (at most 80): the loop must read in one "
+                              "sitting; give what is not a step of it a method or a module of its own")

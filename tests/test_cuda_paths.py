@@ -181,7 +181,7 @@ def test_checkpoint_moves_between_devices_with_identical_state(tiny_recipe, sour
     first.batches = fixed_batches(first)
     for update_step in range(3):
         first.update(update_step)
-    assert first.save_final(3) == (False, None)  # written: no failure, no fallback copy
+    assert first.run_end.save_final(3) == (False, None)  # written: no failure, no fallback copy
     assert not first.saver.failed and first.saver.latest
     resumed = make_trainer(tiny_recipe, target, "engine.precision=fp32", resume=first.saver.latest)
     assert resumed.start_step == 3

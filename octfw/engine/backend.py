@@ -1,4 +1,5 @@
-"""Device backends: CPU and CUDA through torch, TPU (or CPU in tests) through torch_xla.
+"""Device backends: CPU and CUDA through torch, TPU (or CPU in tests) through torch_xla, and the
+module an update step calls on one (:func:`training_forward`: compiled, wrapped in DDP).
 
 torch_xla is imported only when the ``xla`` device is chosen: importing it
 patches ``torch.nn.utils.clip_grad_norm_`` for the whole process.
@@ -21,7 +22,7 @@ from octfw.engine.distributed import BatchLayout, Processes, layout_for
 from octfw.errors import UserError
 from octfw.types import DOMAIN_ID_KEY, BatchKey
 
-__all__ = ["Backend", "select_backend"]
+__all__ = ["Backend", "select_backend", "training_forward"]
 
 def _tpu_present() -> bool:
     return any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists()
@@ -260,3 +261,24 @@ def single_process_backend(requested: str, precision: str, compile: bool = False
         return select_backend(xla_processes(), precision, compile)
     device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", 0)}[kind]
     return select_backend(Processes(kind, device), precision, compile)
+
+
+def training_forward(model: torch.nn.Module, *, compile: bool, ddp: bool) -> torch.nn.Module:
+    """What an update step calls: ``model``, compiled and wrapped in DDP as asked.
+
+    Compiled, then wrapped: ``DDP(torch.compile(model))``, as PyTorch's "Where
+    to apply torch.compile?" advises (compile the module passed to the wrapper;
+    ``torch.compile`` does not handle DDP's own forward well). DDPOptimizer
+    still splits the graph at DDP's gradient buckets, so all-reduces overlap
+    the backward: dynamo compiles the model's frame inside DDP's forward, where
+    it finds the active DDP module and its bucket size. Wrapped the other way
+    round, dynamo breaks the graph twice in ``DDP.forward`` (its logger and
+    ``_inside_ddp_forward``) and splits the model's graph the same
+    (``tests/test_compile.py`` checks the split). A separate compiled module rather
+    than ``model.compile()``: ``model`` stays eager for the FLOP count on meta
+    tensors, the evaluators and export.
+    """
+    forward = torch.compile(model) if compile else model
+    if ddp:  # gradients averaged across the processes
+        forward = torch.nn.parallel.DistributedDataParallel(forward)
+    return forward

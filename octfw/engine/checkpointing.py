@@ -21,7 +21,7 @@ Rules:
   the save in flight, then writes its own and waits for it, all within
   ``engine.save_deadline_s``, and says whether it was written: the trainer
   turns a failed final save into a fallback copy and a non-zero exit
-  (:mod:`octfw.engine.trainer`). What is still being written at the deadline
+  (:mod:`octfw.engine.run_end`). What is still being written at the deadline
   is reported as failed; its thread is a daemon, so the process does not
   wait for it, and the pointer-last rule means a write cut short is never
   loaded.

@@ -39,7 +39,7 @@ script, a queued job that is requeued), and never goes backwards:
 **A resumed run is the run that was started**: the trainer compares the
 recipe with the one that trained the checkpoint it continues, and refuses a
 change that shapes training unless ``allow_recipe_change``
-(:meth:`octfw.engine.trainer.Trainer.check_recipe_change`).
+(:func:`octfw.engine.resume.check_recipe_change`).
 """
 
 from __future__ import annotations

@@ -31,11 +31,56 @@ saved on a TPU resumes or replays on the CPU, where octfw uses torch's AdamW.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import random
+from typing import TYPE_CHECKING, Any, Iterable
 
+import numpy as np
 import torch
 
-__all__ = ["GatedAdamW"]
+from octfw.types import ParamGroupsModel
+
+if TYPE_CHECKING:
+    from octfw.engine.backend import Backend
+    from octfw.recipe import Recipe
+
+__all__ = ["GatedAdamW", "apply_schedule", "make_optimizer", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> torch.optim.Optimizer:
+    """The run's AdamW: torch's on the CPU, :class:`GatedAdamW` on an accelerator."""
+    engine = recipe.engine
+    if isinstance(model, ParamGroupsModel):
+        # Which groups decay is asked at weight decay 1: at engine.weight_decay
+        # = 0 every group would read 0, and a schedule rising from 0
+        # (weight_decay_end > 0) could not tell the decaying ones apart.
+        groups = model.param_groups(1.0)
+        for group in groups:
+            group["decays"] = group["weight_decay"] > 0.0
+            group["weight_decay"] = engine.weight_decay if group["decays"] else 0.0
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "decays": True}]
+    hyper = {"lr": engine.base_lr, "betas": engine.betas, "eps": engine.eps, "weight_decay": engine.weight_decay}
+    if backend.kind == "cpu":  # the verdict is on the host: a vetoed update is simply not taken
+        return torch.optim.AdamW(groups, **hyper, foreach=True)
+    return GatedAdamW(groups, **hyper)  # takes the device-side verdict into the update itself
+
+
+def apply_schedule(optimizer: torch.optim.Optimizer, lr: float | None, weight_decay: float | None) -> None:
+    """One update step's LR and weight decay into every group; None leaves the value as it is
+    (a constant schedule never rewrites the LR)."""
+    for group in optimizer.param_groups:
+        if lr is not None:
+            group["lr"] = lr
+        # Biases and norms stay at 0. A checkpoint from before "decays"
+        # existed tells them by their weight decay.
+        if weight_decay is not None and group.get("decays", group["weight_decay"] > 0.0):
+            group["weight_decay"] = weight_decay
 
 
 class GatedAdamW(torch.optim.Optimizer):

@@ -1,4 +1,9 @@
-"""Model FLOPs utilisation: achieved FLOP/s over the device's peak.
+"""Throughput accounting: samples per second, the share spent waiting on data, and MFU.
+
+:class:`Throughput` keeps a run's host-side figures: the time blocked on
+the data loader, the clock between log steps (evaluation left out), the
+samples consumed (derived from the update step) and model FLOPs
+utilisation, achieved FLOP/s over the device's peak.
 
 Peaks are dense bf16 matmul figures from the vendors' data sheets, per
 device as torch sees it. Where the peak is not known (CPUs, unlisted
@@ -8,13 +13,26 @@ accelerators) octfw says "unknown peak" rather than inventing one; set
 
 from __future__ import annotations
 
+import logging
 import os
-
-from typing import Any, Mapping
+import time
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["device_peak_flops", "flops_per_sample", "published_peak"]
+from octfw.engine.distributed import BatchLayout, step_time
+from octfw.engine.metrics import mfu
+
+if TYPE_CHECKING:
+    from octfw.config import EngineConfig
+    from octfw.engine.backend import Backend
+
+__all__ = ["SLOW_UPDATE_S", "Throughput", "device_peak_flops", "flops_per_sample", "published_peak"]
+
+#: An update step estimated to take longer than this is announced (with its time) at the start.
+SLOW_UPDATE_S = 60.0
+
+log = logging.getLogger(__name__)
 
 #: (substring of the device name, dense bf16 FLOP/s per device); the first
 #: match wins, so a form factor comes before its family. NVIDIA's data sheets
@@ -97,3 +115,74 @@ def flops_per_sample(model: torch.nn.Module, batch: Mapping[str, Any]) -> int | 
     from octfw.models.flops import training_flops_per_sample_on_meta
 
     return training_flops_per_sample_on_meta(model, batch)
+
+
+class Throughput:
+    """One process's throughput accounting for a run (this attempt), all on the host: no sync.
+
+    Samples count every device of the run (``layout.global_batch`` per update step); a
+    process's own share (``layout.process_batch``) only positions its data loader."""
+
+    def __init__(self, backend: Backend, layout: BatchLayout, engine: EngineConfig, start_step: int):
+        self.backend, self.layout, self.global_batch = backend, layout, engine.global_batch
+        self.peak_flops, self.device_name = device_peak_flops(backend.kind, backend.device,
+                                                              engine.peak_flops_per_device)
+        self.flops_per_sample: int | None = None  # counted once, on meta tensors, at the first log
+        self.data_wait_s = 0.0  # host time blocked on the data loader since the last log step
+        self.data_wait_total_s = 0.0  # ... and since the run (this attempt) started
+        self._batch_shapes: Any = None  # the latest batch, for the FLOP count
+        self._micro_started = time.perf_counter()
+        self._last_log = (time.perf_counter(), start_step)
+
+    def samples_done(self, done: int) -> int:
+        """This process's samples after update step ``done``: its data loader's position, as its
+        checkpoints record it. Derived, not counted: the global batch is the run's throughout
+        (resume refuses another), so this is exact with any number of hosts."""
+        return done * self.layout.process_batch
+
+    def next_batch(self, batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
+        """The next batch of ``batches``, the time blocked on it counted as data wait; a
+        micro-step starts here."""
+        self._micro_started = time.perf_counter()
+        batch = next(batches)
+        waited = time.perf_counter() - self._micro_started
+        self.data_wait_s += waited
+        self.data_wait_total_s += waited
+        self._batch_shapes = batch["tensors"]
+        return batch
+
+    def announce_step_time(self) -> None:
+        """After the run's first micro-step: what one update step will take, where it is long or
+        the global batch is pinned (a recipe written for more devices than this machine has)."""
+        micro_step_s = time.perf_counter() - self._micro_started
+        slow = micro_step_s * self.layout.grad_accum_steps > SLOW_UPDATE_S
+        if self.backend.is_main_process and (self.global_batch is not None or slow):
+            log.warning("%s; the first micro-step includes compilation and warm-up",
+                        step_time(self.layout, self.global_batch, micro_step_s))
+
+    def interval(self, done: int, model: torch.nn.Module) -> dict[str, Any]:
+        """At log step ``done``: the throughput arguments of
+        :func:`~octfw.engine.metrics.log_metrics` since the last log step; a new interval begins."""
+        now = time.perf_counter()
+        last_time, last_step = self._last_log
+        if self.flops_per_sample is None and self._batch_shapes is not None:
+            self.flops_per_sample = flops_per_sample(model, self._batch_shapes) or 0
+        figures = {"interval_s": now - last_time, "updates": done - last_step,
+                   "samples_per_update": self.layout.global_batch, "device_count": self.backend.device_count,
+                   "data_wait_s": self.data_wait_s, "flops_per_sample": self.flops_per_sample,
+                   "peak_flops": self.peak_flops}
+        self.data_wait_s = 0.0
+        self._last_log = (now, done)
+        return figures
+
+    def leave_out(self, seconds: float) -> None:
+        """``seconds`` that were not training (evaluation): out of the interval's clock."""
+        last_time, last_step = self._last_log
+        self._last_log = (last_time + seconds, last_step)
+
+    def run_figures(self, updates: int, elapsed_s: float) -> dict[str, Any]:
+        """The run summary's throughput after ``updates`` update steps in ``elapsed_s``."""
+        samples_per_s = updates * self.layout.global_batch / max(elapsed_s, 1e-9)
+        return {"samples_per_s": samples_per_s, "elapsed_s": elapsed_s, "device": self.device_name,
+                "data_wait_share": round(min(self.data_wait_total_s / elapsed_s, 1.0), 4) if elapsed_s > 0 else None,
+                "mfu": mfu(self.flops_per_sample, samples_per_s, self.peak_flops, self.backend.device_count)}

@@ -1,0 +1,143 @@
+"""Resuming a run: which checkpoint it continues, and whether its recipe may have changed.
+
+``--resume auto`` continues the fallback copy of the final state where the
+checkpointer could not take it (``RUN/fallback``), else the checkpointer's
+newest complete checkpoint; ``--resume PATH`` continues PATH. A resumed run
+is the run that was started: :func:`check_recipe_change` compares the
+recipe with the one that trained the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from octfw.engine.build import Components
+from octfw.engine.distributed import BatchLayout, Peers
+from octfw.errors import RecipeError, UserError
+from octfw.recipe import Recipe, to_toml
+from octfw.recipe.changes import recipe_changes
+from octfw.registry import Registry
+from octfw.storage.checkpoints import CheckpointStorage
+from octfw.types import Checkpointer, WarmupSchedule
+
+__all__ = ["check_recipe_change", "resume_location"]
+
+log = logging.getLogger(__name__)
+
+
+def resume_location(resume: str | None, *, is_main_process: bool, peers: Peers, fallback: CheckpointStorage,
+                    checkpointer: Checkpointer) -> tuple[str | None, str | None]:
+    """(the fallback copy to continue, or None; the checkpoint to load, or None), decided by
+    rank 0 (its disk holds the run folder) and the same on every process. Every process must
+    be able to read it, or the run is refused before anyone loads anything."""
+    found = location = None
+    if is_main_process:
+        found = fallback.latest() if resume == "auto" else None
+        location = found or (checkpointer.latest() if resume == "auto" else resume)
+    found, location = peers.broadcast((found, location))
+    if location is not None and not peers.all_agree(_readable(location)):
+        raise UserError(f"the checkpoint to resume, {location}, cannot be read by every process of the job; "
+                        "put checkpointer.dir on storage that every node reads (gs://, a shared file system)")
+    if found is not None:
+        log.warning("--resume auto: continuing from %s, the final state the checkpointer could not take; "
+                    "it is written to the checkpointer at the end of this run", found)
+    if resume == "auto" and location is None:  # a new run, or one killed before its first save
+        log.info("--resume auto: no complete checkpoint yet; training from the start")
+    return found, location
+
+
+def check_recipe_change(trained_with: dict[str, Any] | None, recipe: Recipe, registry: Registry, allow: bool, *,
+                        resumed_from: str, start_step: int, parts: Components, layout: BatchLayout, run_dir: Path,
+                        writes: bool) -> None:
+    """A resumed run is the run that was started. The recipe is compared key by key with the
+    one that trained the checkpoint (:mod:`octfw.recipe.changes`); every process holds that
+    checkpoint, so every process decides alike. A change that shapes training is refused, one
+    line per key with the old and new value, unless ``allow`` (``--allow-recipe-change``), and
+    then the whole schedule (the old one up to the resumed step, the new one after it) must
+    pass the pre-flight check: a longer cosine that would rise again is still refused. Every
+    change is listed; the run folder keeps each recipe it ran with, by the update step it
+    began at (``RUN/recipes/step_N.toml``), written where ``writes`` (rank 0)."""
+    if not trained_with:  # a checkpoint of an octfw that did not record its recipe
+        return
+    changes = recipe_changes(trained_with, recipe.to_dict())
+    trains = [str(c) for c in changes if c.trains]
+    where = f"--resume {resumed_from}"
+    if trains and not allow:
+        raise RecipeError(f"{where}: the checkpoint was trained with another recipe; these changes would change "
+                          "its training (resume with the recipe it began with, start a new run, or accept them "
+                          "with --allow-recipe-change)", trains)
+    if trains:
+        problem = _changed_schedule_problem(trained_with, recipe, registry, parts, layout, start_step)
+        if problem is not None:
+            raise UserError(f"{where} --allow-recipe-change: {problem}")
+    if not changes:
+        return
+    if writes:
+        for change in changes:
+            (log.warning if change.trains else log.info)("resumed with a changed recipe: %s%s", change,
+                                                         " (changes training; accepted)" if change.trains else "")
+        history = run_dir / "recipes"
+        history.mkdir(exist_ok=True)
+        if not any(history.iterdir()):  # the recipe the run began with
+            (history / "step_00000000.toml").write_text(to_toml(trained_with), encoding="utf-8")
+        text = to_toml(recipe.to_dict())
+        (history / f"step_{start_step:08d}.toml").write_text(text, encoding="utf-8")
+        (run_dir / "recipe.toml").write_text(text, encoding="utf-8")
+
+
+class _ResumedSchedule:
+    """The schedule a resumed run follows: the old one before ``start``, the new one from it
+    (LRs of None resolved to each recipe's base LR), for the pre-flight check."""
+
+    def __init__(self, old: Any, old_base_lr: float, new: Any, new_base_lr: float, start: int):
+        self.parts, self.start = ((old, old_base_lr), (new, new_base_lr)), start
+        self.warmup_steps = old.warmup_steps if isinstance(old, WarmupSchedule) else None
+
+    def _at(self, step: int) -> tuple[Any, float]:
+        return self.parts[step >= self.start]
+
+    def lr(self, step: int) -> float:
+        schedule, base = self._at(step)
+        value = schedule.lr(step)
+        return base if value is None else value
+
+    def weight_decay(self, step: int) -> float | None:
+        return self._at(step)[0].weight_decay(step)
+
+    def ema_momentum(self, step: int) -> float | None:
+        return self._at(step)[0].ema_momentum(step)
+
+
+def _changed_schedule_problem(trained_with: dict[str, Any], recipe: Recipe, registry: Registry, parts: Components,
+                              layout: BatchLayout, start: int) -> str | None:
+    """None when the old schedule up to ``start`` and the new one after it make a schedule that
+    the pre-flight check takes; else why not, in one line."""
+    from octfw.engine.build import plan_update_steps
+    from octfw.recipe import validate
+    from octfw.schedules import validate_schedule
+
+    old_recipe = validate(trained_with, registry, recipe.source)
+    _per_epoch, old_total = plan_update_steps(old_recipe, len(parts.dataset), layout)
+    old = old_recipe.scheduler.build(attrs.evolve(parts.ctx, total_update_steps=old_total))
+    combined = _ResumedSchedule(old, old_recipe.engine.base_lr, parts.scheduler, recipe.engine.base_lr, start)
+    problems = validate_schedule(combined, parts.ctx.total_update_steps, recipe.engine.base_lr,
+                                 combined.warmup_steps)
+    if not problems:
+        return None
+    return (f"the run's schedule up to update step {start} followed by the new one is refused: "
+            f"{'; '.join(problems)}")
+
+
+def _readable(location: str) -> bool:
+    """Whether this process sees the checkpoint file ``location`` (a path or an fsspec URL)."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(location)
+        return bool(fs.exists(path))
+    except Exception:  # noqa: BLE001 - unreachable counts as unreadable; the refusal says where
+        return False

@@ -1,0 +1,251 @@
+"""The end of a run: the final save, the encoder export and the summary.
+
+The final state is never lost: before training, the checkpointer must show
+that it can take a checkpoint (a probe write; room on a local disk). If the
+final save fails anyway, the state goes to ``<run_dir>/fallback/`` and the
+run ends with :data:`SAVE_FAILED_EXIT_CODE`; ``--resume auto`` continues from
+that copy and writes it to the checkpointer once it can. A run folder
+deleted under the run is put back (its start files, the final state in its
+fallback) and the run ends the same way.
+
+The final save's outcome is shared with every process (rank 0 alone
+writes), so every process ends alike; after a lost process nothing is
+shared, since the others cannot hear it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from octfw.engine.backend import Backend
+from octfw.engine.build import Components
+from octfw.engine.checkpointing import BackgroundSaver
+from octfw.engine.data import Quarantine
+from octfw.engine.distributed import PeerLost, Peers
+from octfw.engine.heartbeat import Heartbeat
+from octfw.engine.preemption import StopRequests
+from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
+from octfw.recipe import Recipe
+from octfw.storage.checkpoints import CheckpointStorage
+from octfw.storage.failures import storage_cause
+from octfw.types import EncoderModel, ExportableEncoder
+
+__all__ = ["FALLBACK_DIR", "SAVE_FAILED_EXIT_CODE", "START_FILES_KEPT", "Ending", "RunEnd", "RunSummary",
+           "fallback_storage"]
+
+#: What a run folder cannot lose while it trains; gone, the run stops (exit 74) and puts them back.
+START_FILES_KEPT = ("recipe.toml", "run.json", "versions.json", "git.json")
+#: Folder of the run directory that takes the final state when the checkpointer cannot.
+FALLBACK_DIR = "fallback"
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class RunSummary:
+    run_dir: Path
+    update_steps: int
+    total_update_steps: int
+    first_loss: float | None
+    last_loss: float | None
+    skipped_updates: int
+    samples_per_s: float
+    elapsed_s: float
+    checkpoint: str | None
+    failed_saves: list[str]
+    quarantined: int
+    stopped: str | None = None  #: why a guard or logger stopped the run (a problem)
+    finished_early: str | None = None  #: why a guard or logger ended it as done (a target reached)
+    device: str = ""
+    mfu: float | str | None = None  #: model FLOPs utilisation, or "unknown peak"
+    skipped_saves: int = 0  #: checkpoints skipped because the previous save was still being written
+    preempted: bool = False  #: stopped by SIGTERM/SIGINT or a TPU preemption notice, after saving
+    interrupted: bool = False  #: stopped at once by a second signal, without the final save
+    #: a process of the job died or stopped answering (the line names it); nothing saved after ``checkpoint``
+    peer_lost: str | None = None
+    final_save_failed: bool = False  #: the checkpointer could not take the final state
+    fallback_checkpoint: str | None = None  #: where the final state went instead (None: nowhere)
+    encoder: str | None = None  #: RUN/encoder, the exported target encoder of a finished run
+    #: the share of the run's time spent waiting on the data loader (0: never starved; near 1:
+    #: the loader is the bottleneck, give it workers: engine.num_workers, octfw bench --data-only)
+    data_wait_share: float | None = None
+    #: the scaled-dot-product attention kernel(s) the model's attention ran ("cudnn", "flash",
+    #: "efficient", "math"), seen in the first update step; None: compiled or no attention
+    attention: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in attrs.asdict(self).items()}
+
+
+@attrs.define
+class Ending:
+    """How the loop ended (after update step ``done``), then what its end made of it."""
+
+    done: int
+    stopped: str | None = None  #: see :class:`RunSummary`
+    finished_early: str | None = None
+    preempted: bool = False
+    vanished: bool = False  #: the run folder was deleted under the run
+    peer_lost: str | None = None
+    final_save_failed: bool = False
+    fallback: str | None = None
+    encoder: str | None = None
+
+
+def fallback_storage(run_dir: Path) -> CheckpointStorage:
+    """RUN/fallback: the final state, when the checkpointer could not take it (a full disk, a store away)."""
+    return CheckpointStorage(str(run_dir / FALLBACK_DIR), keep_last=1)
+
+
+class RunEnd:
+    """A run's end, for the trainer. ``capture(done)``: the host copy of the training state
+    after update step ``done``. ``upload_fallback``: the run continues the fallback copy, so
+    the final save must reach the checkpointer, even with no step left."""
+
+    def __init__(self, recipe: Recipe, parts: Components, model: torch.nn.Module, backend: Backend, *,
+                 peers: Peers, saver: BackgroundSaver, fallback: CheckpointStorage, upload_fallback: bool,
+                 capture: Callable[[int], dict[str, Any]], stop_requests: StopRequests, heartbeat: Heartbeat,
+                 quarantine: Quarantine, run_dir: Path, start_step: int):
+        self.recipe, self.parts, self.model, self.backend, self.peers = recipe, parts, model, backend, peers
+        self.saver, self.fallback, self.upload_fallback, self.capture = saver, fallback, upload_fallback, capture
+        self.stop_requests, self.heartbeat, self.quarantine = stop_requests, heartbeat, quarantine
+        self.run_dir, self.start_step = run_dir, start_step
+        #: the run folder's start files, to put a folder deleted under the run back (rank 0)
+        self._start_files = {name: (run_dir / name).read_bytes() for name in START_FILES_KEPT
+                             if backend.is_main_process and (run_dir / name).exists()}
+
+    def close(self, end: Ending) -> None:
+        """The last checkpoint of the run (end, guard stop or preemption), awaited with a deadline,
+        and its outcome shared: every process ends the same way. Not after a lost peer: the
+        others cannot hear the outcome. Then the encoder of a finished run."""
+        stops, done = self.stop_requests, end.done
+        if end.vanished:  # every process: exit 74; rank 0 puts the folder back with the final state
+            gone = self.vanished() if self.backend.is_main_process else []
+            end.final_save_failed, end.fallback = True, self.restore_run_folder(done, gone) if gone else None
+        elif end.peer_lost is None and not stops.stop_now and (done > self.start_step or self.upload_fallback):
+            end.final_save_failed, end.fallback = self.save_final(done)  # rank 0's outcome: (False, None) elsewhere
+            try:
+                end.final_save_failed, end.fallback = self.peers.broadcast((end.final_save_failed, end.fallback))
+            except PeerLost as lost:  # rank 0 keeps what it knows; the others cannot know it
+                end.peer_lost = end.stopped = str(lost)
+        elif self.backend.is_main_process and stops.stop_now:
+            self.saver.cancel_in_flight(done)
+        finished = done == self.parts.ctx.total_update_steps or end.finished_early is not None
+        if finished and not end.final_save_failed and not end.peer_lost:
+            end.encoder = self.export_encoder(done)
+
+    def summarise(self, end: Ending, **measured: Any) -> RunSummary:
+        """The run's summary (``measured``: the loss, throughput and other fields the loop
+        measured), written to RUN/summary.json (rank 0) and handed to every logger; then every
+        process leaves together."""
+        from octfw.rundir import write_summary
+
+        summary = RunSummary(
+            run_dir=self.run_dir, update_steps=end.done, total_update_steps=self.parts.ctx.total_update_steps,
+            checkpoint=self.newest_checkpoint(end.peer_lost is not None), failed_saves=self.saver.failed,
+            skipped_saves=len(self.saver.skipped), preempted=end.preempted,
+            interrupted=self.stop_requests.stop_now, final_save_failed=end.final_save_failed,
+            fallback_checkpoint=end.fallback, encoder=end.encoder, peer_lost=end.peer_lost,
+            quarantined=len(self.quarantine), stopped=end.stopped, finished_early=end.finished_early, **measured)
+        if self.backend.is_main_process:
+            try:
+                write_summary(self.run_dir, summary.as_dict(), self.quarantine)
+            except OSError as exc:  # out of space or inodes: the exit code and the final line still say it
+                log.error("summary.json could not be written: %s",
+                          storage_cause(exc, str(self.run_dir)) or f"{type(exc).__name__}: {exc}")
+        for logger in self.parts.loggers:
+            logger.finish(summary.as_dict())
+        if end.peer_lost is None:  # every process leaves together, after rank 0 has written everything
+            try:
+                self.peers.barrier()
+            except PeerLost as lost:  # the run is saved and summarised: a peer gone now changes nothing
+                log.warning("%s after the run ended", lost)
+        return summary
+
+    def save_final(self, done: int) -> tuple[bool, str | None]:
+        """The run's last checkpoint, awaited (rank 0 only): (whether the checkpointer failed to
+        take it, where the state went instead). A second Ctrl-C skips it: the user asked to stop."""
+        if not self.backend.is_main_process:
+            return False, None
+        self.heartbeat.waiting_on("the checkpoint save")
+        stop_now = lambda: self.stop_requests.stop_now  # noqa: E731
+        if self.saver.save_final(done, lambda: self.capture(done), self.recipe.engine.save_deadline_s, stop_now):
+            if self.upload_fallback:  # the checkpointer holds the state now
+                self.fallback.remove()
+            return False, None
+        if stop_now():
+            return False, None
+        return True, self.save_fallback(done, "the final checkpoint could not be written to the checkpointer")
+
+    def save_fallback(self, done: int, why: str) -> str | None:
+        """The final state into RUN/fallback (rank 0): where it went, or None (said why)."""
+        try:
+            location = self.fallback.save(done, self.capture(done))
+        except Exception as exc:  # noqa: BLE001 - said on the console; the exit code says it too
+            cause = storage_cause(exc, str(self.fallback.url)) or f"{type(exc).__name__}: {exc}"
+            log.error("%s, and the final state could not be written to the fallback folder either: %s; the newest "
+                      "complete checkpoint is %s", why, cause, self.newest_checkpoint(False) or "none", exc_info=exc)
+            return None
+        log.warning("%s; the final state is in %s", why, location)
+        return location
+
+    def vanished(self) -> list[str]:
+        """The start files gone from the run folder (rank 0; empty while it is whole)."""
+        return [name for name in self._start_files if not (self.run_dir / name).exists()]
+
+    def restore_run_folder(self, done: int, gone: list[str]) -> str | None:
+        """The run folder was deleted under the run: put its start files back, so that
+        ``--resume auto`` finds it, and the final state into its fallback (never a checkpointer
+        inside a folder that is being removed); the run then ends with exit 74."""
+        why = f"the run folder {self.run_dir} vanished during the run ({', '.join(gone)} gone)"
+        self.saver.failed.append(f"step {done}: {why}")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for name, data in self._start_files.items():
+                if not (self.run_dir / name).exists():
+                    (self.run_dir / name).write_bytes(data)
+        except OSError as exc:
+            log.error("%s, and it could not be made again: %s", why, storage_cause(exc, str(self.run_dir)) or exc)
+            return None
+        return self.save_fallback(done, why)
+
+    def export_encoder(self, done: int) -> str | None:
+        """RUN/encoder: the target encoder of a finished run as a Hub-style folder (rank 0,
+        ``run.export_encoder``), or None. A model without a ViT3D ``encoder`` has nothing to
+        export; a failed write is said and leaves the checkpoint, which ``octfw export`` reads."""
+        from octfw.formats import encoder_info, write_export
+        from octfw.rundir import versions
+
+        encoder = self.model.encoder if isinstance(self.model, EncoderModel) else None
+        if not (self.backend.is_main_process and self.recipe.run.export_encoder
+                and isinstance(encoder, ExportableEncoder)):
+            return None
+        folder = self.run_dir / "encoder"
+        info = encoder_info(encoder.architecture(), self.parts.ctx.recipe, self.saver.latest or "", done, versions())
+        try:
+            write_export("safetensors", folder, encoder, info)
+        except Exception as exc:  # noqa: BLE001 - the run's checkpoint is safe; say why the copy is not there
+            log.warning("the encoder could not be exported to %s (%s: %s); export it from the checkpoint with "
+                        "`octfw export %s --out encoder.pt`", folder, type(exc).__name__, exc, self.run_dir)
+            return None
+        log.info("encoder: %s (load it with octfw.load_encoder)", folder)
+        return str(folder)
+
+    def newest_checkpoint(self, peer_lost: bool) -> str | None:
+        """The newest complete checkpoint, for the summary and the final line: the one this run
+        wrote last, else the newest on disk (a resumed run, a stop before the first save). After a
+        lost process, read from the disk once a save still in flight has settled (checked, not
+        assumed), by any rank: rank 0 may be the one lost."""
+        if peer_lost:
+            self.saver.wait(self.recipe.engine.save_deadline_s)
+        elif self.saver.latest or not self.backend.is_main_process:
+            return self.saver.latest
+        try:
+            return self.parts.checkpointer.latest()
+        except Exception:  # noqa: BLE001 - the store is away: the summary says none was found
+            return None
