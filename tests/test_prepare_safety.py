@@ -276,6 +276,7 @@ def test_out_that_names_no_location_is_refused_and_nothing_is_written(tiny_recip
 def test_a_prepare_whose_every_source_is_broken_fails_naming_its_quarantine(write_recipe, tmp_path, capsys):
     folder = tmp_path / "broken"
     write_synthetic_cohort(folder, 3, shapes=SHAPES, seed=2, corrupt_fraction=1.0)
+    capsys.readouterr()  # the set-up's own line ("writing the synthetic cohort ..."), not the command's
     location = tmp_path / "prepared"
     assert main(["prepare", str(dicom_recipe(write_recipe, folder)), "--out", str(location), "--workers", "1"]) == 2
     captured = capsys.readouterr()
