@@ -333,6 +333,31 @@ class NamingDataset(Dataset, Protocol):
 
 
 @runtime_checkable
+class DomainCountingDataset(Dataset, Protocol):
+    """Optional: a dataset that counts its files per domain at once (a manifest it has read),
+    instead of octfw asking ``domain(i)`` for every index."""
+
+    def domain_counts(self) -> Mapping[str, int]: ...
+
+
+@runtime_checkable
+class SeriesDataset(Dataset, Protocol):
+    """Optional: a dataset some of whose entries are series of single-frame files (a folder),
+    not one file: ``octfw check`` and the run's first line count them apart."""
+
+    def is_series(self, index: int) -> bool: ...
+
+
+@runtime_checkable
+class PreparedVolumesDataset(Dataset, Protocol):
+    """Optional: a dataset of volumes already prepared by a transform (``prepared``):
+    ``prepared_key`` is that transform's ``cache_key()``. Such a dataset is a cache itself,
+    so octfw never puts its volumes in the transform's prepared-volume cache."""
+
+    prepared_key: str
+
+
+@runtime_checkable
 class Transform(Protocol):
     """Turns a :class:`Sample` into the arrays its :meth:`batch_spec` declares.
 
@@ -367,6 +392,17 @@ class PreparingTransform(Transform, Protocol):
     def prepare(self, sample: Sample) -> "np.ndarray": ...
 
     def augment_and_mask(self, prepared: "np.ndarray", rng: "np.random.Generator") -> dict[str, "np.ndarray"]: ...
+
+
+@runtime_checkable
+class StorableTransform(PreparingTransform, Protocol):
+    """Optional: a preparing transform whose ``prepare`` half ``octfw prepare`` can store:
+    ``prepare_options()`` names, as plain data, everything that changes ``prepare``'s
+    output, and ``cache_key()`` is its hash (a stored volume's ``prepared_key``)."""
+
+    def prepare_options(self) -> dict[str, Any]: ...
+
+    def cache_key(self) -> str: ...
 
 
 @runtime_checkable
@@ -721,8 +757,9 @@ STAGE_PROTOCOLS: dict[str, type] = {
 #: stage's component has them (``isinstance(component, Protocol)``); the plugin guide
 #: lists them (a test keeps it in step).
 OPTIONAL_PROTOCOLS: dict[str, tuple[type, ...]] = {
-    "dataset": (SourcedDataset, LabelledDataset, PatientDataset, NamingDataset, TransformCheckingDataset),
-    "transform": (PreparingTransform,),
+    "dataset": (SourcedDataset, LabelledDataset, PatientDataset, NamingDataset, TransformCheckingDataset,
+                DomainCountingDataset, SeriesDataset, PreparedVolumesDataset),
+    "transform": (PreparingTransform, StorableTransform),
     "model": (EMAModel, ParamGroupsModel, EmbeddingModel, EncoderModel, CountingModel),
     "scheduler": (WarmupSchedule,),
     "guard": (Stateful,),

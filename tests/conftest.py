@@ -108,3 +108,27 @@ def gcs(monkeypatch):
         monkeypatch.setenv(key, value)
     yield emulator
     emulator.stop()
+
+
+@pytest.fixture
+def install_plugins(monkeypatch):
+    """Load plugin modules (name -> source) through entry points, as pip-installed packages'
+    would be, and return the registry that holds them beside the built-ins."""
+    import importlib.metadata as metadata
+    import sys
+    import types
+
+    from octfw.registry import DISABLE_ENV, load_registry
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+
+    def install(**sources: str):
+        entries = []
+        for name, source in sources.items():
+            module = types.ModuleType(name)
+            exec(compile(source, f"{name}.py", "exec"), module.__dict__)
+            monkeypatch.setitem(sys.modules, name, module)
+            entries.append(metadata.EntryPoint(name=name, value=name, group="octfw"))
+        return load_registry(entry_points=entries)
+
+    return install

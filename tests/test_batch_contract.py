@@ -9,10 +9,8 @@ are each refused in one line, never dropped or reshaped silently.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from octfw.engine.build import build_components
 from octfw.engine.data import SampleSource, collate
 from octfw.errors import ContractError, UserError
 from octfw.recipe import load_recipe
-from octfw.registry import DISABLE_ENV, load_registry
+from octfw.registry import DISABLE_ENV
 
 from conftest import make_dist
 
@@ -126,13 +124,9 @@ name = "jsonl"
 
 
 @pytest.fixture
-def plugin(monkeypatch):
-    module = types.ModuleType("plug_finding")
-    exec(compile(PLUGIN, "plug_finding.py", "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "plug_finding", module)
-    monkeypatch.delenv(DISABLE_ENV, raising=False)
-    entry = metadata.EntryPoint(name="plug_finding", value="plug_finding", group="octfw")
-    return module, load_registry(entry_points=[entry])
+def plugin(install_plugins):
+    registry = install_plugins(plug_finding=PLUGIN)
+    return sys.modules["plug_finding"], registry
 
 
 def test_a_key_the_transform_declares_reaches_the_model_through_the_real_loader(plugin, write_recipe):

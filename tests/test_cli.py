@@ -200,3 +200,17 @@ def test_a_first_check_says_it_writes_the_cohort_and_what_the_slow_step_is(tiny_
             "takes minutes here") in err
     assert main(["check", str(tiny_recipe)]) == 0
     assert "writing the synthetic cohort" not in capsys.readouterr().err  # written once, then reused
+
+
+def test_check_previews_a_pod_recipe_without_its_data_given_a_length(capsys):
+    """The seeds' recipe points at /data/oct/..., absent here: --steps previews what needs no data."""
+    from octfw.cli import main
+
+    recipe = REPO / "recipes" / "multi_domain.toml"
+    assert main(["check", str(recipe), "--processes", "4", "--devices-per-process", "4", "--steps", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "layout    global batch 32 = per_device_batch 1 x 16 devices x grad_accum_steps 2" in out
+    assert "schedule  cosine-no-restart: 1000 update steps (--steps)" in out
+    assert "no data was read" in out and "check passed" not in out
+    # Without --steps the same check reads the data, which is not here: refused in one line.
+    assert main(["check", str(recipe), "--processes", "4", "--devices-per-process", "4"]) == 2

@@ -8,15 +8,9 @@ write its example, the test here fails.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
-import sys
-import types
-
-import pytest
-import torch
-
 from octfw.recipe import load_recipe
-from octfw.registry import DISABLE_ENV, load_registry
+
+from conftest import TINY_RECIPE
 
 # --- a method: a second objective on the shared encoder ------------------------------------
 
@@ -134,55 +128,8 @@ def octfw_register_evaluators(register):
              "per-patch probe of the brighter patches (Dice)")
 '''
 
-RECIPE = """
-[run]
-seed = 0
-output_dir = "runs"
-max_steps = 4
-device = "cpu"
-
-[engine]
-per_device_batch = 2
-base_lr = 1e-3
-log_every_steps = 2
-checkpoint_every_steps = 2
-
-[dataset]
-name = "synthetic-oct"
-n_volumes = 8
-
-[transform]
-name = "oct-standard"
-image_size = [8, 32, 32]
-
-[model]
-name = "vjepa3d"
-preset = "tiny"
-patch_size = [4, 16, 16]
-
-[scheduler]
-name = "constant"
-
-[[logger]]
-name = "jsonl"
-"""
-
-
-@pytest.fixture
-def install(monkeypatch):
-    """Load plugin modules through entry points, as pip-installed packages would be."""
-    monkeypatch.delenv(DISABLE_ENV, raising=False)
-
-    def install(**sources: str):
-        entries = []
-        for name, source in sources.items():
-            module = types.ModuleType(name)
-            exec(compile(source, f"{name}.py", "exec"), module.__dict__)
-            monkeypatch.setitem(sys.modules, name, module)
-            entries.append(metadata.EntryPoint(name=name, value=name, group="octfw"))
-        return load_registry(entry_points=entries)
-
-    return install
+#: The tests' tiny recipe, checkpointing every 2 of its 4 update steps.
+RECIPE = TINY_RECIPE.replace("log_every_steps = 1", "log_every_steps = 2\ncheckpoint_every_steps = 2")
 
 
 def _train(registry, recipe_path, *overrides, resume=None):
@@ -193,19 +140,19 @@ def _train(registry, recipe_path, *overrides, resume=None):
     return train(recipe, registry, create_run_dir(recipe, registry), resume=resume)
 
 
-def test_a_method_is_a_model_plugin_on_the_shared_encoder(install, write_recipe):
-    registry = install(plug_method=METHOD)
+def test_a_method_is_a_model_plugin_on_the_shared_encoder(install_plugins, write_recipe):
+    registry = install_plugins(plug_method=METHOD)
     summary = _train(registry, write_recipe(RECIPE), 'model={name="view-agreement"}')
     assert summary.update_steps == 4 and summary.checkpoint is not None
     assert summary.first_loss is not None and summary.last_loss is not None
 
 
-def test_a_checkpoint_backend_is_a_storage_url_and_a_build(install, write_recipe):
+def test_a_checkpoint_backend_is_a_storage_url_and_a_build(install_plugins, write_recipe):
     """fsspec's memory filesystem standing in for s3:// or az://: save, then resume from it."""
     import fsspec
 
     url = "memory://octfw-how-to-add/checkpoints"
-    registry = install(plug_backend=BACKEND)
+    registry = install_plugins(plug_backend=BACKEND)
     recipe = write_recipe(RECIPE)
     table = f'checkpointer={{name="in-memory", dir="{url}"}}'
     first = _train(registry, recipe, table)
@@ -215,8 +162,8 @@ def test_a_checkpoint_backend_is_a_storage_url_and_a_build(install, write_recipe
     assert resumed.update_steps == 4 and resumed.first_loss == first.first_loss
 
 
-def test_an_evaluator_is_an_evaluate_method_and_a_build(install, write_recipe):
-    registry = install(plug_evaluator=EVALUATOR)
+def test_an_evaluator_is_an_evaluate_method_and_a_build(install_plugins, write_recipe):
+    registry = install_plugins(plug_evaluator=EVALUATOR)
     summary = _train(registry, write_recipe(RECIPE + '\n[[evaluator]]\nname = "bright-patches"\n'))
     assert summary.update_steps == 4
     import json

@@ -29,6 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="memory of one device, e.g. 32GiB for a TPU v4 chip or 80GB for an H100: "
                              "the estimate is compared with it and the largest per-device batch that "
                              "fits is shown (default: this machine's device, or OCTFW_DEVICE_MEMORY_GIB)")
+    parser.add_argument("--steps", type=int, default=None, metavar="S",
+                        help="preview only, without the data: the global batch for N x M devices and the "
+                             "schedule over S update steps (no batch is pushed through; nothing is read)")
     parser.set_defaults(func=run)
 
 
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1")
+    if args.steps is not None:
+        return preview(recipe, registry, args.processes, args.devices_per_process, args.steps)
     from octfw.diagnostics.check import check_recipe  # imports torch: only when the command runs
     from octfw.diagnostics.memory import device_memory_bytes
 
@@ -54,4 +59,24 @@ def run(args: argparse.Namespace) -> int:
     check_recipe(recipe, registry, processes=args.processes, devices_per_process=args.devices_per_process,
                  device_kind=args.device_kind, device_bytes=device_bytes)
     print("check passed")
+    return 0
+
+
+def preview(recipe, registry, processes: int, devices_per_process: int, steps: int) -> int:
+    """``--steps S``: what needs no data (a recipe written for a pod, previewed on a laptop)."""
+    from octfw.commands.lr import schedule_for
+    from octfw.engine.build import check_schedule_values
+    from octfw.engine.distributed import layout_for
+    from octfw.schedules import effective_lr
+
+    layout = layout_for(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps, recipe.engine.global_batch,
+                        processes=processes, devices_per_process=devices_per_process)
+    schedule, total, _ = schedule_for(recipe, registry, layout.devices, steps)
+    print(f"layout    {layout.describe()}")
+    shown = sorted({0, 1, 2, total // 2, total - 1})
+    print(f"schedule  {recipe.scheduler.name}: {total} update steps (--steps); lr "
+          + ", ".join(f"step {s}: {effective_lr(schedule, s, recipe.engine.base_lr):.3g}" for s in shown))
+    check_schedule_values(recipe, schedule, total)
+    print("preview passed: the layout and the schedule; no data was read and no batch pushed through "
+          "(without --steps, check does both)")
     return 0

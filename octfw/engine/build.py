@@ -93,10 +93,14 @@ def check_inputs(recipe: Recipe, transform: Transform, model: Model) -> None:
 
 def check_schedule(recipe: Recipe, parts: Components) -> None:
     """Pre-flight: simulate the whole schedule and refuse one that restarts or hits 0."""
+    check_schedule_values(recipe, parts.scheduler, parts.ctx.total_update_steps)
+
+
+def check_schedule_values(recipe: Recipe, schedule: Any, total_update_steps: int) -> None:
+    """:func:`check_schedule` for a schedule built on its own (``octfw check --steps``)."""
     from octfw.schedules import validate_schedule
 
-    schedule = parts.scheduler
-    problems = validate_schedule(schedule, parts.ctx.total_update_steps, recipe.engine.base_lr,
+    problems = validate_schedule(schedule, total_update_steps, recipe.engine.base_lr,
                                  schedule.warmup_steps if isinstance(schedule, WarmupSchedule) else None)
     if problems:
         raise UserError(f"[scheduler] {recipe.scheduler.name}: " + "; ".join(problems))

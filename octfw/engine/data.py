@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from octfw.errors import ContractError, CorruptFile, UserError
-from octfw.types import (DOMAIN_ID_KEY, UINT8_SCALE, BatchKey, Dataset, Provenance, Transform,
-                         bytes_to_intensity)
+from octfw.types import (DOMAIN_ID_KEY, UINT8_SCALE, BatchKey, Dataset, DomainCountingDataset,
+                         PreparedVolumesDataset, PreparingTransform, Provenance, SeriesDataset, SourcedDataset,
+                         Transform, bytes_to_intensity)
 from octfw.storage.failures import format_bytes
 from octfw.tables import counted
 
@@ -178,12 +179,10 @@ class SampleSource(torch.utils.data.Dataset):
     @property
     def cache(self) -> Any:
         """The transform's prepared-volume cache when both sides support it, else None."""
-        cache = getattr(self.transform, "cache", None)
+        if not isinstance(self.transform, PreparingTransform) or not isinstance(self.dataset, SourcedDataset):
+            return None
         # A dataset of prepared volumes (``prepared``) is the cache already.
-        usable = (cache is not None and getattr(self.dataset, "prepared_key", None) is None and callable(getattr(self.transform, "prepare", None))
-                  and callable(getattr(self.transform, "augment_and_mask", None))
-                  and callable(getattr(self.dataset, "source", None)))
-        return cache if usable else None
+        return None if isinstance(self.dataset, PreparedVolumesDataset) else self.transform.cache
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -225,13 +224,12 @@ class SampleSource(torch.utils.data.Dataset):
         source = self.dataset.source(index)
         hit = cache.get(source)
         if hit is not None:
-            label_of = getattr(self.dataset, "label", None)
             provenance = Provenance(
                 source=source,
                 domain=self.dataset.domain(index),
                 spacing=hit.spacing,
                 original_shape=hit.original_shape,
-                label=label_of(index) if callable(label_of) else hit.label,
+                label=self.dataset.label(index),
             )
             return self.transform.augment_and_mask(hit.prepared, rng), provenance
         sample = self.dataset.load(index)
@@ -531,9 +529,8 @@ def dataset_domains(dataset: Dataset) -> list[str]:
 
 def domain_counts(dataset: Dataset) -> dict[str, int]:
     """Files (dataset entries) per domain, sorted by domain name (without decoding pixels)."""
-    counts_of = getattr(dataset, "domain_counts", None)
-    if callable(counts_of):
-        return dict(counts_of())
+    if isinstance(dataset, DomainCountingDataset):
+        return dict(dataset.domain_counts())
     counts: dict[str, int] = {}
     for index in range(len(dataset)):
         domain = dataset.domain(index)
@@ -545,8 +542,7 @@ def listed(dataset: Dataset) -> str:
     """What a dataset lists, before any file is read: ``48 files``, or ``40 files and
     8 series`` (of single-frame files). Files, not samples or volumes: which of them
     hold a usable volume is known only once they are read (others are quarantined)."""
-    is_series = getattr(dataset, "is_series", None)
-    series = sum(1 for i in range(len(dataset)) if is_series(i)) if callable(is_series) else 0
+    series = sum(1 for i in range(len(dataset)) if dataset.is_series(i)) if isinstance(dataset, SeriesDataset) else 0
     files = len(dataset) - series
     text = f"{files} file{'' if files == 1 else 's'}"
     return f"{text} and {series} series" if series else text

@@ -31,7 +31,7 @@ from octfw.plugins.datasets.prepared.store import (
 )
 from octfw.errors import CorruptFile, UserError
 from octfw.storage.files import is_local, open_filesystem
-from octfw.types import Sample
+from octfw.types import Sample, StorableTransform
 
 __all__ = ["PreparedDataset", "check_transform_matches"]
 
@@ -157,11 +157,10 @@ def check_transform_matches(dataset: Any, transform: Any, where: str = "dataset.
     prepared = getattr(dataset, "prepare_options", None)
     if prepared is None:
         return
-    options = getattr(transform, "prepare_options", None)
-    if not callable(options):
+    if not isinstance(transform, StorableTransform):
         raise UserError(f"{where} {dataset.location} holds prepared volumes, but the transform "
                         f"{type(transform).__name__} has no prepare_options() to check them against")
-    differences = options_difference(prepared, options())
+    differences = options_difference(prepared, transform.prepare_options())
     if differences:
         raise UserError(f"{where} {dataset.location} was prepared with other transform options: "
                         f"{'; '.join(differences)}. Set [transform] to match, or run `octfw prepare` "

@@ -75,6 +75,7 @@ from octfw.storage.failures import storage_cause
 from octfw.storage.files import open_filesystem, write_atomically
 from octfw.storage.owner import FolderOwner
 from octfw.tables import counted
+from octfw.types import PreparedVolumesDataset, SourcedDataset, StorableTransform
 
 __all__ = ["PrepareSummary", "prepare_dataset", "check_out", "LEASE_S"]
 
@@ -402,11 +403,12 @@ def prepare_dataset(recipe: Recipe, registry: Registry, location: str, *, schedu
     ctx = recipe.build_context(registry=registry)
     dataset = recipe.dataset.build(ctx)
     transform = recipe.transform.build(ctx)
-    if not (callable(getattr(transform, "prepare", None)) and callable(getattr(transform, "prepare_options", None))):
-        raise UserError(f"transform {recipe.transform.name!r} has no deterministic prepare() half to store")
-    if not callable(getattr(dataset, "source", None)):
+    if not isinstance(transform, StorableTransform):
+        raise UserError(f"transform {recipe.transform.name!r} has no deterministic prepare() half to store "
+                        "(octfw.types.StorableTransform)")
+    if not isinstance(dataset, SourcedDataset):
         raise UserError(f"dataset {recipe.dataset.name!r} does not name its sources (source(i)); it cannot be prepared")
-    if getattr(dataset, "prepared_key", None) is not None:
+    if isinstance(dataset, PreparedVolumesDataset):
         raise UserError(f"dataset {recipe.dataset.name!r} is prepared already")
     transform.cache = None  # the prepared location is the cache; never fill the local one
     options = transform.prepare_options()
