@@ -3,7 +3,8 @@
 :func:`read_metrics` turns the log into one series per metric over update
 steps; :func:`plot_run` draws loss (overall and per domain, the
 ``loss/<domain>`` keys), then, when the run logged them, the collapse signals
-(``metric/target_std``, ``metric/effective_rank``, with the ``collapse``
+(``metric/target_std``, ``metric/effective_rank`` beside its maximum
+``metric/effective_rank_max``, with the ``collapse``
 guard's thresholds from the run's ``recipe.toml``) and the evaluators'
 held-out scores (``eval/<evaluator>/<score>``), then learning rate, gradient
 norm and skipped updates, into one PNG: a loss that keeps falling while the
@@ -43,7 +44,8 @@ PANELS = (
 #: them): (title, keys). Values near 0 and 1 mean collapse.
 COLLAPSE_PANELS = (
     ("target std (collapse: towards 0)", ("metric/target_std",)),
-    ("effective rank (collapse: towards 1)", ("metric/effective_rank",)),
+    # With its ceiling for the logged shapes beside it: 5 of 63 directions is not 5 of 6.
+    ("effective rank and its maximum (collapse: towards 1)", ("metric/effective_rank", "metric/effective_rank_max")),
 )
 #: Scores of ``eval/<evaluator>/<score>`` drawn in the evaluation panel: the
 #: overall held-out scores, not per-domain values, intervals or probe settings.

@@ -262,3 +262,16 @@ def test_the_same_run_with_the_ema_lag_stays_healthy_and_the_guard_quiet(write_r
     assert min(logged(tmp_path, "metric/effective_rank")) > 3.0
     assert min(logged(tmp_path, "metric/target_std")) > 0.015
     assert "collapse:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens, width, expected", [(64, 96, 63), (2, 192, 1), (4096, 32, 32), (1500, 2048, 511)])
+def test_the_effective_ranks_ceiling_is_what_the_shapes_allow_and_is_logged(tokens, width, expected):
+    """At most the tokens kept (at most RANK_TOKENS, 512), less one for centring, or the width."""
+    from octfw.models.health import effective_rank, effective_rank_ceiling, health_metrics
+
+    torch.manual_seed(0)
+    features = torch.randn(1, tokens, width)
+    assert effective_rank_ceiling(features) == expected
+    metrics = health_metrics(features, features)
+    assert float(metrics["effective_rank_max"]) == expected
+    assert float(effective_rank(features)) <= expected + 1e-3  # a participation ratio never exceeds it

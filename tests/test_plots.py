@@ -99,7 +99,8 @@ def write_collapsing_log(run_dir, steps=range(1, 21)):
         healthy = step <= 5
         logger.log(step, {"loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "skipped_updates": 0.0,
                           "metric/target_std": 0.03 if healthy else 0.004,
-                          "metric/effective_rank": 4.2 if healthy else 1.05, "metric/pred_std": 0.03})
+                          "metric/effective_rank": 4.2 if healthy else 1.05, "metric/effective_rank_max": 63.0,
+                          "metric/pred_std": 0.03})
         if step % 10 == 0:
             logger.log(step, {"eval/linear-probe/accuracy": 0.6, "eval/linear-probe/auroc": 0.7,
                               "eval/linear-probe/auroc_ci_low": 0.6, "eval/linear-probe/accuracy/zeiss": 0.5,
@@ -115,10 +116,11 @@ def test_plot_puts_collapse_signals_and_evaluations_next_to_the_loss(tmp_path):
     panels = plan_panels(series, collapse_thresholds(tmp_path))
     # No update was skipped: a panel of zeros would say nothing (the title says it instead).
     assert [p.title.split(" (")[0] for p in panels] == [
-        "loss", "target std", "effective rank", "evaluation", "learning rate", "gradient norm"]
+        "loss", "target std", "effective rank and its maximum", "evaluation", "learning rate", "gradient norm"]
     loss, std, rank, evaluation = panels[:4]
     assert std.keys == ("metric/target_std",) and std.thresholds == (0.01,)
-    assert rank.keys == ("metric/effective_rank",) and rank.thresholds == (2.0,)
+    # The rank beside its ceiling for the logged shapes: 4.2 of 63 directions, not of 6.
+    assert rank.keys == ("metric/effective_rank", "metric/effective_rank_max") and rank.thresholds == (2.0,)
     # Overall scores by evaluator, not per-domain values or interval ends.
     assert evaluation.keys == ("eval/knn/balanced_accuracy", "eval/linear-probe/accuracy",
                                "eval/linear-probe/auroc")

@@ -13,6 +13,7 @@ branch on tensor values, and take fixed-size slices only (XLA-friendly).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ __all__ = [
     "AUTOCAST_DEVICE_TYPES",
     "embedding_std",
     "effective_rank",
+    "effective_rank_ceiling",
 ]
 
 #: Tokens :func:`effective_rank` looks at: a fixed-size, evenly strided subset
@@ -95,9 +97,23 @@ def effective_rank(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> tor
         return torch.where(collapsed, torch.ones_like(ratio), ratio)
 
 
+def effective_rank_ceiling(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> int:
+    """The largest :func:`effective_rank` ``features`` of this shape can have: the tokens it
+    keeps, less one (they are centred), or the width, whichever is smaller. From shapes
+    alone: no device work."""
+    rows, width = math.prod(features.shape[:-1]), features.shape[-1]
+    kept = min(rows, max_tokens)  # the strided subset has at least max_tokens rows when rows do
+    return max(1, min(kept - 1, width))
+
+
 def health_metrics(features: torch.Tensor, predicted: torch.Tensor) -> dict[str, torch.Tensor]:
     """The metrics every model reports and the ``collapse`` guard, ``octfw plot`` and the
     benchmarks read: ``target_std`` and ``effective_rank`` of the ``features`` of the
-    network octfw exports, ``pred_std`` of what the model ``predicted``. Device scalars."""
+    network octfw exports, ``pred_std`` of what the model ``predicted``, and
+    ``effective_rank_max``, the rank's ceiling for these shapes (a plot shows the rank
+    against it: 5 of 63 is not 5 of 6). Device scalars; the ceiling is a filled constant
+    (no copy from the host, and the same value every step: no new XLA graph)."""
     return {"target_std": embedding_std(features), "pred_std": embedding_std(predicted),
-            "effective_rank": effective_rank(features)}
+            "effective_rank": effective_rank(features),
+            "effective_rank_max": features.new_full((), float(effective_rank_ceiling(features)),
+                                                    dtype=torch.float32)}
