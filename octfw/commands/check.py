@@ -65,17 +65,15 @@ def run(args: argparse.Namespace) -> int:
 def preview(recipe, registry, processes: int, devices_per_process: int, steps: int) -> int:
     """``--steps S``: what needs no data (a recipe written for a pod, previewed on a laptop)."""
     from octfw.commands.lr import schedule_for
+    from octfw.diagnostics.check import schedule_line
     from octfw.engine.build import check_schedule_values
     from octfw.engine.distributed import layout_for
-    from octfw.schedules import effective_lr
 
     layout = layout_for(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps, recipe.engine.global_batch,
                         processes=processes, devices_per_process=devices_per_process)
     schedule, total, _ = schedule_for(recipe, registry, layout.devices, steps)
     print(f"layout    {layout.describe()}")
-    shown = sorted({0, 1, 2, total // 2, total - 1})
-    print(f"schedule  {recipe.scheduler.name}: {total} update steps (--steps); lr "
-          + ", ".join(f"step {s}: {effective_lr(schedule, s, recipe.engine.base_lr):.3g}" for s in shown))
+    print(schedule_line(recipe, schedule, total, "--steps"))
     check_schedule_values(recipe, schedule, total)
     print("preview passed: the layout and the schedule; no data was read and no batch pushed through "
           "(without --steps, check does both)")

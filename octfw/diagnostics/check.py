@@ -54,6 +54,15 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], spec: dict[str, Batch
                                 f"[{int(both.min())}, {int(both.max())}]")
 
 
+def schedule_line(recipe: Recipe, schedule: Any, total: int, length: str) -> str:
+    """The schedule's length (``length`` says where it comes from) and its LR at a few steps."""
+    from octfw.schedules import effective_lr
+
+    steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
+    return (f"schedule  {recipe.scheduler.name}: {total} update steps ({length}); lr "
+            + ", ".join(f"step {s}: {effective_lr(schedule, s, recipe.engine.base_lr):.3g}" for s in steps))
+
+
 def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], None] = print, *,
                  processes: int = 1, devices_per_process: int = 1, device_kind: str | None = None,
                  device_bytes: int | None = None) -> dict[str, Any]:
@@ -65,8 +74,6 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     and ``device_bytes`` (default: what :func:`device_memory` finds) size
     the memory estimate for the device the run is meant for.
     """
-    from octfw.schedules import effective_lr
-
     from octfw.engine.backend import refuse_compile_on_xla, resolve_device
 
     kind = device_kind or resolve_device(recipe.run.device)  # the device the run is meant for
@@ -161,9 +168,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
                    "Python between compiled graphs, and code resumed after one can recompile every step")
     total = ctx.total_update_steps
     check_schedule(recipe, parts)
-    steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
-    report(f"schedule  {recipe.scheduler.name}: {total} update steps ({parts.steps_per_epoch} per epoch); lr "
-           + ", ".join(f"step {s}: {effective_lr(parts.scheduler, s, recipe.engine.base_lr):.3g}" for s in steps))
+    report(schedule_line(recipe, parts.scheduler, total, f"{parts.steps_per_epoch} per epoch"))
     return {"total_update_steps": total, "parameters": params, "loss": float(out.loss.detach()),
             "flops": flops, "memory": {**estimate.parts, "total": estimate.total},
             "global_batch": layout.global_batch, "process_micro_batch": layout.process_micro_batch,

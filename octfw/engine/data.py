@@ -298,7 +298,8 @@ def collate(items: list[dict[str, Any]], spec: Mapping[str, BatchKey], share_vie
     augments them), the batch carries the volume once: ``tensors`` lacks the later view and
     ``aliases`` maps it to the earlier, restored after the transfer to the device
     (:func:`with_aliases`). Half the shared memory, pinned memory and copy bytes."""
-    _check_declared(items[0]["arrays"], spec)
+    for item in items:
+        _check_declared(item["arrays"], spec)
     aliases = shared_views(items[0]["arrays"], view_keys(spec)) if share_views else {}
     aliases = {key: source for key, source in aliases.items()
                if all(_same_array(item["arrays"][source], item["arrays"][key]) for item in items)}
