@@ -552,14 +552,20 @@ def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> 
         raise UserError(f"{path}: encoder format {data.get('format_version')!r} / architecture "
                         f"{data.get('architecture')!r} is not supported by this octfw "
                         f"(expects {FORMAT_VERSION} / 'vit3d')")
-    config = data["config"]
-    encoder = ViT3DEncoder(
-        tuple(config["image_size"]), tuple(config["patch_size"]), config["in_channels"],
-        config["embed_dim"], config["depth"], config["num_heads"], config["mlp_ratio"],
-    )
+    encoder = encoder_from_config(data["config"])
     encoder.load_state_dict(data["state_dict"])
     info = {k: v for k, v in data.items() if k != "state_dict"}
     return PretrainedEncoder(encoder, info).to(map_location).eval()
+
+
+def encoder_from_config(config: Mapping[str, Any]) -> ViT3DEncoder:
+    """A freshly initialised encoder of an export's ``config`` (``architecture()`` as recorded)."""
+    return ViT3DEncoder(
+        tuple(config["image_size"]), tuple(config["patch_size"]), config["in_channels"],
+        config["embed_dim"], config["depth"], config["num_heads"], config["mlp_ratio"],
+        # Encoders exported before the option existed were trained on unstandardised inputs.
+        standardise_input=config.get("standardise_input", False),
+    )
 
 
 def _read_safetensors(folder: Path) -> dict[str, Any]:

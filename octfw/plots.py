@@ -3,9 +3,10 @@
 :func:`read_metrics` turns the log into one series per metric over update
 steps; :func:`plot_run` draws loss (overall and per domain, the
 ``loss/<domain>`` keys), then, when the run logged them, the collapse signals
-(``metric/target_std``, ``metric/effective_rank`` beside its maximum
-``metric/effective_rank_max``, with the ``collapse``
-guard's thresholds from the run's ``recipe.toml``) and the evaluators'
+(``metric/target_std``, ``metric/effective_rank`` and ``metric/rankme``
+each beside its maximum for the logged shapes (``metric/effective_rank_max``,
+``metric/rankme_max``), and ``metric/position_share`` on its 0-1 scale, with
+the ``collapse`` guard's thresholds from the run's ``recipe.toml``) and the evaluators'
 held-out scores (``eval/<evaluator>/<score>``), then learning rate, gradient
 norm and skipped updates, into one PNG: a loss that keeps falling while the
 features collapse or the probes stall is the thing to see. A resumed run appends to the same log and may log a step again (the
@@ -46,11 +47,15 @@ COLLAPSE_PANELS = (
     ("target std (collapse: towards 0)", ("metric/target_std",)),
     # With its ceiling for the logged shapes beside it: 5 of 63 directions is not 5 of 6.
     ("effective rank and its maximum (collapse: towards 1)", ("metric/effective_rank", "metric/effective_rank_max")),
+    ("RankMe and its maximum (collapse: towards 1)", ("metric/rankme", "metric/rankme_max")),
+    # A share: drawn on its whole 0-1 scale (see plot_run).
+    ("position share of the token variance (collapse into position: towards 1)", ("metric/position_share",)),
 )
 #: Scores of ``eval/<evaluator>/<score>`` drawn in the evaluation panel: the
 #: overall held-out scores, not per-domain values, intervals or probe settings.
 EVAL_SCORES = ("accuracy", "balanced_accuracy", "auroc", "auprc")
-_GUARD_OPTIONS = {"metric/target_std": "min_std", "metric/effective_rank": "min_effective_rank"}
+_GUARD_OPTIONS = {"metric/target_std": "min_std", "metric/effective_rank": "min_effective_rank",
+                  "metric/rankme": "min_rankme", "metric/position_share": "max_position_share"}
 
 
 @attrs.frozen
@@ -245,7 +250,9 @@ def plot_run(metrics_path: str | Path, png_path: str | Path,
         ax.set_ylabel(panel.title.split(" (")[0])
         ax.set_title(panel.title, fontsize="medium")
         ax.grid(True, alpha=0.3)
-        if panel.keys and panel.keys[0] in _GUARD_OPTIONS:
+        if panel.keys == ("metric/position_share",):
+            ax.set_ylim(0.0, 1.0)  # against its maximum, 1: position explains everything
+        elif panel.keys and panel.keys[0] in _GUARD_OPTIONS:
             # From 0: noise in a healthy std of 0.05 must not look like a collapse.
             ax.set_ylim(bottom=0.0)
     losses = [v for v in series["loss"][1] if not math.isnan(v)]

@@ -61,6 +61,8 @@ __all__ = [
     "StopTraining",
     "TrainingDone",
     "BATCH_KEYS",
+    "mask_keys",
+    "MaskingConfig",
     "BatchKey",
     "UINT8_SCALE",
     "bytes_to_intensity",
@@ -81,10 +83,20 @@ __all__ = [
 #: - ``context_idx``: int64 ``[N_context]``, indices of visible patches.
 #: - ``target_idx``: int64 ``[N_target]``, indices of masked patches.
 #:
-#: Patch indices count patches in row-major order over the patch grid
+#: A mask with several configurations (V-JEPA's short- and long-range blocks)
+#: makes one such pair per configuration, under the names :func:`mask_keys`
+#: gives (``context_idx_short``, ``target_idx_short``, ...); the pairs are named
+#: in :attr:`BuildContext.mask_pairs`. Patch indices count patches in row-major order over the patch grid
 #: ``(D / pd, H / ph, W / pw)``. The counts are the same for every sample so
 #: that an XLA graph compiles once; a ``[D, H, W]`` voxel mask is refused.
 BATCH_KEYS = ("context", "target", "context_idx", "target_idx")
+
+
+def mask_keys(pair: str) -> tuple[str, str]:
+    """The batch keys ``(context_idx, target_idx)`` of the mask configuration ``pair``
+    (``""``: the single pair of a one-configuration mask)."""
+    suffix = f"_{pair}" if pair else ""
+    return f"context_idx{suffix}", f"target_idx{suffix}"
 
 
 @attrs.frozen
@@ -176,6 +188,11 @@ class ModelOutput:
     loss: "torch.Tensor"  #: scalar float32, the value that is back-propagated
     per_sample_loss: "torch.Tensor"  #: float32 ``[B]``, for per-domain logging
     metrics: Mapping[str, "torch.Tensor"] = dataclasses.field(default_factory=dict)  #: scalars
+    #: Optional float32 ``[K, E]``: a fixed-size sample of the exported network's tokens
+    #: (:func:`octfw.models.health.rank_sample`). The engine copies it to the host on log
+    #: steps only and logs its RankMe (``rankme``, ``rankme_max``), a decomposition the
+    #: device should not do every step.
+    health_tokens: "torch.Tensor | None" = None
 
 
 @attrs.frozen
@@ -193,6 +210,9 @@ class BuildContext:
     image_size: tuple[int, int, int] | None = None
     patch_size: tuple[int, int, int] | None = None
     in_channels: int = 1
+    #: The transform's mask configurations (:class:`MaskingConfig`), each a context/target
+    #: pair of batch keys (:func:`mask_keys`) a masked model reads; ``("",)``: one pair.
+    mask_pairs: tuple[str, ...] = ("",)
     base_lr: float = 0.0
     weight_decay: float = 0.0
     #: Total update steps of the run, derived once from the dataset size,
@@ -273,6 +293,21 @@ class RecognisingDatasetConfig(Protocol):
     @classmethod
     def recognises(cls, fs: Any, path: str) -> bool:
         """Whether ``path`` on the fsspec filesystem ``fs`` holds this dataset's data."""
+        ...
+
+
+@runtime_checkable
+class MaskingConfig(Protocol):
+    """Optional, on a transform's **config**: the patch-mask configurations it draws.
+
+    Each is a context/target pair of batch keys (:func:`mask_keys`); the recipe hands
+    the names to every factory as :attr:`BuildContext.mask_pairs`, so a masked model
+    reads each pair (V-JEPA averages their losses) without knowing the transform.
+    Read before anything is built: it must not import numpy or torch.
+    """
+
+    def mask_pairs(self) -> tuple[str, ...]:
+        """The names of the pairs one draw makes (``("",)``: one pair)."""
         ...
 
 

@@ -25,6 +25,11 @@ from test_vjepa3d import RecordOps, make_batch, make_model
 # --- the metrics -------------------------------------------------------------
 
 
+def OldSignals(**options) -> CollapseConfig:
+    """The guard watching only the std and the participation ratio (these tests' metrics)."""
+    return CollapseConfig(**{"min_rankme": None, "max_position_share": None, **options})
+
+
 def test_a_collapsed_embedding_has_std_zero_and_effective_rank_one():
     same = torch.randn(64).expand(2, 100, 64)  # every token the same vector
     assert embedding_std(same) == 0
@@ -96,13 +101,13 @@ def feed(guard: CollapseGuard, stds, ranks=None, start: int = 10, every: int = 1
 
 
 def test_guard_is_quiet_on_healthy_metrics(capsys):
-    guard = CollapseGuard(CollapseConfig(min_std=0.01, min_effective_rank=4.0, action="stop"))
+    guard = CollapseGuard(OldSignals(min_std=0.01, min_effective_rank=4.0, action="stop"))
     feed(guard, [0.05, 0.04, 0.011, 0.03] * 5, [40.0, 30.0, 4.5, 20.0] * 5)
     assert capsys.readouterr().err == ""
 
 
 def test_guard_warns_once_naming_metric_value_threshold_and_step(capsys):
-    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3))
+    guard = CollapseGuard(OldSignals(min_std=0.01, patience=3))
     feed(guard, [0.05, 0.002, 0.0015, 0.001, 0.001, 0.0009])
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1  # one line per episode, not one per log step
@@ -112,19 +117,19 @@ def test_guard_warns_once_naming_metric_value_threshold_and_step(capsys):
 
 
 def test_guard_counts_log_steps_in_a_row(capsys):
-    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    guard = CollapseGuard(OldSignals(min_std=0.01, patience=3, action="stop"))
     feed(guard, [0.001, 0.001, 0.05, 0.001, 0.001, 0.05])  # never three in a row
     assert capsys.readouterr().err == ""
 
 
 def test_guard_warns_again_after_recovering_and_collapsing_again(capsys):
-    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=2))
+    guard = CollapseGuard(OldSignals(min_std=0.01, patience=2))
     feed(guard, [0.001, 0.001, 0.05, 0.001, 0.001])
     assert len(capsys.readouterr().err.strip().splitlines()) == 2
 
 
 def test_guard_stops_on_a_low_effective_rank():
-    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=3.0, patience=2, action="stop"))
+    guard = CollapseGuard(OldSignals(min_std=None, min_effective_rank=3.0, patience=2, action="stop"))
     with pytest.raises(StopTraining, match=r"metric/effective_rank = 1\.2 < min_effective_rank = 3 .*step 20"):
         feed(guard, [0.0, 0.0], [1.2, 1.2])
 
@@ -134,7 +139,7 @@ def test_a_threshold_left_out_is_not_watched(capsys, caplog):
         return bool(capsys.readouterr().err) or any(r.levelno >= logging.WARNING for r in caplog.records)
 
     # min_std left out: a collapsed target_std, or none reported, neither stops nor warns.
-    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=3.0, patience=1, action="stop"))
+    guard = CollapseGuard(OldSignals(min_std=None, min_effective_rank=3.0, patience=1, action="stop"))
     feed(guard, [0.0, 0.0], [50.0, 50.0])
     guard.at_log_step(30, {"metric/effective_rank": 50.0})
     assert guard.state_dict() == {"below": {"metric/effective_rank": 0}}
@@ -142,7 +147,7 @@ def test_a_threshold_left_out_is_not_watched(capsys, caplog):
     with pytest.raises(StopTraining, match="metric/effective_rank"):  # the threshold kept still acts
         feed(guard, [0.0], [1.0], start=40)
     # Both left out: the guard watches nothing, whatever the metrics say.
-    unwatched = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=None, patience=1, action="stop"))
+    unwatched = CollapseGuard(OldSignals(min_std=None, min_effective_rank=None, patience=1, action="stop"))
     feed(unwatched, [0.0, 0.0], [1.0, 1.0])
     unwatched.at_log_step(30, {"loss": 1.0})
     assert unwatched.state_dict() == {"below": {}}
@@ -150,14 +155,14 @@ def test_a_threshold_left_out_is_not_watched(capsys, caplog):
 
 
 def test_a_nan_metric_neither_counts_nor_breaks_the_streak():
-    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    guard = CollapseGuard(OldSignals(min_std=0.01, patience=3, action="stop"))
     feed(guard, [0.001, math.nan, 0.001])
     with pytest.raises(StopTraining):
         feed(guard, [0.001], start=40)
 
 
 def test_guard_warns_once_when_the_model_reports_no_such_metric(capsys):
-    guard = CollapseGuard(CollapseConfig(min_std=0.01, min_effective_rank=None, action="stop"))
+    guard = CollapseGuard(OldSignals(min_std=0.01, min_effective_rank=None, action="stop"))
     for step in (1, 2, 3, 4):
         guard.at_log_step(step, {"loss": 1.0})
     err = capsys.readouterr().err.strip().splitlines()
@@ -165,10 +170,10 @@ def test_guard_warns_once_when_the_model_reports_no_such_metric(capsys):
 
 
 def test_guard_does_no_device_work_and_its_streak_survives_a_resume():
-    guard = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    guard = CollapseGuard(OldSignals(min_std=0.01, patience=3, action="stop"))
     assert guard.before_step(None) is None
     feed(guard, [0.001, 0.001])
-    resumed = CollapseGuard(CollapseConfig(min_std=0.01, patience=3, action="stop"))
+    resumed = CollapseGuard(OldSignals(min_std=0.01, patience=3, action="stop"))
     resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     with pytest.raises(StopTraining):
         feed(resumed, [0.001], start=30)
@@ -240,26 +245,33 @@ NO_EMA_LAG = ("scheduler.ema_start=0.0", "scheduler.ema_end=0.0")
 def test_a_run_without_ema_lag_collapses_and_the_guard_says_so(write_recipe, tmp_path, capsys):
     code, summary = run_tiny(write_recipe, tmp_path, 'action = "warn"\n', FAST_LR + NO_EMA_LAG)
     assert code == 0 and summary["update_steps"] == 20  # warn: the run goes on
-    ranks, stds = logged(tmp_path, "metric/effective_rank"), logged(tmp_path, "metric/target_std")
-    assert ranks[0] > 3.5 and max(ranks[-10:]) < 1.5  # many directions, then one
-    assert max(stds[-10:]) < 0.5 * stds[0]  # the normalised target features bunch together
+    ranks, rankme = logged(tmp_path, "metric/effective_rank"), logged(tmp_path, "metric/rankme")
+    shares, stds = logged(tmp_path, "metric/position_share"), logged(tmp_path, "metric/target_std")
+    assert ranks[0] > 2.0 and max(ranks[-10:]) < 1.5  # several directions, then one
+    assert rankme[0] > 15 and max(rankme[-10:]) < 8  # RankMe sees it too, out of 64
+    assert shares[0] < 0.9 and min(shares[-10:]) > 0.9  # what is left is the position
+    # The collapse is into position: the normalised tokens stay as spread as before, so the
+    # std alone would never have seen it.
+    assert min(stds[-10:]) > 0.5 * stds[0]
     err = capsys.readouterr().err
-    assert "collapse: metric/effective_rank" in err and "min_effective_rank = 2" in err
-    assert "the effective_rank of the target features is collapsing" in err
+    assert "collapse: metric/rankme" in err and "min_rankme = 8" in err
+    assert "collapse: metric/position_share" in err and "carry little but their position" in err
 
 
 def test_a_collapse_stops_a_run_that_asks_to_stop(write_recipe, tmp_path):
     code, summary = run_tiny(write_recipe, tmp_path, 'action = "stop"\n', FAST_LR + NO_EMA_LAG)
     assert code == 1 and summary["update_steps"] < 20
-    assert "metric/effective_rank" in summary["stopped"]
-    assert logged(tmp_path, "metric/effective_rank")[-1] < 2.0
+    assert "collapse: metric/" in summary["stopped"]
+    assert logged(tmp_path, "metric/effective_rank")[-1] < 1.5
 
 
 def test_the_same_run_with_the_ema_lag_stays_healthy_and_the_guard_quiet(write_recipe, tmp_path, capsys):
     # The control: only the EMA differs from the collapsing run.
     code, summary = run_tiny(write_recipe, tmp_path, 'action = "stop"\n', FAST_LR)
     assert code == 0 and summary["update_steps"] == 20 and summary["stopped"] is None
-    assert min(logged(tmp_path, "metric/effective_rank")) > 3.0
+    assert min(logged(tmp_path, "metric/effective_rank")) > 1.8
+    assert min(logged(tmp_path, "metric/rankme")) > 15
+    assert max(logged(tmp_path, "metric/position_share")) < 0.93
     assert min(logged(tmp_path, "metric/target_std")) > 0.015
     assert "collapse:" not in capsys.readouterr().err
 
@@ -275,3 +287,50 @@ def test_the_effective_ranks_ceiling_is_what_the_shapes_allow_and_is_logged(toke
     metrics = health_metrics(features, features)
     assert float(metrics["effective_rank_max"]) == expected
     assert float(effective_rank(features)) <= expected + 1e-3  # a participation ratio never exceeds it
+
+
+def test_position_share_is_one_for_tokens_that_are_only_their_position_and_low_for_content():
+    from octfw.models.health import position_share
+
+    torch.manual_seed(0)
+    position = torch.randn(1, 64, 32)
+    assert float(position_share(position.expand(8, 64, 32))) == pytest.approx(1.0)
+    content = torch.randn(8, 64, 32)  # nothing shared by the tokens at one position
+    assert float(position_share(content)) < 0.05
+    mixed = position.expand(8, 64, 32) + content  # half the variance each
+    assert float(position_share(mixed)) == pytest.approx(0.5, abs=0.08)
+    # Positions given per token (MAE's visible tokens) give the same answer as the full grid.
+    order = torch.stack([torch.randperm(64) for _ in range(8)])
+    shuffled = torch.gather(mixed, 1, order[..., None].expand(-1, -1, 32))
+    assert float(position_share(shuffled, order, 64)) == pytest.approx(float(position_share(mixed)), abs=1e-5)
+    assert math.isnan(float(position_share(mixed[:1])))  # one sample: no position holds two tokens
+
+
+def test_rankme_counts_the_directions_with_entropy_and_reaches_the_width():
+    import numpy as np
+
+    from octfw.models.health import rankme, spectrum_metrics
+
+    rng = np.random.default_rng(0)
+    assert rankme(np.outer(rng.normal(size=512), rng.normal(size=64))) == pytest.approx(1.0, abs=0.01)
+    spread = rng.normal(size=(512, 64))
+    assert 55 < rankme(spread) <= 64
+    # A spectrum of one large and many small directions: the participation ratio calls it about
+    # one direction, RankMe still counts the rest.
+    skewed = spread * np.r_[20.0, np.ones(63)]
+    assert rankme(skewed) > 30
+    assert spectrum_metrics(spread) == {"rankme": rankme(spread), "rankme_max": 64.0}
+
+
+def test_the_guard_acts_on_rankme_and_on_the_position_share():
+    from octfw.plugins.guards.collapse import CollapseConfig, CollapseGuard
+
+    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=None, patience=2, action="stop"))
+    healthy = {"metric/rankme": 30.0, "metric/position_share": 0.7}
+    guard.at_log_step(1, healthy)
+    guard.at_log_step(2, {**healthy, "metric/position_share": 0.97})
+    with pytest.raises(StopTraining, match=r"metric/position_share = 0.98 > max_position_share = 0.95"):
+        guard.at_log_step(3, {**healthy, "metric/position_share": 0.98})
+    guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=None, patience=1, action="stop"))
+    with pytest.raises(StopTraining, match=r"metric/rankme = 4 < min_rankme = 8"):
+        guard.at_log_step(1, {**healthy, "metric/rankme": 4.0})

@@ -80,7 +80,8 @@ def test_export_file_records_how_to_rebuild_and_prepare_inputs(exported):
     assert data["format"] == "octfw-encoder" and data["architecture"] == "vit3d"
     assert data["octfw_version"] == octfw.__version__
     assert data["config"] == {"image_size": list(IMAGE), "patch_size": list(PATCH), "in_channels": 1,
-                              "embed_dim": 96, "depth": 4, "num_heads": 3, "mlp_ratio": 4.0}
+                              "embed_dim": 96, "depth": 4, "num_heads": 3, "mlp_ratio": 4.0,
+                              "standardise_input": True}  # so that embed standardises as training did
     assert data["transform"]["name"] == "oct-standard"
     assert data["transform"]["image_size"] == list(IMAGE)
     assert data["transform"]["percentiles"] == [1.0, 99.0]

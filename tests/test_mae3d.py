@@ -215,7 +215,11 @@ def test_outputs_metrics_and_embeddings():
     out = model(batch)
     assert out.loss.shape == () and out.loss.dtype == torch.float32
     assert out.per_sample_loss.shape == (3,) and out.per_sample_loss.dtype == torch.float32
-    assert set(out.metrics) == {"target_std", "pred_std", "effective_rank", "effective_rank_max"}
+    assert set(out.metrics) == {"target_std", "pred_std", "effective_rank", "effective_rank_max",
+                                "position_share", "mask/context_tokens", "mask/target_tokens"}
+    assert float(out.metrics["mask/target_tokens"]) == 3.0
+    assert 0.0 <= float(out.metrics["position_share"]) <= 1.0
+    assert out.health_tokens.shape[-1] == model.encoder.embed_dim
     assert all(v.shape == () and torch.isfinite(v) for v in out.metrics.values())
     visible, predicted = model.reconstruct(batch["context"], batch["context_idx"], batch["target_idx"])
     assert predicted.shape == (3, 3, 2 * 16 * 16 * 2)
@@ -346,4 +350,5 @@ def test_training_step_on_xla_compiles_once_and_never_syncs(tmp_path):
     assert not [c for c in run["counters"] if c.startswith("aten::")], run["counters"]
     values = [run["loss"], *run["metrics"].values()]
     assert all(v == v and abs(v) < float("inf") for v in values), run
-    assert set(run["metrics"]) == {"target_std", "pred_std", "effective_rank", "effective_rank_max"}
+    assert set(run["metrics"]) == {"target_std", "pred_std", "effective_rank", "effective_rank_max",
+                                   "position_share", "mask/context_tokens", "mask/target_tokens"}

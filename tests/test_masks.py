@@ -9,6 +9,7 @@ from octfw.plugins.transforms.oct_standard import MaskConfig
 from octfw.models.masks import (
     MultiBlock3DMask,
     RandomMask,
+    check_context_share,
     mask_generator_from_config,
     validate_indices,
 )
@@ -24,16 +25,24 @@ GENERATORS = [
 ]
 
 
+def draws(generator, grid, seed):
+    """Every (configuration, context, target) of one draw."""
+    return [(name, *pair) for name, pair in generator(grid, np.random.default_rng(seed)).items()]
+
+
 @pytest.mark.parametrize("generator", GENERATORS, ids=repr)
 @pytest.mark.parametrize("grid", GRIDS)
 def test_counts_are_fixed_across_seeds(generator, grid):
     n = int(np.prod(grid))
-    num_context, num_target = generator.counts(grid)
-    assert num_context + num_target == n
-    assert 1 <= num_target <= n - 1
+    pairs = generator.pairs(grid)
+    for num_context, num_target in pairs.values():
+        assert num_context + num_target == n
+        assert 1 <= num_target <= n - 1
     for seed in range(25):
-        context, target = generator(grid, np.random.default_rng(seed))
-        assert (len(context), len(target)) == (num_context, num_target)
+        drawn = draws(generator, grid, seed)
+        assert [name for name, _, _ in drawn] == list(pairs)
+        for name, context, target in drawn:
+            assert (len(context), len(target)) == pairs[name]
 
 
 @pytest.mark.parametrize("generator", GENERATORS, ids=repr)
@@ -41,36 +50,36 @@ def test_counts_are_fixed_across_seeds(generator, grid):
 def test_indices_are_sorted_int64_disjoint_and_cover_the_grid(generator, grid):
     n = int(np.prod(grid))
     for seed in range(10):
-        context, target = generator(grid, np.random.default_rng(seed))
-        for idx in (context, target):
-            assert idx.dtype == np.int64 and idx.ndim == 1
-            assert np.all(np.diff(idx) > 0)
-        assert np.intersect1d(context, target).size == 0
-        np.testing.assert_array_equal(np.union1d(context, target), np.arange(n))
-        validate_indices(context, target, n)
+        for _, context, target in draws(generator, grid, seed):
+            for idx in (context, target):
+                assert idx.dtype == np.int64 and idx.ndim == 1
+                assert np.all(np.diff(idx) > 0)
+            assert np.intersect1d(context, target).size == 0
+            np.testing.assert_array_equal(np.union1d(context, target), np.arange(n))
+            validate_indices(context, target, n)
 
 
 @pytest.mark.parametrize("generator", GENERATORS, ids=repr)
 def test_same_seed_gives_same_mask_and_seeds_differ(generator):
     grid = (2, 8, 8)
-    first = generator(grid, np.random.default_rng(7))
-    again = generator(grid, np.random.default_rng(7))
-    np.testing.assert_array_equal(first[1], again[1])
-    np.testing.assert_array_equal(first[0], again[0])
-    others = {tuple(generator(grid, np.random.default_rng(s))[1]) for s in range(8)}
+    first, again = draws(generator, grid, 7), draws(generator, grid, 7)
+    for (_, c1, t1), (_, c2, t2) in zip(first, again):
+        np.testing.assert_array_equal(t1, t2)
+        np.testing.assert_array_equal(c1, c2)
+    others = {tuple(draws(generator, grid, s)[0][2]) for s in range(8)}
     assert len(others) > 1
 
 
 def test_random_count_is_rounded_ratio():
-    assert RandomMask(0.6).counts((16, 24, 24)) == (3686, 5530)  # round(0.6 * 9216)
-    assert RandomMask(0.6).counts((4, 4, 4)) == (26, 38)  # 38.4 -> 38
+    assert RandomMask(0.6).pairs((16, 24, 24)) == {"": (3686, 5530)}  # round(0.6 * 9216)
+    assert RandomMask(0.6).pairs((4, 4, 4)) == {"": (26, 38)}  # 38.4 -> 38
 
 
 def test_random_count_is_clamped_so_neither_side_is_empty():
-    assert RandomMask(0.01).counts((1, 2, 2)) == (3, 1)
-    assert RandomMask(0.99).counts((1, 2, 2)) == (1, 3)
+    assert RandomMask(0.01).pairs((1, 2, 2)) == {"": (3, 1)}
+    assert RandomMask(0.99).pairs((1, 2, 2)) == {"": (1, 3)}
     with pytest.raises(UserError, match="at least 2"):
-        RandomMask(0.5).counts((1, 1, 1))
+        RandomMask(0.5).pairs((1, 1, 1))
 
 
 def test_random_ratio_out_of_range_is_refused():
@@ -78,23 +87,36 @@ def test_random_ratio_out_of_range_is_refused():
         RandomMask(1.0)
 
 
+def test_multiblock_is_vjepas_two_configurations_each_its_own_pair():
+    """V-JEPA's short-range and long-range blocks are two context/target pairs, not one union:
+    on the 4 x 4 x 4 grid the union of all ten blocks left 3 context patches of 64."""
+    generator = MultiBlock3DMask()
+    pairs = generator.pairs((4, 4, 4))
+    assert list(pairs) == ["short", "long"]
+    assert pairs["short"][0] > pairs["long"][0] >= 0.1 * 64  # short-range leaves more context
+    assert all(context >= 7 for context, _ in pairs.values())
+    drawn = dict((name, (c, t)) for name, c, t in draws(generator, (4, 4, 4), 0))
+    assert not np.array_equal(drawn["short"][1], drawn["long"][1])  # drawn apart
+
+
 def test_multiblock_blocks_span_full_depth_before_trimming():
     generator = MultiBlock3DMask()
     for seed in range(20):
-        blocks = generator.block_mask((5, 12, 12), np.random.default_rng(seed))
-        assert blocks.shape == (5, 12, 12)
-        # Every (h, w) column is either masked at all depths or at none.
-        np.testing.assert_array_equal(blocks.all(axis=0), blocks.any(axis=0))
-        assert blocks.any()
+        for configuration in generator.configurations:
+            blocks = generator.block_mask((5, 12, 12), configuration, np.random.default_rng(seed))
+            assert blocks.shape == (5, 12, 12)
+            # Every (h, w) column is either masked at all depths or at none.
+            np.testing.assert_array_equal(blocks.all(axis=0), blocks.any(axis=0))
+            assert blocks.any()
 
 
 def test_multiblock_trims_or_pads_the_union_of_its_blocks():
-    generator = MultiBlock3DMask()
+    generator = MultiBlock3DMask(long_blocks=0)  # one configuration: one draw of blocks per mask
     grid = (2, 8, 8)
-    _, num_target = generator.counts(grid)
+    _, num_target = generator.pairs(grid)["short"]
     for seed in range(30):
-        union = np.flatnonzero(generator.block_mask(grid, np.random.default_rng(seed)))
-        _, target = generator(grid, np.random.default_rng(seed))
+        union = np.flatnonzero(generator.block_mask(grid, "short", np.random.default_rng(seed)))
+        _, target = generator(grid, np.random.default_rng(seed))["short"]
         if union.size >= num_target:
             assert np.isin(target, union).all()  # trimmed: target is inside the blocks
         else:
@@ -102,13 +124,14 @@ def test_multiblock_trims_or_pads_the_union_of_its_blocks():
 
 
 @pytest.mark.parametrize("grid", [(2, 8, 8), (1, 6, 10)])
-def test_multiblock_target_count_is_the_expected_union_size(grid):
+@pytest.mark.parametrize("configuration", ["short", "long"])
+def test_multiblock_target_count_is_the_expected_union_size(grid, configuration):
     generator = MultiBlock3DMask()
     rng = np.random.default_rng(0)
-    mean_union = np.mean([generator.block_mask(grid, rng).mean() for _ in range(1500)])
-    assert generator.expected_fraction(grid) == pytest.approx(mean_union, abs=0.01)
-    _, num_target = generator.counts(grid)
-    assert num_target == round(generator.expected_fraction(grid) * np.prod(grid))
+    mean_union = np.mean([generator.block_mask(grid, configuration, rng).mean() for _ in range(1500)])
+    assert generator.expected_fraction(grid, configuration) == pytest.approx(mean_union, abs=0.01)
+    _, num_target = generator.pairs(grid)[configuration]
+    assert num_target == round(generator.expected_fraction(grid, configuration) * np.prod(grid))
 
 
 def test_multiblock_needs_a_block():
@@ -118,11 +141,29 @@ def test_multiblock_needs_a_block():
 
 def test_mask_config_builds_the_named_generator():
     assert isinstance(mask_generator_from_config(MaskConfig()), RandomMask)
-    generator = mask_generator_from_config(
-        MaskConfig(generator="multiblock3d", short_blocks=3, long_blocks=1)
-    )
+    assert MaskConfig().pair_names() == ("",)
+    config = MaskConfig(generator="multiblock3d", short_blocks=3, long_blocks=1)
+    generator = mask_generator_from_config(config)
     assert isinstance(generator, MultiBlock3DMask)
-    assert generator.scales == (0.15, 0.15, 0.15, 0.7)
+    assert generator.configurations == {"short": (0.15, 0.15, 0.15), "long": (0.7,)}
+    assert config.pair_names() == tuple(generator.configurations)
+    assert MaskConfig(generator="multiblock3d", short_blocks=0).pair_names() == ("long",)
+
+
+@pytest.mark.parametrize("generator, grid, message", [
+    (RandomMask(0.95), (4, 4, 4), r"the mask leaves 3 of 64 patches as context \(5%\)"),
+    (MultiBlock3DMask(short_blocks=0, long_blocks=3, long_scale=0.8), (4, 4, 4),
+     r"mask configuration 'long' leaves \d of 64 patches as context"),
+])
+def test_a_configuration_leaving_under_a_tenth_as_context_is_refused(generator, grid, message):
+    with pytest.raises(UserError, match=message):
+        check_context_share(generator, grid)
+
+
+def test_the_published_configurations_pass_on_every_grid_here():
+    for grid in GRIDS:
+        check_context_share(MultiBlock3DMask(), grid)
+        check_context_share(RandomMask(0.6), grid)
 
 
 def test_mask_config_refuses_bad_values():

@@ -15,7 +15,7 @@ from octfw.plugins.transforms.oct_standard import MaskConfig, OCTStandardConfig,
 from octfw.models.masks import validate_indices
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.registry import load_registry
-from octfw.types import BATCH_KEYS, BatchKey, BuildContext, Provenance, Sample
+from octfw.types import BATCH_KEYS, BatchKey, BuildContext, Provenance, Sample, mask_keys
 
 IMAGE = (8, 32, 32)
 PATCH = (4, 8, 8)  # grid (2, 4, 4): 32 patches
@@ -87,15 +87,21 @@ def test_output_has_the_keys_shapes_and_dtypes_its_batch_spec_declares(generator
     transform = make_transform(target_spacing=(0.2, 0.02, 0.02), mask=MaskConfig(generator=generator),
                                **ALL_AUGMENTATIONS)
     spec = transform.batch_spec()
-    assert tuple(spec) == BATCH_KEYS
+    pairs = MaskConfig(generator=generator).pair_names()
+    keys = ("context", "target", *(key for pair in pairs for key in mask_keys(pair)))
+    assert tuple(spec) == keys
+    assert keys == (BATCH_KEYS if generator == "random" else
+                    ("context", "target", "context_idx_short", "target_idx_short", "context_idx_long",
+                     "target_idx_long"))
     assert spec["context"] == BatchKey((1, *IMAGE), "float32", view=True)
     for seed in range(4):
         out = transform(make_sample(seed=seed), np.random.default_rng(seed))
-        assert tuple(out) == BATCH_KEYS
+        assert tuple(out) == keys
         for key, field in spec.items():
             assert type(out[key]) is np.ndarray  # plain arrays, no MetaTensor or tensor
             assert out[key].shape == field.shape and str(out[key].dtype) == field.dtype
-        validate_indices(out["context_idx"], out["target_idx"], 32)
+        for pair in pairs:
+            validate_indices(*(out[key] for key in mask_keys(pair)), 32)
 
 
 def test_random_mask_counts_follow_the_ratio():

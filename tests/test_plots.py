@@ -100,7 +100,8 @@ def write_collapsing_log(run_dir, steps=range(1, 21)):
         logger.log(step, {"loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "skipped_updates": 0.0,
                           "metric/target_std": 0.03 if healthy else 0.004,
                           "metric/effective_rank": 4.2 if healthy else 1.05, "metric/effective_rank_max": 63.0,
-                          "metric/pred_std": 0.03})
+                          "metric/rankme": 30.0 if healthy else 4.0, "metric/rankme_max": 64.0,
+                          "metric/position_share": 0.7 if healthy else 0.98, "metric/pred_std": 0.03})
         if step % 10 == 0:
             logger.log(step, {"eval/linear-probe/accuracy": 0.6, "eval/linear-probe/auroc": 0.7,
                               "eval/linear-probe/auroc_ci_low": 0.6, "eval/linear-probe/accuracy/zeiss": 0.5,
@@ -111,13 +112,17 @@ def write_collapsing_log(run_dir, steps=range(1, 21)):
 def test_plot_puts_collapse_signals_and_evaluations_next_to_the_loss(tmp_path):
     write_collapsing_log(tmp_path)
     (tmp_path / "recipe.toml").write_text(
-        'guard = [{ name = "nan-skip" }, { name = "collapse", min_std = 0.01, min_effective_rank = 2.0 }]\n')
+        'guard = [{ name = "nan-skip" }, { name = "collapse", min_std = 0.01, min_effective_rank = 2.0, '
+        'min_rankme = 8.0, max_position_share = 0.95 }]\n')
     series = read_metrics(tmp_path / "metrics.jsonl")
     panels = plan_panels(series, collapse_thresholds(tmp_path))
     # No update was skipped: a panel of zeros would say nothing (the title says it instead).
     assert [p.title.split(" (")[0] for p in panels] == [
-        "loss", "target std", "effective rank and its maximum", "evaluation", "learning rate", "gradient norm"]
-    loss, std, rank, evaluation = panels[:4]
+        "loss", "target std", "effective rank and its maximum", "RankMe and its maximum",
+        "position share of the token variance", "evaluation", "learning rate", "gradient norm"]
+    loss, std, rank, rankme, position, evaluation = panels[:6]
+    assert rankme.keys == ("metric/rankme", "metric/rankme_max") and rankme.thresholds == (8.0,)
+    assert position.keys == ("metric/position_share",) and position.thresholds == (0.95,)
     assert std.keys == ("metric/target_std",) and std.thresholds == (0.01,)
     # The rank beside its ceiling for the logged shapes: 4.2 of 63 directions, not of 6.
     assert rank.keys == ("metric/effective_rank", "metric/effective_rank_max") and rank.thresholds == (2.0,)

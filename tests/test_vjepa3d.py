@@ -441,3 +441,153 @@ def test_the_preset_sizes_octfw_list_shows_are_the_models_parameter_counts():
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         encoder = sum(p.numel() for p in model.encoder.parameters())
         assert (trainable, encoder) == PRESET_PARAMETERS[name], name
+
+
+# --- V-JEPA's mask configurations, end to end ------------------------------------------------
+
+MULTIBLOCK = ('transform.mask={generator="multiblock3d"}', "transform.image_size=[16, 64, 64]")
+
+
+def test_each_mask_configuration_is_a_pair_the_run_reads_and_logs(write_recipe, tmp_path):
+    """multiblock3d makes V-JEPA's short- and long-range pairs; the model reads both (its inputs
+    follow the recipe's mask) and the run logs each pair's context and target counts."""
+    import json
+
+    from conftest import TINY_RECIPE
+    from octfw.cli import main
+
+    path = write_recipe(TINY_RECIPE)
+    sets = [arg for value in (*MULTIBLOCK, f"run.output_dir={tmp_path / 'runs'}") for arg in ("--set", value)]
+    assert main(["run", str(path), *sets]) == 0
+    run_dir = next((tmp_path / "runs" / "recipe").iterdir())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = next(row for row in rows if "metric/mask/short/context_tokens" in row)
+    short = (logged["metric/mask/short/context_tokens"], logged["metric/mask/short/target_tokens"])
+    long = (logged["metric/mask/long/context_tokens"], logged["metric/mask/long/target_tokens"])
+    assert sum(short) == sum(long) == 64 and short[0] > long[0] >= 7  # 4 x 4 x 4 patches
+
+
+def test_the_model_averages_the_pairs_losses():
+    from octfw.types import mask_keys
+
+    torch.manual_seed(0)
+    model = make_model()
+    first, second = make_batch(model, seed=1), make_batch(model, seed=2)
+    both = dict(first)
+    for pair, batch in (("short", first), ("long", second)):
+        context_key, target_key = mask_keys(pair)
+        both[context_key], both[target_key] = batch["context_idx"], batch["target_idx"]
+    single = [model(dict(first, context_idx=b["context_idx"], target_idx=b["target_idx"])).per_sample_loss
+              for b in (first, second)]
+    paired = VJEPA3D_with_pairs(model, ("short", "long"))(both)
+    assert torch.allclose(paired.per_sample_loss, (single[0] + single[1]) / 2, atol=1e-6)
+    assert set(VJEPA3D_with_pairs(model, ("short", "long")).inputs) == {
+        "context", "target", "context_idx_short", "target_idx_short", "context_idx_long", "target_idx_long"}
+
+
+def VJEPA3D_with_pairs(model, pairs):
+    """``model``'s weights in a VJEPA3D that reads the mask configurations ``pairs``."""
+    from octfw.types import mask_keys
+
+    paired = build(VJEPA3DConfig(preset="tiny", patch_size=model.context_encoder.patch_size),
+                   BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
+                                image_size=model.context_encoder.image_size,
+                                patch_size=model.context_encoder.patch_size, mask_pairs=pairs))
+    paired.load_state_dict(model.state_dict())
+    assert paired.inputs[2:] == tuple(key for pair in pairs for key in mask_keys(pair))
+    return paired
+
+
+def test_octfw_check_refuses_a_mask_that_leaves_under_a_tenth_as_context(write_recipe, tmp_path, capsys):
+    from conftest import TINY_RECIPE
+    from octfw.cli import main
+
+    path = write_recipe(TINY_RECIPE)
+    code = main(["check", str(path), "--set", "transform.mask={generator=\"random\", ratio=0.95}",
+                 "--set", "transform.image_size=[16, 64, 64]"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "leaves 3 of 64 patches as context (5%), fewer than 10%" in err and "Traceback" not in err
+
+
+# --- V-JEPA 2.1's dense loss ---------------------------------------------------------------
+
+
+def test_context_weights_fall_with_the_distance_to_the_mask():
+    from octfw.plugins.models.vjepa3d.model import context_weights
+
+    grid = (1, 1, 8)  # one row of 8 patches: the target is patch 0
+    weights = context_weights(torch.arange(1, 8)[None], torch.tensor([[0]]), grid)
+    assert torch.allclose(weights[0], torch.arange(1, 8).float().rsqrt())
+    # Chunked over the batch: the same answer as one sample at a time.
+    context, target = torch.tensor([[1, 2, 3], [0, 5, 6]]), torch.tensor([[0, 7], [7, 4]])
+    both = context_weights(context, target, grid)
+    each = torch.cat([context_weights(context[i:i + 1], target[i:i + 1], grid) for i in range(2)])
+    assert torch.equal(both, each)
+
+
+def test_the_dense_loss_predicts_several_depths_and_the_context_too():
+    from octfw.plugins.models.vjepa3d.model import context_weights, masked_feature_loss, token_errors
+    from octfw.models.vit3d import layer_norm
+
+    torch.manual_seed(0)
+    model = make_model(dense_levels=2, context_loss_weight=0.5)
+    assert model.level_depths == (2, 4) and model.predictor.embed_out.out_features == 2 * 96
+    batch = make_batch(model)
+    out = model(batch)
+    levels = model.target_encoder.levels(batch["target"], depths=(2, 4))
+    assert torch.allclose(levels[-1], model.target_encoder(batch["target"]))  # the last is the output
+    targets = torch.cat([layer_norm(level, level.shape[-1:]) for level in levels], dim=-1)
+    visible = model.context_encoder(batch["context"], keep_idx=batch["context_idx"])
+    predicted, on_context = model.predictor(visible, batch["context_idx"], batch["target_idx"], with_context=True)
+    from octfw.models.vit3d import gather_tokens
+
+    masked = masked_feature_loss(predicted, gather_tokens(targets, batch["target_idx"]), "l1")
+    context = (token_errors(on_context, gather_tokens(targets, batch["context_idx"]), "l1")
+               * context_weights(batch["context_idx"], batch["target_idx"], model.grid_size)).mean(dim=1)
+    assert torch.allclose(out.per_sample_loss, masked + 0.5 * context, atol=1e-6)
+    out.loss.backward()  # both losses reach the context encoder
+    assert model.context_encoder.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+def test_dense_levels_beyond_the_depth_are_refused():
+    with pytest.raises(UserError, match="dense_levels = 5 exceeds the encoder's depth"):
+        make_model(dense_levels=5)
+
+
+# --- inputs and tokens that carry content --------------------------------------------------
+
+
+def test_the_encoder_standardises_each_volume_on_its_visible_patches_only():
+    from octfw.models.vit3d import ViT3DEncoder, standardise_volume, volume_statistics
+
+    torch.manual_seed(0)
+    volume = torch.rand(2, 1, 8, 32, 32) * 0.3 + 0.2
+    whole = standardise_volume(volume, (4, 16, 16))
+    assert torch.allclose(whole.mean(dim=(1, 2, 3, 4)), torch.zeros(2), atol=1e-5)
+    assert torch.allclose(whole.std(dim=(1, 2, 3, 4), correction=0), torch.ones(2), atol=1e-4)
+    assert torch.equal(standardise_volume(torch.zeros(1, 1, 8, 32, 32), (4, 16, 16)), torch.zeros(1, 1, 8, 32, 32))
+    # Statistics of the kept patches only: brightening a dropped patch changes nothing.
+    keep = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    brighter = volume.clone()
+    brighter[:, :, 4:8, 16:32, 16:32] += 10.0  # patch 7 of the 2 x 2 x 2 grid
+    enc = ViT3DEncoder((8, 32, 32), (4, 16, 16), 1, 96, 1, 3, 4.0, standardise_input=True)
+    assert torch.equal(enc(volume, keep_idx=keep), enc(brighter, keep_idx=keep))
+    assert enc.architecture()["standardise_input"] is True
+    # Folded into the patch projection: the tokens of the standardised volume, without its copy.
+    folded = enc.patch_embed(volume, volume_statistics(volume, (4, 16, 16), keep))
+    explicit = enc.patch_embed(standardise_volume(volume, (4, 16, 16), keep))
+    assert torch.allclose(folded, explicit, atol=1e-4)
+
+
+def test_the_patch_projection_is_initialised_like_a_linear_layer():
+    from octfw.models.vit3d import ViT3DEncoder
+
+    torch.manual_seed(0)
+    enc = ViT3DEncoder((8, 32, 32), (4, 16, 16), 1, 96, 1, 3, 4.0)
+    weight = enc.patch_embed.proj.weight.reshape(96, -1)
+    bound = (6.0 / (weight.shape[0] + weight.shape[1])) ** 0.5  # xavier-uniform
+    assert weight.abs().max() <= bound and weight.std() > 0.8 * bound / 3 ** 0.5
+    # Standardised input through it: the content of a token now outweighs its position.
+    tokens = enc.patch_embed(torch.randn(4, 1, 8, 32, 32))
+    assert tokens.norm(dim=-1).mean() > enc.pos_embed.norm(dim=-1).mean()

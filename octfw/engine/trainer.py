@@ -37,7 +37,7 @@ from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics
 from octfw.engine.optim import apply_schedule, make_optimizer, seed_everything
 from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
-from octfw.engine.records import DeviceTotals, GuardLog
+from octfw.engine.records import DeviceTotals, GuardLog, device_metrics, model_metrics
 from octfw.engine.resume import check_recipe_change, resume_location
 from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, RunEnd, RunSummary, fallback_storage
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
@@ -330,8 +330,7 @@ class Trainer:
     def log(self, done: int, norm: torch.Tensor, out: ModelOutput) -> None:
         """Read every metric from the device in one transfer; hand host floats to loggers."""
         self.heartbeat.waiting_on("the device (reading metrics)")
-        host = self.totals.read(self.backend, grad_norm=norm,
-                                **{f"metric/{k}": v for k, v in out.metrics.items()})
+        host = model_metrics(self.totals.read(self.backend, grad_norm=norm, **device_metrics(out)), out)
         schedule, engine = self.parts.scheduler, self.recipe.engine
         metrics = log_metrics(
             host, **self.throughput.interval(done, self.model),

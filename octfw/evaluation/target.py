@@ -150,15 +150,12 @@ def checkpoint_model(location: str, state: Mapping[str, Any], seed: int, registr
 
 
 def _model_from_export(path: Path, seed: int) -> EvalTarget:
-    from octfw.encoder import PretrainedEncoder, load_encoder
-    from octfw.models.vit3d import ViT3DEncoder
+    from octfw.encoder import PretrainedEncoder, encoder_from_config, load_encoder
 
     pretrained = load_encoder(path)
-    config = pretrained.info["config"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        encoder = ViT3DEncoder(tuple(config["image_size"]), tuple(config["patch_size"]), config["in_channels"],
-                               config["embed_dim"], config["depth"], config["num_heads"], config["mlp_ratio"])
+        encoder = encoder_from_config(pretrained.info["config"])
     random_init = PretrainedEncoder(encoder, pretrained.info).eval()
     recipe = {"transform": pretrained.info["transform"], "model": pretrained.info.get("model", {})}
     return EvalTarget(str(path), pretrained.info.get("update_step"), pretrained, random_init, recipe,

@@ -1,13 +1,19 @@
 """Collapse signals every model reports about the network it exports.
 
-:func:`embedding_std` and :func:`effective_rank` turn a batch of tokens
-``[..., E]`` into one float32 device scalar each. A model reports them as the
-metrics ``target_std`` and ``effective_rank`` of its target encoder's tokens
-(the network octfw exports and probes), which the ``collapse`` guard,
-``octfw plot`` and the benchmarks read under those names.
+:func:`embedding_std`, :func:`effective_rank` and :func:`position_share` turn
+a batch of tokens ``[..., E]`` into one float32 device scalar each. A model
+reports them as the metrics ``target_std``, ``effective_rank`` and
+``position_share`` of its target encoder's tokens (the network octfw exports
+and probes), which the ``collapse`` guard, ``octfw plot`` and the benchmarks
+read under those names. :func:`rank_sample` is a fixed-size subset of those
+tokens that the engine copies to the host on log steps only, where
+:func:`spectrum_metrics` computes RankMe from its singular values: a
+decomposition on the device would synchronise CUDA with the host every step
+(documented for ``torch.linalg``) and is slow on TPUs.
 
-Hot path: both run every step. They never read a tensor on the host, never
-branch on tensor values, and take fixed-size slices only (XLA-friendly).
+Hot path: the device functions run every step. They never read a tensor on
+the host, never branch on tensor values, and take fixed-size slices only
+(XLA-friendly).
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import torch.nn.functional as F
 
 __all__ = [
     "health_metrics",
+    "position_share",
+    "rank_sample",
+    "rankme",
+    "spectrum_metrics",
     "RANK_TOKENS",
     "COLLAPSED_SPREAD",
     "AUTOCAST_DEVICE_TYPES",
@@ -79,9 +89,7 @@ def effective_rank(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> tor
     ``torch.linalg.svdvals``/``eigvalsh`` synchronise the device with the CPU
     (documented), a sync every step.
     """
-    x = features.detach().reshape(-1, features.shape[-1])
-    stride = max(1, x.shape[0] // max_tokens)  # Python ints: a static slice
-    x = x[::stride][:max_tokens].float()
+    x = rank_sample(features, max_tokens)
     with _without_autocast(x.device.type):
         unit = F.normalize(x, dim=-1)
         centred = unit - unit.mean(dim=0, keepdim=True)
@@ -97,6 +105,66 @@ def effective_rank(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> tor
         return torch.where(collapsed, torch.ones_like(ratio), ratio)
 
 
+def rank_sample(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> torch.Tensor:
+    """An evenly strided subset of at most ``max_tokens`` of the tokens ``[..., E]``, float32
+    ``[K, E]``: what the rank metrics look at, so their cost is bounded and the shape static."""
+    x = features.detach().reshape(-1, features.shape[-1])
+    stride = max(1, x.shape[0] // max_tokens)  # Python ints: a static slice
+    return x[::stride][:max_tokens].float()
+
+
+def position_share(tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                   num_positions: int | None = None) -> torch.Tensor:
+    """The share of the tokens' variance that their position on the patch grid explains:
+    ``[B, n, E]`` tokens (and int64 ``[B, n]`` positions among ``num_positions``; None:
+    token ``i`` is at position ``i`` in every sample) -> scalar float32 in [0, 1].
+
+    One minus the within-position variance over the total variance, each divided by its
+    degrees of freedom (an adjusted R^2, so that a batch of two samples does not read as
+    position-dominated by chance). Near 1 when a token says where it is and little about
+    the volume (the position embedding dominates); near 0 when the content does. NaN when
+    no position holds two tokens (batch of one). Fixed shapes: sums per position with
+    ``index_add``, no boolean indexing, no host read.
+    """
+    x = tokens.detach().float()
+    batch, n, width = x.shape
+    if positions is None:
+        positions, num_positions = torch.arange(n, device=x.device).expand(batch, n), n
+    flat = positions.reshape(-1)
+    with _without_autocast(x.device.type):
+        x = x.reshape(-1, width)
+        x = x - x.mean(dim=0, keepdim=True)
+        sums = x.new_zeros(num_positions, width).index_add_(0, flat, x)
+        counts = x.new_zeros(num_positions).index_add_(0, flat, torch.ones_like(flat, dtype=x.dtype))
+        total = x.square().sum()
+        within = total - (sums.square().sum(dim=1) / counts.clamp_min(1.0)).sum()
+        within_dof = flat.numel() - (counts > 0).sum().to(x.dtype)
+        within_mean = within / within_dof  # inf or NaN when every position holds one token
+        total_mean = total / max(flat.numel() - 1, 1)
+        share = (1.0 - within_mean / total_mean.clamp_min(torch.finfo(torch.float32).tiny)).clamp(0.0, 1.0)
+        return torch.where(within_dof > 0, share, torch.full_like(share, float("nan")))
+
+
+def rankme(sample: "np.ndarray") -> float:
+    """RankMe (Garrido et al. 2023) of host tokens ``[K, E]``: the exponential of the Shannon
+    entropy of the normalised singular values, ``exp(-sum p log p)`` with
+    ``p = s / sum(s) + 1e-7``. Between 1 and ``min(K, E)``; the rank measure papers report,
+    which the participation ratio (:func:`effective_rank`) understates for spread spectra."""
+    import numpy as np
+
+    singular = np.linalg.svd(np.asarray(sample, dtype=np.float64), compute_uv=False)
+    if not np.isfinite(singular).all() or singular.sum() <= 0:
+        return float("nan")
+    p = singular / singular.sum() + 1e-7
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def spectrum_metrics(sample: "np.ndarray") -> dict[str, float]:
+    """The metrics of a host copy of :func:`rank_sample` ``[K, E]``: ``rankme`` and its
+    maximum ``rankme_max`` (``min(K, E)``), which ``octfw plot`` draws it against."""
+    return {"rankme": rankme(sample), "rankme_max": float(min(sample.shape))}
+
+
 def effective_rank_ceiling(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> int:
     """The largest :func:`effective_rank` ``features`` of this shape can have: the tokens it
     keeps, less one (they are centred), or the width, whichever is smaller. From shapes
@@ -106,14 +174,17 @@ def effective_rank_ceiling(features: torch.Tensor, max_tokens: int = RANK_TOKENS
     return max(1, min(kept - 1, width))
 
 
-def health_metrics(features: torch.Tensor, predicted: torch.Tensor) -> dict[str, torch.Tensor]:
+def health_metrics(features: torch.Tensor, predicted: torch.Tensor, positions: torch.Tensor | None = None,
+                   num_positions: int | None = None) -> dict[str, torch.Tensor]:
     """The metrics every model reports and the ``collapse`` guard, ``octfw plot`` and the
-    benchmarks read: ``target_std`` and ``effective_rank`` of the ``features`` of the
-    network octfw exports, ``pred_std`` of what the model ``predicted``, and
+    benchmarks read: ``target_std``, ``effective_rank`` and ``position_share`` of the
+    ``features`` ``[B, n, E]`` of the network octfw exports (at grid ``positions``, see
+    :func:`position_share`), ``pred_std`` of what the model ``predicted``, and
     ``effective_rank_max``, the rank's ceiling for these shapes (a plot shows the rank
     against it: 5 of 63 is not 5 of 6). Device scalars; the ceiling is a filled constant
     (no copy from the host, and the same value every step: no new XLA graph)."""
     return {"target_std": embedding_std(features), "pred_std": embedding_std(predicted),
             "effective_rank": effective_rank(features),
             "effective_rank_max": features.new_full((), float(effective_rank_ceiling(features)),
-                                                    dtype=torch.float32)}
+                                                    dtype=torch.float32),
+            "position_share": position_share(features, positions, num_positions)}

@@ -36,8 +36,10 @@ class MaskConfig:
 
     generator: str = doc(
         "'random' (a fixed share of patches at random, the seeds' masking) or "
-        "'multiblock3d' (V-JEPA blocks spanning full depth, trimmed or padded to the "
-        "expected union size so the count is fixed)",
+        "'multiblock3d' (V-JEPA's: the short-range blocks and the long-range blocks, each spanning "
+        "the full depth, are two context/target pairs whose losses are averaged; each union is "
+        "trimmed or padded to its expected size so the counts are fixed). A configuration that "
+        "leaves under 10% of the patches as context is refused",
         default="random",
         validator=choices("random", "multiblock3d"),
     )
@@ -69,3 +71,10 @@ class MaskConfig:
         default=(0.75, 1.5),
         validator=[length(2), _aspect_pair],
     )
+
+    def pair_names(self) -> tuple[str, ...]:
+        """The context/target pairs one draw makes (:meth:`octfw.models.masks.MaskGenerator.pairs`):
+        ``""`` for random masking; V-JEPA's ``short`` and ``long`` configurations for multiblock3d."""
+        if self.generator == "random":
+            return ("",)
+        return tuple(name for name, blocks in (("short", self.short_blocks), ("long", self.long_blocks)) if blocks)

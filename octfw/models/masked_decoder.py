@@ -15,6 +15,8 @@ static slice.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from torch import nn
 
@@ -27,8 +29,9 @@ from octfw.models.vit3d import (
     set_activation_checkpointing,
     sincos_pos_embed_3d,
 )
+from octfw.types import mask_keys
 
-__all__ = ["MaskedTokenDecoder"]
+__all__ = ["MaskedTokenDecoder", "mask_metrics"]
 
 
 class MaskedTokenDecoder(nn.Module):
@@ -69,8 +72,11 @@ class MaskedTokenDecoder(nn.Module):
         set_activation_checkpointing(self.blocks, activation_checkpointing)
 
     def forward(
-        self, context_tokens: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor
-    ) -> torch.Tensor:
+        self, context_tokens: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor,
+        with_context: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Predictions at ``target_idx`` ``[B, Nt, out_dim]``; with ``with_context`` also those at
+        ``context_idx`` ``[B, Nc, out_dim]`` (V-JEPA 2.1's dense loss predicts every token)."""
         batch = context_tokens.shape[0]
         context = self.embed_in(context_tokens)
         pos = self.pos_embed.to(context.dtype).expand(batch, -1, -1)
@@ -80,5 +86,20 @@ class MaskedTokenDecoder(nn.Module):
         for block in self.blocks:
             tokens = block(tokens)
         # The masked positions are the last Nt tokens, a static slice.
-        predicted = self.norm(tokens[:, context.shape[1]:])
-        return self.embed_out(predicted)
+        if with_context:
+            predicted = self.embed_out(self.norm(tokens))
+            return predicted[:, context.shape[1]:], predicted[:, :context.shape[1]]
+        return self.embed_out(self.norm(tokens[:, context.shape[1]:]))
+
+
+def mask_metrics(batch: Mapping[str, torch.Tensor], pairs: tuple[str, ...],
+                 like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each mask configuration's token counts as metrics (``mask/context_tokens``,
+    ``mask/short/target_tokens``, ...): filled constants from the static index shapes,
+    no copy from the host and the same graph every step."""
+    metrics = {}
+    for pair in pairs:
+        prefix = f"mask/{pair}/" if pair else "mask/"
+        for side, key in zip(("context", "target"), mask_keys(pair)):
+            metrics[f"{prefix}{side}_tokens"] = like.new_full((), float(batch[key].shape[1]), dtype=torch.float32)
+    return metrics

@@ -2,11 +2,14 @@
 
 A mask generator splits the patch grid ``(D/pd, H/ph, W/pw)`` into the
 patches the context encoder sees (``context_idx``) and the patches the
-predictor must predict (``target_idx``). Indices count patches in row-major
-order over the grid. Both arrays are sorted int64 and their lengths depend
-only on the generator's options and the grid, never on the draw: XLA compiles
-one graph per shape, so a count that varied per sample would recompile every
-step (and a varying count cannot be batched anyway).
+predictor must predict (``target_idx``), once per *mask configuration* it
+names (:meth:`MaskGenerator.pairs`). V-JEPA draws its short-range and its
+long-range blocks as two such context/target pairs and averages the losses;
+a single random mask is one pair named ``""``. Indices count patches in
+row-major order over the grid. Both arrays are sorted int64 and their
+lengths depend only on the generator's options and the grid, never on the
+draw: XLA compiles one graph per shape, so a count that varied per sample
+would recompile every step (and a varying count cannot be batched anyway).
 
 All randomness comes from the ``rng`` argument, so the same seed gives the
 same mask in any worker.
@@ -26,6 +29,8 @@ from octfw.models.mask_config import MaskConfig
 
 __all__ = [
     "Grid",
+    "MIN_CONTEXT_SHARE",
+    "check_context_share",
     "MaskGenerator",
     "RandomMask",
     "MultiBlock3DMask",
@@ -36,17 +41,37 @@ __all__ = [
 #: Patch grid ``(gd, gh, gw)``: patches along depth, height and width.
 Grid = tuple[int, int, int]
 
+#: The smallest share of the tokens a mask configuration may leave as context. Below
+#: it the predictor guesses from a handful of patches: the old union of all ten
+#: V-JEPA blocks left 3 of 64 on a 4 x 4 x 4 grid.
+MIN_CONTEXT_SHARE = 0.10
+
 
 class MaskGenerator(Protocol):
     """What the transform needs from a mask generator."""
 
-    def counts(self, grid: Grid) -> tuple[int, int]:
-        """``(num_context, num_target)`` for ``grid``; the same for every draw."""
+    def pairs(self, grid: Grid) -> dict[str, tuple[int, int]]:
+        """``{configuration: (num_context, num_target)}`` for ``grid``; the same for every draw.
+        One entry per context/target pair a draw makes (``""`` for a single pair)."""
         ...
 
-    def __call__(self, grid: Grid, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Sorted int64 ``(context_idx, target_idx)``, disjoint, covering the grid."""
+    def __call__(self, grid: Grid, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{configuration: (context_idx, target_idx)}``: sorted int64, disjoint, covering the grid."""
         ...
+
+
+def check_context_share(generator: MaskGenerator, grid: Grid) -> None:
+    """Refuse a mask configuration that leaves fewer than :data:`MIN_CONTEXT_SHARE` of the
+    tokens as context (UserError naming it and its counts)."""
+    for name, (num_context, num_target) in generator.pairs(grid).items():
+        total = num_context + num_target
+        if num_context < MIN_CONTEXT_SHARE * total:
+            which = f"mask configuration {name!r}" if name else "the mask"
+            raise UserError(
+                f"transform.mask: {which} leaves {num_context} of {total} patches as context "
+                f"({num_context / total:.0%}), fewer than {MIN_CONTEXT_SHARE:.0%}: the predictor "
+                "would guess from almost nothing (use smaller or fewer blocks, a lower ratio, or "
+                "a finer patch grid)")
 
 
 def _num_patches(grid: Grid) -> int:
@@ -88,17 +113,17 @@ class RandomMask:
             raise UserError(f"transform.mask.ratio must be in (0, 1), got {ratio!r}")
         self.ratio = float(ratio)
 
-    def counts(self, grid: Grid) -> tuple[int, int]:
+    def pairs(self, grid: Grid) -> dict[str, tuple[int, int]]:
         n = _num_patches(grid)
         num_target = _clamped_target_count(self.ratio, n)
-        return n - num_target, num_target
+        return {"": (n - num_target, num_target)}
 
-    def __call__(self, grid: Grid, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, grid: Grid, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         n = _num_patches(grid)
-        _, num_target = self.counts(grid)
+        _, num_target = self.pairs(grid)[""]
         target = np.zeros(n, dtype=bool)
         target[rng.permutation(n)[:num_target]] = True
-        return _split(target)
+        return {"": _split(target)}
 
     def __repr__(self) -> str:
         return f"RandomMask(ratio={self.ratio})"
@@ -146,20 +171,23 @@ def _expected_union_fraction(
 
 
 class MultiBlock3DMask:
-    """V-JEPA-style multi-block masking on the patch grid.
+    """V-JEPA's multi-block masking on the patch grid, one context/target pair per configuration.
 
     Each block covers a rectangle of the H x W patch plane whose area is
     ``scale`` of the plane, with an aspect ratio (height / width) drawn from
     ``aspect_ratio``, placed uniformly at random, and spans the full depth.
-    ``short_blocks`` blocks use ``short_scale`` and ``long_blocks`` blocks use
-    ``long_scale``. The target is the union of all blocks, the context its
-    complement.
+    The ``short`` configuration is ``short_blocks`` blocks of ``short_scale``,
+    the ``long`` configuration ``long_blocks`` blocks of ``long_scale``. As in
+    V-JEPA, each configuration is its own pair: its target is the union of its
+    blocks, its context the complement, and the model averages the pairs'
+    losses. (The union of all ten blocks as one pair left 3 context patches of
+    64 on a 4 x 4 x 4 grid.) A configuration with no blocks is left out.
 
-    Blocks overlap at random, so the union's size varies per draw. To keep
-    the counts fixed, the union is then trimmed (random target patches are
+    Blocks overlap at random, so a union's size varies per draw. To keep the
+    counts fixed, each union is then trimmed (random target patches are
     returned to the context) or padded (random context patches join the
-    target) to the expected union size for this grid, computed exactly from
-    the block distribution (no sampling), clamped to ``[1, N - 1]``.
+    target) to its expected size for this grid, computed exactly from the
+    block distribution (no sampling), clamped to ``[1, N - 1]``.
     """
 
     def __init__(
@@ -184,26 +212,33 @@ class MultiBlock3DMask:
                 f"transform.mask.aspect_ratio must be [low, high] with 0 < low <= high, "
                 f"got {list(aspect_ratio)}"
             )
-        self.scales = (float(short_scale),) * short_blocks + (float(long_scale),) * long_blocks
+        #: configuration name -> the scale of each of its blocks
+        self.configurations = {name: (float(scale),) * blocks
+                               for name, blocks, scale in (("short", short_blocks, short_scale),
+                                                           ("long", long_blocks, long_scale)) if blocks}
         self.aspect_ratio = (float(low), float(high))
 
-    def expected_fraction(self, grid: Grid) -> float:
-        """Expected share of the grid inside the union of the blocks (before trimming)."""
+    def expected_fraction(self, grid: Grid, configuration: str) -> float:
+        """Expected share of the grid inside the union of ``configuration``'s blocks (before trimming)."""
         _num_patches(grid)
         # Blocks span the full depth, so the share of the plane is the share of the grid.
-        return _expected_union_fraction(self.scales, self.aspect_ratio, int(grid[1]), int(grid[2]))
+        return _expected_union_fraction(self.configurations[configuration], self.aspect_ratio,
+                                        int(grid[1]), int(grid[2]))
 
-    def counts(self, grid: Grid) -> tuple[int, int]:
+    def pairs(self, grid: Grid) -> dict[str, tuple[int, int]]:
         n = _num_patches(grid)
-        num_target = _clamped_target_count(self.expected_fraction(grid), n)
-        return n - num_target, num_target
+        counts = {}
+        for name in self.configurations:
+            num_target = _clamped_target_count(self.expected_fraction(grid, name), n)
+            counts[name] = (n - num_target, num_target)
+        return counts
 
-    def block_mask(self, grid: Grid, rng: np.random.Generator) -> np.ndarray:
-        """The union of the blocks before trimming: boolean ``[gd, gh, gw]``."""
+    def block_mask(self, grid: Grid, configuration: str, rng: np.random.Generator) -> np.ndarray:
+        """The union of ``configuration``'s blocks before trimming: boolean ``[gd, gh, gw]``."""
         _num_patches(grid)
         gd, gh, gw = (int(g) for g in grid)
         mask = np.zeros((gd, gh, gw), dtype=bool)
-        for scale in self.scales:
+        for scale in self.configurations[configuration]:
             height, width = _block_size(scale, rng.uniform(*self.aspect_ratio), gh, gw)
             top = int(rng.integers(0, gh - height + 1))
             left = int(rng.integers(0, gw - width + 1))
@@ -211,20 +246,22 @@ class MultiBlock3DMask:
             mask[:, top:top + height, left:left + width] = True
         return mask
 
-    def __call__(self, grid: Grid, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        _, num_target = self.counts(grid)
-        target = self.block_mask(grid, rng).reshape(-1)
-        drawn = int(target.sum())
-        if drawn > num_target:
-            drop = rng.choice(np.flatnonzero(target), size=drawn - num_target, replace=False)
-            target[drop] = False
-        elif drawn < num_target:
-            add = rng.choice(np.flatnonzero(~target), size=num_target - drawn, replace=False)
-            target[add] = True
-        return _split(target)
+    def __call__(self, grid: Grid, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        drawn_pairs = {}
+        for name, (_, num_target) in self.pairs(grid).items():
+            target = self.block_mask(grid, name, rng).reshape(-1)
+            drawn = int(target.sum())
+            if drawn > num_target:
+                drop = rng.choice(np.flatnonzero(target), size=drawn - num_target, replace=False)
+                target[drop] = False
+            elif drawn < num_target:
+                add = rng.choice(np.flatnonzero(~target), size=num_target - drawn, replace=False)
+                target[add] = True
+            drawn_pairs[name] = _split(target)
+        return drawn_pairs
 
     def __repr__(self) -> str:
-        return f"MultiBlock3DMask(scales={self.scales}, aspect_ratio={self.aspect_ratio})"
+        return f"MultiBlock3DMask(configurations={self.configurations}, aspect_ratio={self.aspect_ratio})"
 
 
 def mask_generator_from_config(config: "MaskConfig") -> MaskGenerator:

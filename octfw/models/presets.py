@@ -22,7 +22,7 @@ from octfw.fields import doc, length, positive
 
 __all__ = ["ENCODER_PRESETS", "EncoderArchitecture", "PresetSized", "model_presets", "describe_presets",
            "resolve_sizes", "size_field", "patch_size_field", "positive_each", "patch_geometry",
-           "network_arguments"]
+           "network_arguments", "standardise_field"]
 
 #: Encoder sizes by preset name: 'tiny' for the CPU quickstart, 'small' the
 #: seeds' encoder (ViT-S width), 'base' ViT-B.
@@ -123,6 +123,15 @@ def patch_size_field() -> Any:
                default=(4, 16, 16), converter=tuple, validator=[length(3), positive_each])
 
 
+def standardise_field() -> Any:
+    """The ``standardise_input`` config field: on by default (new recipes), recorded in the export."""
+    return doc("standardise each input volume to mean 0 and std 1 over its voxels before the patch "
+               "projection (after the transform's percentile scaling), as the reference methods "
+               "standardise their inputs: without it the fixed position embedding outweighed the "
+               "content of [0, 1] inputs. Part of the encoder, so an export does the same in `embed`",
+               default=True)
+
+
 def positive_each(instance: Any, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     """attrs validator: every item of a sequence (a patch size) is > 0."""
     if any(v <= 0 for v in value):
@@ -162,4 +171,5 @@ def network_arguments(model: str, config: Any, ctx: Any) -> dict[str, Any]:
     image_size, patch_size = patch_geometry(model, config.patch_size, ctx)
     return dict(image_size=image_size, patch_size=patch_size, in_channels=ctx.in_channels,
                 activation_checkpointing=config.activation_checkpointing,
+                standardise_input=config.standardise_input,
                 **attrs.asdict(config.architecture()))

@@ -28,6 +28,8 @@ __all__ = [
     "sincos_pos_embed_3d",
     "gather_tokens",
     "PatchEmbed3D",
+    "standardise_volume",
+    "volume_statistics",
     "Attention",
     "MLP",
     "LayerNorm",
@@ -101,16 +103,74 @@ def gather_tokens(tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(tokens, 1, index)
 
 
+#: Floor of a volume's standard deviation in :func:`standardise_volume`: a constant volume
+#: (all background) becomes zeros instead of dividing by zero.
+STANDARDISE_EPS = 1e-6
+
+
+def volume_statistics(volume: torch.Tensor, patch_size: tuple[int, int, int],
+                      keep_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each volume's mean and ``1 / std`` ``[B]`` (float32), for standardising it (the
+    references standardise their inputs).
+
+    The statistics are those of the patches at ``keep_idx`` (``[B, K]``; None: every
+    patch), so an encoder that sees only the context learns nothing of the masked
+    patches, not even their brightness. Per-patch means of ``x`` and ``x**2`` come from
+    average pools (no copy of the volume into patches), and every patch has the same
+    number of voxels, so the mean of the kept patches' means is the mean of their voxels.
+    A constant volume gets ``1 / STANDARDISE_EPS``: its standardised voxels are 0."""
+    x = volume.float()
+    moments = [F.avg_pool3d(v, kernel_size=patch_size, stride=patch_size).mean(dim=1).flatten(1)
+               for v in (x, x.square())]  # each [B, N]: the mean over channels too
+    if keep_idx is not None:
+        moments = [torch.gather(m, 1, keep_idx) for m in moments]
+    mean, square = (m.mean(dim=1) for m in moments)
+    var = (square - mean.square()).clamp_min(0.0)
+    return mean, torch.rsqrt(var + STANDARDISE_EPS ** 2)
+
+
+def standardise_volume(volume: torch.Tensor, patch_size: tuple[int, int, int],
+                       keep_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """``volume`` standardised with :func:`volume_statistics`, float32 ``[B, C, D, H, W]``. The
+    encoder does not build this copy: it folds the statistics into its patch projection."""
+    mean, inv_std = volume_statistics(volume, patch_size, keep_idx)
+    return (volume.float() - mean[:, None, None, None, None]) * inv_std[:, None, None, None, None]
+
+
 class PatchEmbed3D(nn.Module):
-    """Non-overlapping 3D patches to tokens (a Conv3d with kernel = stride = patch)."""
+    """Non-overlapping 3D patches to tokens (a Conv3d with kernel = stride = patch).
+
+    Initialised as MAE initialises its patch projection: xavier-uniform on the
+    flattened ``[E, C * pd * ph * pw]`` kernel, as a linear layer would be. The ViT
+    default (std 0.02) gave tokens whose content was a third of the position
+    embedding's norm, and mostly the patch's mean brightness."""
 
     def __init__(self, patch_size: tuple[int, int, int], in_channels: int, embed_dim: int):
         super().__init__()
         self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.reset_parameters()
 
-    def forward(self, volume: torch.Tensor) -> torch.Tensor:
+    def reset_parameters(self) -> None:
+        weight = self.proj.weight
+        nn.init.xavier_uniform_(weight.view(weight.shape[0], -1))
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, volume: torch.Tensor,
+                statistics: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Tokens of ``volume``; with ``statistics`` (:func:`volume_statistics`), the tokens of
+        the standardised volume. The projection is linear, so ``proj((x - m) * r)`` is
+        ``(proj(x) - b - m * sum(W)) * r + b``: no standardised copy of the volume is made
+        or kept for the backward pass (it cost as much activation memory as the input)."""
+        tokens = self.proj(volume)  # [B, E, gd, gh, gw]
+        if statistics is not None:
+            mean, inv_std = statistics
+            bias = self.proj.bias.float()[None, :, None, None, None]
+            kernel_sum = self.proj.weight.float().sum(dim=(1, 2, 3, 4))[None, :, None, None, None]
+            shift = mean[:, None, None, None, None] * kernel_sum
+            scale = inv_std[:, None, None, None, None]
+            tokens = ((tokens.float() - bias - shift) * scale + bias).to(tokens.dtype)
         # [B, E, gd, gh, gw] -> [B, N, E], N in row-major (d, h, w) order.
-        return self.proj(volume).flatten(2).transpose(1, 2)
+        return tokens.flatten(2).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -296,6 +356,9 @@ class ViT3DEncoder(nn.Module):
 
     ``activation_checkpointing`` recomputes each block in backward (see
     :class:`Block`); a training-time choice, not part of :meth:`architecture`.
+    ``standardise_input`` standardises each volume (:func:`standardise_volume`)
+    before the patch projection; part of :meth:`architecture`, so an exported
+    encoder does the same wherever it is loaded.
     """
 
     def __init__(
@@ -308,8 +371,10 @@ class ViT3DEncoder(nn.Module):
         num_heads: int,
         mlp_ratio: float,
         activation_checkpointing: bool = False,
+        standardise_input: bool = False,
     ):
         super().__init__()
+        self.standardise_input = bool(standardise_input)
         self.image_size = tuple(image_size)
         self.patch_size = tuple(patch_size)
         self.in_channels = in_channels
@@ -328,6 +393,7 @@ class ViT3DEncoder(nn.Module):
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio) for _ in range(depth))
         self.norm = LayerNorm(embed_dim)
         self.apply(init_weights)
+        self.patch_embed.reset_parameters()  # init_weights gave it the ViT default
         rescale_residual_branches(self.blocks)
         set_activation_checkpointing(self.blocks, activation_checkpointing)
 
@@ -342,13 +408,27 @@ class ViT3DEncoder(nn.Module):
             "depth": self.depth,
             "num_heads": self.num_heads,
             "mlp_ratio": self.mlp_ratio,
+            "standardise_input": self.standardise_input,
         }
 
     def forward(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None) -> torch.Tensor:
-        tokens = self.patch_embed(volume)
+        return self.levels(volume, keep_idx, (self.depth,))[0]
+
+    def levels(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None,
+               depths: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """The tokens after each block in ``depths`` (1 = the first block), in order; the last
+        block's through the final norm, as :meth:`forward` returns them. V-JEPA 2.1 predicts
+        several depths at once."""
+        statistics = None
+        if self.standardise_input:  # a structural choice, not a branch on tensor values
+            statistics = volume_statistics(volume, self.patch_size, keep_idx)
+        tokens = self.patch_embed(volume, statistics)
         tokens = tokens + self.pos_embed.to(tokens.dtype)
         if keep_idx is not None:  # a structural choice, not a branch on tensor values
             tokens = gather_tokens(tokens, keep_idx)
-        for block in self.blocks:
+        outputs = []
+        for depth, block in enumerate(self.blocks, start=1):
             tokens = block(tokens)
-        return self.norm(tokens)
+            if depth in depths:
+                outputs.append(self.norm(tokens) if depth == self.depth else tokens)
+        return outputs

@@ -27,7 +27,7 @@ from octfw.recipe.structuring import (
 )
 from octfw.registry import Registry, did_you_mean
 from octfw.storage.files import require_writable_folder
-from octfw.types import BuildContext
+from octfw.types import BuildContext, MaskingConfig
 
 __all__ = ["Recipe", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS", "stage_attribute",
            "validate", "load_recipe", "to_toml", "cache_dir_for"]
@@ -110,11 +110,13 @@ class Recipe(ByStage):
         # the model's patch_size define the patch grid both must agree on.
         image_size = getattr(self.transform.config, "image_size", None)
         patch_size = getattr(self.model.config, "patch_size", None)
+        masking = self.transform.config
         return BuildContext(
             recipe_dir=self.folder, cache_dir=cache_dir_for(self.run, writable=writable_cache),
             run_dir=run_dir, seed=self.run.seed, rank=rank, world_size=world_size,
             image_size=tuple(image_size) if image_size is not None else None,
             patch_size=tuple(patch_size) if patch_size is not None else None,
+            mask_pairs=masking.mask_pairs() if isinstance(masking, MaskingConfig) else ("",),
             base_lr=self.engine.base_lr, weight_decay=self.engine.weight_decay,
             total_update_steps=total_update_steps, recipe=self.to_dict(), registry=registry,
         )

@@ -21,7 +21,7 @@ def build(config: MAE3DConfig, ctx: BuildContext) -> Model:
 
     from octfw.plugins.models.mae3d.model import MAE3D
 
-    return MAE3D(norm_pix_loss=config.norm_pix_loss, **arguments)
+    return MAE3D(norm_pix_loss=config.norm_pix_loss, mask_pairs=ctx.mask_pairs, **arguments)
 
 
 @hookimpl

@@ -13,7 +13,8 @@ import attrs
 
 from octfw.fields import choices, doc, positive
 from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, model_presets,
-                                  patch_size_field, size_field)
+                                  patch_size_field, size_field,
+                                  standardise_field)
 
 __all__ = ["PRESETS", "PRESET_PARAMETERS", "Architecture", "MAE3DConfig"]
 
@@ -65,6 +66,7 @@ class MAE3DConfig(PresetSized):
         default="small", validator=choices(*PRESETS),
     )
     patch_size: tuple[int, int, int] = patch_size_field()
+    standardise_input: bool = standardise_field()
     norm_pix_loss: bool = doc(
         "reconstruct each masked patch normalised by its own voxels' mean and std (MAE's "
         "norm_pix_loss, as RETFound, OCTCube and nnssl train): the loss then rewards texture and "

@@ -23,10 +23,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from octfw.models.health import health_metrics
-from octfw.models.masked_decoder import MaskedTokenDecoder
+from octfw.models.health import health_metrics, rank_sample
+from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import ViT3DEncoder, gather_tokens, weight_decay_groups
-from octfw.types import BATCH_KEYS, ModelOutput
+from octfw.types import BATCH_KEYS, ModelOutput, mask_keys
 
 __all__ = ["NORM_PIX_EPS", "MAE3D", "patchify", "masked_pixel_loss"]
 
@@ -67,25 +67,26 @@ def masked_pixel_loss(predicted: torch.Tensor, target: torch.Tensor, norm_pix_lo
 class MAE3D(nn.Module):
     """Masked autoencoder with a 3D ViT encoder and a narrow reconstruction decoder.
 
-    ``forward(batch)`` takes the keys of :data:`octfw.types.BATCH_KEYS` (its ``inputs``)
-    (``context`` and ``target`` float32 ``[B, C, D, H, W]``, ``context_idx``
-    int64 ``[B, Nc]``, ``target_idx`` int64 ``[B, Nt]``) and returns an
-    :class:`~octfw.types.ModelOutput` with the reconstruction loss on the masked
-    patches and the scalar metrics the ``collapse`` guard, ``octfw plot`` and the
-    benchmarks read for every model:
+    ``forward(batch)`` reads its ``inputs``: ``context`` and ``target`` float32
+    ``[B, C, D, H, W]`` and, for each mask configuration in ``mask_pairs``, its
+    ``context_idx`` int64 ``[B, Nc]`` and ``target_idx`` int64 ``[B, Nt]``
+    (:func:`octfw.types.mask_keys`; MAE's random masking is one pair, several
+    pairs' losses are averaged). It returns an :class:`~octfw.types.ModelOutput`
+    with the reconstruction loss on the masked patches and the scalar metrics the
+    ``collapse`` guard, ``octfw plot`` and the benchmarks read for every model:
 
-    - ``target_std`` and ``effective_rank``: of the encoder's output tokens, the
-      encoder being what octfw exports and probes (the "target encoder" of a
-      model without EMA). They are the visible tokens of this step, the only
-      ones the encoder computes in training (see
-      :func:`~octfw.models.health.embedding_std`, :func:`~octfw.models.health.effective_rank`).
+    - ``target_std``, ``effective_rank`` and ``position_share``: of the encoder's
+      output tokens, the encoder being what octfw exports and probes (the "target
+      encoder" of a model without EMA). They are the visible tokens of the first
+      pair, the only ones the encoder computes in training (see :mod:`octfw.models.health`).
     - ``pred_std``: :func:`~octfw.models.health.embedding_std` of the
       reconstructed patches.
 
     All parameters are trainable; :attr:`encoder` is the network to export.
     """
 
-    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.Model.inputs)
+    #: the batch keys forward reads (octfw.types.Model.inputs); set from ``mask_pairs``
+    inputs: tuple[str, ...] = BATCH_KEYS
 
     def __init__(
         self,
@@ -102,12 +103,16 @@ class MAE3D(nn.Module):
         mlp_ratio: float = 4.0,
         norm_pix_loss: bool = True,
         activation_checkpointing: bool = False,
+        mask_pairs: tuple[str, ...] = ("",),
+        standardise_input: bool = False,
     ):
         super().__init__()
         self.norm_pix_loss = norm_pix_loss
+        self.mask_pairs = tuple(mask_pairs)
+        self.inputs = ("context", "target", *(key for pair in self.mask_pairs for key in mask_keys(pair)))
         self.encoder = ViT3DEncoder(
             image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, standardise_input=standardise_input,
         )
         patch_voxels = patch_size[0] * patch_size[1] * patch_size[2] * in_channels
         self.decoder = MaskedTokenDecoder(
@@ -140,13 +145,21 @@ class MAE3D(nn.Module):
         return gather_tokens(patchify(target, self.encoder.patch_size), target_idx)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> ModelOutput:
-        visible, predicted = self.reconstruct(batch["context"], batch["context_idx"], batch["target_idx"])
-        target = self.target_patches(batch["target"], batch["target_idx"])
-        per_sample = masked_pixel_loss(predicted, target, self.norm_pix_loss)
+        losses, seen = [], []
+        for pair in self.mask_pairs:
+            context_key, target_key = mask_keys(pair)
+            visible, predicted = self.reconstruct(batch["context"], batch[context_key], batch[target_key])
+            target = self.target_patches(batch["target"], batch[target_key])
+            losses.append(masked_pixel_loss(predicted, target, self.norm_pix_loss))
+            seen.append((visible, predicted, batch[context_key]))
+        per_sample = torch.stack(losses).mean(dim=0)
+        visible, predicted, positions = seen[0]
         return ModelOutput(
             loss=per_sample.mean(),
             per_sample_loss=per_sample,
-            metrics=health_metrics(visible, predicted),
+            metrics={**health_metrics(visible, predicted, positions, self.num_patches),
+                     **mask_metrics(batch, self.mask_pairs, per_sample)},
+            health_tokens=rank_sample(visible),
         )
 
     @torch.no_grad()

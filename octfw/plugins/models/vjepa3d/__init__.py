@@ -8,6 +8,7 @@ Registration and factory; the config lives in :mod:`octfw.plugins.models.vjepa3d
 
 from __future__ import annotations
 
+from octfw.errors import UserError
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Model
 from octfw.models.presets import network_arguments
@@ -22,7 +23,11 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
 
     from octfw.plugins.models.vjepa3d.model import VJEPA3D
 
-    return VJEPA3D(loss=config.loss, **arguments)
+    if config.dense_levels > arguments["depth"]:
+        raise UserError(f"model.dense_levels = {config.dense_levels} exceeds the encoder's depth "
+                        f"({arguments['depth']} blocks): each level is the output of one block")
+    return VJEPA3D(loss=config.loss, mask_pairs=ctx.mask_pairs, dense_levels=config.dense_levels,
+                   context_loss_weight=config.context_loss_weight, **arguments)
 
 
 @hookimpl

@@ -11,9 +11,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from octfw.fields import choices, doc, positive
+from octfw.fields import choices, doc, non_negative, positive
 from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, model_presets,
-                                  patch_size_field, size_field)
+                                  patch_size_field, size_field,
+                                  standardise_field)
 
 __all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
 
@@ -66,6 +67,7 @@ class VJEPA3DConfig(PresetSized):
         default="small", validator=choices(*PRESETS),
     )
     patch_size: tuple[int, int, int] = patch_size_field()
+    standardise_input: bool = standardise_field()
     loss: str = doc(
         "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
         default="l1", validator=choices(*LOSS_CHOICES),
@@ -78,6 +80,18 @@ class VJEPA3DConfig(PresetSized):
     predictor_num_heads: int | None = size_field("predictor attention heads")
     mlp_ratio: float | None = doc(
         "MLP hidden width / embedding width (default: from preset)", default=None, validator=positive,
+    )
+    dense_levels: int = doc(
+        "V-JEPA 2.1's dense loss: 0 = off (plain V-JEPA); N > 0 = the predictor predicts the target "
+        "encoder's tokens at N evenly spaced depths (V-JEPA 2.1: 4), each layer-normed, at the masked "
+        "patches and also at the visible ones, where each token's loss is weighted by 1/sqrt of its "
+        "grid distance to the nearest masked patch (context_loss_weight). Meant to make the tokens "
+        "dense features (segmentation)",
+        default=0, validator=non_negative,
+    )
+    context_loss_weight: float = doc(
+        "dense_levels > 0: weight of the loss on the visible tokens beside the masked ones",
+        default=0.5, validator=non_negative,
     )
     activation_checkpointing: bool = doc(
         "recompute each transformer block's activations in the backward pass instead of keeping "

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octfw.models.health import health_metrics
-from octfw.models.masked_decoder import MaskedTokenDecoder
+from octfw.models.health import health_metrics, rank_sample
+from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import (
     ViT3DEncoder,
     gather_tokens,
@@ -29,13 +29,15 @@ from octfw.models.vit3d import (
     set_activation_checkpointing,
     weight_decay_groups,
 )
-from octfw.types import BATCH_KEYS, ModelOutput
+from octfw.types import BATCH_KEYS, ModelOutput, mask_keys
 
 __all__ = [
     "LOSSES",
     "Predictor",
     "VJEPA3D",
     "masked_feature_loss",
+    "token_errors",
+    "context_weights",
 ]
 
 #: Loss names accepted by :class:`VJEPA3D` (and the ``loss`` config key).
@@ -59,16 +61,23 @@ class Predictor(MaskedTokenDecoder):
         num_heads: int,
         mlp_ratio: float,
         activation_checkpointing: bool = False,
+        out_dim: int | None = None,
     ):
         super().__init__(grid_size, embed_dim, predictor_embed_dim, depth, num_heads, mlp_ratio,
-                         out_dim=embed_dim, activation_checkpointing=activation_checkpointing)
+                         out_dim=out_dim or embed_dim, activation_checkpointing=activation_checkpointing)
 
 
 def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-sample loss ``[B]`` between ``[B, Nt, E]`` predictions and targets.
+    """Per-sample loss ``[B]`` between ``[B, Nt, E]`` predictions and targets: the mean over
+    tokens of :func:`token_errors`."""
+    return token_errors(predicted, target, kind).mean(dim=1)
 
-    Computed in float32 whatever the autocast dtype, averaged over masked
-    tokens and feature channels:
+
+def token_errors(predicted: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token error ``[B, N]`` between ``[B, N, E]`` predictions and targets.
+
+    Computed in float32 whatever the autocast dtype, averaged over feature
+    channels:
 
     - ``"l1"``: mean absolute error against layer-normed (no affine) targets,
       the V-JEPA loss.
@@ -88,27 +97,57 @@ def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str
         error = (F.normalize(predicted, dim=-1) - F.normalize(target, dim=-1)).square()
     else:
         raise ValueError(f"unknown loss {kind!r}; choose one of {', '.join(LOSSES)}")
-    return error.mean(dim=(1, 2))
+    return error.mean(dim=2)
+
+
+#: Most elements of one chunk of the context-to-target distance matrix (:func:`context_weights`).
+_DISTANCE_CHUNK = 1 << 24
+
+
+@torch.no_grad()
+def context_weights(context_idx: torch.Tensor, target_idx: torch.Tensor,
+                    grid: tuple[int, int, int]) -> torch.Tensor:
+    """V-JEPA 2.1's weight of each context token in the dense loss: ``1 / sqrt(d)``, ``d`` the
+    distance on the patch grid to the nearest target token. ``[B, Nc]`` float32 in (0, 1]: a
+    token next to the mask counts fully, one far from it less. The distance matrix is taken a
+    few samples at a time (static chunks) so a 9,216-patch grid does not hold B x 3k x 6k."""
+    _, gh, gw = grid
+
+    def coordinates(idx: torch.Tensor) -> torch.Tensor:
+        return torch.stack([idx // (gh * gw), (idx // gw) % gh, idx % gw], dim=-1).float()
+
+    batch, num_context = context_idx.shape
+    step = max(1, _DISTANCE_CHUNK // max(1, num_context * target_idx.shape[1]))
+    nearest = torch.cat([
+        torch.cdist(coordinates(context_idx[i:i + step]), coordinates(target_idx[i:i + step])).amin(dim=2)
+        for i in range(0, batch, step)
+    ])
+    return nearest.clamp_min(1.0).rsqrt()
 
 
 class VJEPA3D(nn.Module):
     """V-JEPA with a 3D ViT context encoder, predictor and EMA target encoder.
 
-    ``forward(batch)`` takes the keys of :data:`octfw.types.BATCH_KEYS` (its ``inputs``)
-    (``context`` and ``target`` float32 ``[B, C, D, H, W]``, ``context_idx``
-    int64 ``[B, Nc]``, ``target_idx`` int64 ``[B, Nt]``) and returns an
-    :class:`~octfw.types.ModelOutput` with the loss on masked patches and the
-    scalar metrics ``target_std``, ``pred_std`` (see :func:`~octfw.models.health.embedding_std`)
-    and ``effective_rank`` of the target features (see
-    :func:`~octfw.models.health.effective_rank`),
-    the signals the ``collapse`` guard watches.
+    ``forward(batch)`` reads its ``inputs``: ``context`` and ``target`` float32
+    ``[B, C, D, H, W]`` and, for each mask configuration in ``mask_pairs``, its
+    ``context_idx`` int64 ``[B, Nc]`` and ``target_idx`` int64 ``[B, Nt]`` (named
+    by :func:`octfw.types.mask_keys`). As in V-JEPA, the target encoder encodes
+    the full target view once; each configuration is its own context/target
+    pair (the context encoder and predictor run once per pair) and the loss is
+    the mean of the pairs' losses. It returns an :class:`~octfw.types.ModelOutput`
+    with that loss, the scalar metrics ``target_std``, ``pred_std`` (see
+    :func:`~octfw.models.health.embedding_std`), ``effective_rank`` and
+    ``position_share`` of the target features (see :mod:`octfw.models.health`),
+    the signals the ``collapse`` guard watches, each configuration's token counts
+    (:func:`~octfw.models.masked_decoder.mask_metrics`), and a sample of the target tokens for RankMe.
 
     Trainable parameters are those of ``context_encoder`` and ``predictor``;
     ``target_encoder`` (also :attr:`encoder`) is a copy updated only by
     :meth:`ema_update` and never receives gradients.
     """
 
-    inputs = BATCH_KEYS  #: the batch keys forward reads (octfw.types.Model.inputs)
+    #: the batch keys forward reads (octfw.types.Model.inputs); set from ``mask_pairs``
+    inputs: tuple[str, ...] = BATCH_KEYS
 
     def __init__(
         self,
@@ -125,14 +164,26 @@ class VJEPA3D(nn.Module):
         mlp_ratio: float = 4.0,
         loss: str = "l1",
         activation_checkpointing: bool = False,
+        mask_pairs: tuple[str, ...] = ("",),
+        standardise_input: bool = False,
+        dense_levels: int = 0,
+        context_loss_weight: float = 0.5,
     ):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
+        if not 0 <= dense_levels <= depth:
+            raise ValueError(f"dense_levels must be in [0, depth = {depth}], got {dense_levels}")
         self.loss_kind = loss
+        #: V-JEPA 2.1's dense loss when > 0: the encoder depths whose tokens are predicted
+        #: (evenly spaced, the last block included) and the weight of the loss on the context.
+        self.level_depths = tuple(depth * (i + 1) // dense_levels for i in range(dense_levels))
+        self.context_loss_weight = float(context_loss_weight)
+        self.mask_pairs = tuple(mask_pairs)
+        self.inputs = ("context", "target", *(key for pair in self.mask_pairs for key in mask_keys(pair)))
         self.context_encoder = ViT3DEncoder(
             image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, standardise_input=standardise_input,
         )
         self.predictor = Predictor(
             self.context_encoder.grid_size,
@@ -142,6 +193,7 @@ class VJEPA3D(nn.Module):
             predictor_num_heads,
             mlp_ratio,
             activation_checkpointing=activation_checkpointing,
+            out_dim=embed_dim * max(1, dense_levels),
         )
         self.target_encoder = copy.deepcopy(self.context_encoder)
         self.target_encoder.requires_grad_(False)
@@ -179,13 +231,37 @@ class VJEPA3D(nn.Module):
         return gather_tokens(self.target_encoder(target), target_idx)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> ModelOutput:
-        predicted = self.predict(batch["context"], batch["context_idx"], batch["target_idx"])
-        target = self.target_features(batch["target"], batch["target_idx"])
-        per_sample = masked_feature_loss(predicted, target, self.loss_kind)
+        with torch.no_grad():  # every patch, once for all pairs
+            if self.level_depths:
+                levels = self.target_encoder.levels(batch["target"], depths=self.level_depths)
+                tokens = levels[-1]
+                # Each depth normalised on its own, then side by side: what the predictor predicts.
+                targets = torch.cat([layer_norm(level, level.shape[-1:]) for level in levels], dim=-1)
+            else:
+                tokens = targets = self.target_encoder(batch["target"])
+        losses, predictions = [], []
+        for pair in self.mask_pairs:
+            context_key, target_key = mask_keys(pair)
+            context_idx, target_idx = batch[context_key], batch[target_key]
+            visible = self.context_encoder(batch["context"], keep_idx=context_idx)
+            if self.level_depths:
+                predicted, predicted_context = self.predictor(visible, context_idx, target_idx, with_context=True)
+                errors = token_errors(predicted_context, gather_tokens(targets, context_idx), self.loss_kind)
+                weights = context_weights(context_idx, target_idx, self.grid_size)
+                context_loss = (errors * weights).mean(dim=1)
+            else:
+                predicted = self.predictor(visible, context_idx, target_idx)
+                context_loss = 0.0
+            loss = masked_feature_loss(predicted, gather_tokens(targets, target_idx), self.loss_kind)
+            losses.append(loss + self.context_loss_weight * context_loss)
+            predictions.append(predicted[..., -tokens.shape[-1]:])  # the last depth's prediction
+        per_sample = torch.stack(losses).mean(dim=0)
         return ModelOutput(
             loss=per_sample.mean(),
             per_sample_loss=per_sample,
-            metrics=health_metrics(target, predicted),
+            metrics={**health_metrics(tokens, torch.cat(predictions, dim=1)),
+                     **mask_metrics(batch, self.mask_pairs, per_sample)},
+            health_tokens=rank_sample(tokens),
         )
 
     @torch.no_grad()

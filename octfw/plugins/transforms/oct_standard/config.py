@@ -104,3 +104,7 @@ class OCTStandardConfig:
         default="20GiB",
         validator=byte_size,
     )
+
+    def mask_pairs(self) -> tuple[str, ...]:
+        """The mask configurations each draw makes (:class:`octfw.types.MaskingConfig`)."""
+        return self.mask.pair_names()

@@ -29,11 +29,11 @@ from monai.transforms import Affine, ResizeWithPadOrCrop
 
 from octfw.errors import ContractError, CorruptFile
 from octfw.fields import parse_bytes
-from octfw.models.masks import Grid, mask_generator_from_config
+from octfw.models.masks import Grid, check_context_share, mask_generator_from_config
 from octfw.plugins.transforms.oct_standard.cache import PreparedCache
 from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
 from octfw.plugins.transforms.oct_standard.resize import resize
-from octfw.types import BatchKey, Sample, dequantize
+from octfw.types import BatchKey, Sample, dequantize, mask_keys
 
 __all__ = ["OCTStandardTransform", "PREPARE_VERSION"]
 
@@ -65,7 +65,9 @@ class OCTStandardTransform:
         self.patch_size = tuple(int(p) for p in patch_size)
         self.grid: Grid = tuple(s // p for s, p in zip(self.image_size, self.patch_size))
         self.mask_generator = mask_generator_from_config(config.mask)
-        self.num_context, self.num_target = self.mask_generator.counts(self.grid)
+        #: ``{configuration: (num_context, num_target)}``: one context/target pair of keys each
+        self.mask_pairs = self.mask_generator.pairs(self.grid)
+        check_context_share(self.mask_generator, self.grid)
         # Zero is the darkest normalised intensity, i.e. background.
         self._crop_pad = ResizeWithPadOrCrop(self.image_size, mode="constant") if config.fit == "crop_pad" else None
 
@@ -193,7 +195,11 @@ class OCTStandardTransform:
                 f"(transform.image_size), got {list(prepared.shape)}"
             )
         # The mask is drawn first so it does not change with augmentation options.
-        context_idx, target_idx = self.mask_generator(self.grid, rng)
+        indices = {}
+        for pair, (context_idx, target_idx) in self.mask_generator(self.grid, rng).items():
+            context_key, target_key = mask_keys(pair)
+            indices[context_key] = context_idx.astype(np.int64, copy=False)
+            indices[target_key] = target_idx.astype(np.int64, copy=False)
         if self.augments:
             context = self._augment(prepared, rng)
             target = self._augment(prepared, rng) if self.config.augment_target else prepared
@@ -202,8 +208,7 @@ class OCTStandardTransform:
         return {
             "context": context[None],
             "target": target[None],
-            "context_idx": context_idx.astype(np.int64, copy=False),
-            "target_idx": target_idx.astype(np.int64, copy=False),
+            **indices,
         }
 
     def _augment(self, volume: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -238,14 +243,15 @@ class OCTStandardTransform:
 
     def batch_spec(self) -> dict[str, BatchKey]:
         """The batch this transform makes: two views ``[1, D, H, W]`` (float32, or uint8 as
-        stored when nothing augments them) and the fixed-length patch index arrays."""
+        stored when nothing augments them) and the fixed-length patch index arrays of each
+        mask configuration (:func:`octfw.types.mask_keys`)."""
         view = BatchKey((1, *self.image_size), "float32", view=True)
-        return {
-            "context": view,
-            "target": view,
-            "context_idx": BatchKey((self.num_context,), "int64"),
-            "target_idx": BatchKey((self.num_target,), "int64"),
-        }
+        spec = {"context": view, "target": view}
+        for pair, (num_context, num_target) in self.mask_pairs.items():
+            context_key, target_key = mask_keys(pair)
+            spec[context_key] = BatchKey((num_context,), "int64")
+            spec[target_key] = BatchKey((num_target,), "int64")
+        return spec
 
     def __repr__(self) -> str:
         return (f"OCTStandardTransform(image_size={list(self.image_size)}, "
