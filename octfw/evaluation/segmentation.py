@@ -40,10 +40,11 @@ def _name(dataset: Any, index: int) -> str:
 def check_masks_early(dataset: Any, transform: Any, where: str) -> None:
     """Refuse, before any volume is decoded, a dataset without masks (or with some volumes
     lacking one) and a transform that cannot prepare a mask."""
-    if not isinstance(dataset, MaskedDataset):
-        raise UserError(f"{where}: {type(dataset).__name__} has no finding masks; use a manifest with a "
-                        "mask column (dataset = { name = \"dicom\", path = \"cohort.jsonl\" }) or phantom-oct")
-    missing = [i for i in range(len(dataset)) if dataset.mask_source(i) is None]
+    missing = [] if not isinstance(dataset, MaskedDataset) else \
+        [i for i in range(len(dataset)) if dataset.mask_source(i) is None]
+    if not isinstance(dataset, MaskedDataset) or len(missing) == len(dataset):
+        raise UserError(f"{where}: the dataset has no finding masks; use a manifest with a mask column "
+                        "(dataset = { name = \"dicom\", path = \"cohort.jsonl\" }) or phantom-oct")
     if missing:
         raise UserError(f"{where}: {len(missing)} of {counted(len(dataset), 'volume')} have no finding mask "
                         f"(first: {_name(dataset, missing[0])}); give every manifest row a mask (an empty "
