@@ -67,6 +67,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "octfw.plugins.evaluators.knn",
     "octfw.plugins.evaluators.attentive_probe",
     "octfw.plugins.evaluators.fine_tune",
+    "octfw.plugins.evaluators.dense_probe",
 )
 
 

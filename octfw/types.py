@@ -28,9 +28,11 @@ __all__ = [
     "RecognisingDatasetConfig",
     "LabelledDataset",
     "PatientDataset",
+    "MaskedDataset",
     "NamingDataset",
     "Transform",
     "PreparingTransform",
+    "MaskPreparingTransform",
     "Model",
     "EMAModel",
     "ParamGroupsModel",
@@ -357,6 +359,24 @@ class PatientDataset(Dataset, Protocol):
 
 
 @runtime_checkable
+class MaskedDataset(Dataset, Protocol):
+    """Optional: a dataset with a binary finding mask for its volumes (dense evaluators).
+
+    ``mask_source(index)`` names the mask file of ``index`` (None: the volume has none)
+    without I/O, so an evaluator refuses a dataset without masks before decoding
+    anything. ``mask(index)`` reads it: bool ``[D, H, W]`` in the axis order of
+    ``load(index).volume`` (True: in the finding), or None; it raises
+    :class:`octfw.errors.CorruptFile` naming the mask file when the file is missing,
+    unreadable or not binary. A mask of another shape than its volume's is the
+    caller's to refuse (it has the volume), naming ``mask_source(index)``.
+    """
+
+    def mask_source(self, index: int) -> str | None: ...
+
+    def mask(self, index: int) -> "np.ndarray | None": ...
+
+
+@runtime_checkable
 class NamingDataset(Dataset, Protocol):
     """Optional: a dataset that names each volume's file without decoding it.
 
@@ -427,6 +447,20 @@ class PreparingTransform(Transform, Protocol):
     def prepare(self, sample: Sample) -> "np.ndarray": ...
 
     def augment_and_mask(self, prepared: "np.ndarray", rng: "np.random.Generator") -> dict[str, "np.ndarray"]: ...
+
+
+@runtime_checkable
+class MaskPreparingTransform(PreparingTransform, Protocol):
+    """Optional: a preparing transform that brings a finding mask to its prepared volume's geometry.
+
+    ``prepare_mask(mask, sample)`` takes bool ``[D, H, W]`` of ``sample.volume``'s shape
+    and returns bool of the shape ``prepare(sample)`` returns, voxel for voxel over the
+    same anatomy: the same resampling and fitting, nearest (thresholded) rather than
+    smooth, and no intensity normalisation. Raises :class:`octfw.errors.ContractError`
+    for a mask of another shape than the volume's.
+    """
+
+    def prepare_mask(self, mask: "np.ndarray", sample: Sample) -> "np.ndarray": ...
 
 
 @runtime_checkable
@@ -792,9 +826,9 @@ STAGE_PROTOCOLS: dict[str, type] = {
 #: stage's component has them (``isinstance(component, Protocol)``); the plugin guide
 #: lists them (a test keeps it in step).
 OPTIONAL_PROTOCOLS: dict[str, tuple[type, ...]] = {
-    "dataset": (SourcedDataset, LabelledDataset, PatientDataset, NamingDataset, TransformCheckingDataset,
-                DomainCountingDataset, SeriesDataset, PreparedVolumesDataset),
-    "transform": (PreparingTransform, StorableTransform),
+    "dataset": (SourcedDataset, LabelledDataset, PatientDataset, MaskedDataset, NamingDataset,
+                TransformCheckingDataset, DomainCountingDataset, SeriesDataset, PreparedVolumesDataset),
+    "transform": (PreparingTransform, MaskPreparingTransform, StorableTransform),
     "model": (EMAModel, ParamGroupsModel, EmbeddingModel, EncoderModel, CountingModel),
     "scheduler": (WarmupSchedule,),
     "guard": (Stateful,),

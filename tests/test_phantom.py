@@ -74,7 +74,7 @@ def test_a_positive_eye_has_its_negative_twins_noise_and_differs_in_part():
         anatomy = module.draw_patient(np.random.default_rng(0))
         vendor = module.VENDORS[0]
         volumes = [module.render(np.random.default_rng(1), anatomy, vendor, mirrored=False, positive=p,
-                                 finding_scale=1.0).astype(float) for p in (False, True)]
+                                 finding_scale=1.0)[0].astype(float) for p in (False, True)]
         changed = np.abs(volumes[1] - volumes[0]) > 0
         assert 0.0 < changed.mean() < 0.4, module.__name__
 
@@ -165,3 +165,45 @@ def test_a_write_killed_mid_way_is_finished_by_the_next_and_two_writers_agree(tm
     assert _files(shared) == _files(reference)
     assert (shared / "manifest.jsonl").read_bytes() == (reference / "manifest.jsonl").read_bytes().replace(
         str(reference).encode(), str(shared).encode())
+
+
+def _twins(module, seed: int = 0):
+    """One eye rendered without and with its finding (the same noise): volumes and masks."""
+    anatomy = module.draw_patient(np.random.default_rng(seed))
+    vendor = module.VENDORS[0]
+    return [module.render(np.random.default_rng(seed + 1), anatomy, vendor, mirrored=False, positive=p,
+                          finding_scale=1.0) for p in (False, True)]
+
+
+def test_the_cyst_mask_covers_the_voxels_the_cysts_darken():
+    from octfw.plugins.datasets.phantom import held_out
+
+    (negative, empty), (positive, mask) = _twins(held_out)
+    assert not empty.any() and mask.shape == positive.shape and mask.dtype == bool
+    assert 0.0 < mask.mean() < 0.05
+    darker = positive.astype(float) < negative.astype(float)
+    # The same voxel without the finding was brighter: the mask is where the cysts are.
+    assert darker[mask].mean() > 0.95
+    assert positive[mask].mean() < 0.5 * negative[mask].mean()
+
+
+def test_the_drusen_mask_covers_the_deposit_under_the_lifted_epithelium():
+    from octfw.plugins.datasets.phantom import tuning
+
+    (negative, empty), (positive, mask) = _twins(tuning)
+    assert not empty.any() and 0.0 < mask.mean() < 0.05
+    changed = positive != negative
+    assert changed[mask].mean() > 0.95  # every deposit voxel was something else without drusen
+    # Drusen lift the epithelium: every masked column starts below retina that was there anyway.
+    columns = mask.any(axis=1)
+    assert columns.any() and (mask.argmax(axis=1)[columns] > 0).all()
+
+
+def test_a_cohort_writes_each_volumes_mask_beside_it_and_in_the_manifest(tmp_path):
+    dataset = _build(tmp_path, family="held-out", n_volumes=6, labels=True)
+    for index in range(6):
+        source = dataset.mask_source(index)
+        assert source == dataset.url(index).replace(".dcm", ".mask.npy") and Path(source).is_file()
+        mask, sample = dataset.mask(index), dataset.load(index)
+        assert mask.shape == sample.volume.shape
+        assert bool(mask.any()) == bool(sample.provenance.label)

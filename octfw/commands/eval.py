@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the update step")
     parser.add_argument("--metric", metavar="NAME",
                         help="metric the PNG shows (default: auroc, or balanced_accuracy where an evaluator "
-                             "reports no AUROC)")
+                             "reports no AUROC, or voxel_dice for dense-probe)")
     parser.add_argument("--png", metavar="FILE",
                         help="PNG to write with --shots or --checkpoints (default: eval_shots.png or "
                              "eval_checkpoints.png in the run folder, else in the current folder)")

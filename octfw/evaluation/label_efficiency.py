@@ -36,7 +36,7 @@ from octfw.types import RefittingEvaluator
 __all__ = ["ShotsReport", "evaluate_shots", "format_shots", "write_shots"]
 
 #: Metrics of the printed table (every metric goes to the CSV and JSON).
-TABLE_METRICS = ("balanced_accuracy", "auroc")
+TABLE_METRICS = ("balanced_accuracy", "auroc", "voxel_dice", "token_dice", "fine_tune_voxel_dice")
 CSV_COLUMNS = ("encoder", "evaluator", "shots", "volumes_per_class", "metric", "mean", "std", "draws")
 
 
@@ -63,7 +63,7 @@ def _check_shots(evaluators: Sequence[tuple[str, Any]], shots: Sequence[int | No
     for name, evaluator in evaluators:
         if not isinstance(evaluator, RefittingEvaluator):
             raise UserError(f"--shots: evaluator {name} cannot refit on a subset of its train split "
-                            "(the built-in linear-probe, knn, attentive-probe and fine-tune can)")
+                            "(the built-in linear-probe, knn, attentive-probe, fine-tune and dense-probe can)")
         labels = evaluator.split()[0].labels
         pool = np.asarray(evaluator.fit_positions(), dtype=np.int64)
         for count in shots:
@@ -130,8 +130,8 @@ def _mean_spread(row: Mapping[str, Any]) -> str:
 
 
 def format_shots(report: ShotsReport) -> str:
-    """One table per evaluator: rows = shot counts, columns = balanced accuracy and AUROC
-    (mean ± std over draws) of the pretrained and the random encoder."""
+    """One table per evaluator: rows = shot counts, columns = balanced accuracy and AUROC (a dense
+    evaluator: voxel and token Dice) (mean ± std over draws) of the pretrained and the random encoder."""
     step = "" if report.update_step is None else f" (update step {report.update_step})"
     lines = [f"encoder   {report.location}{step}",
              f"baseline  same architecture, randomly initialised (seed {report.seed})",
@@ -144,7 +144,8 @@ def format_shots(report: ShotsReport) -> str:
         header = ["shots", "per class"] + [f"{m} {e}" for m in metrics for e in ("pretrained", "random init")]
         table = [header]
         for shots in report.shots:
-            first = rows[("pretrained", evaluator, shots, "accuracy")]
+            first = next(r for r in report.rows if (r["encoder"], r["evaluator"], r["shots"]) ==
+                         ("pretrained", evaluator, shots))
             cells = [shots, f"{first['volumes_per_class']:g}"]
             for metric in metrics:
                 for encoder in ("pretrained", "random_init"):

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["accuracy", "balanced_accuracy", "auroc", "auprc", "one_vs_rest", "bootstrap_weights",
-           "classification_metrics", "paired_difference"]
+           "classification_metrics", "paired_difference", "overlap_metrics"]
 
 
 def accuracy(labels: np.ndarray, predicted: np.ndarray) -> float:
@@ -223,4 +223,55 @@ def classification_metrics(
         for key, value in _metrics(labels[keep], probabilities[keep], classes, subset_groups, bootstrap,
                                    rng).items():
             out[f"{key}/{domain}"] = value
+    return out
+
+
+def _overlaps(intersection: np.ndarray, predicted: np.ndarray, target: np.ndarray,
+              weights: np.ndarray) -> dict[str, np.ndarray]:
+    """Pooled Dice and IoU for each row of ``weights`` (``[B, N]``): NaN where nothing is
+    predicted or true in the row (the overlap of two empty sets is undefined)."""
+    inter, pred, true = (weights @ np.asarray(a, dtype=np.float64) for a in (intersection, predicted, target))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        dice = np.where(pred + true > 0, 2 * inter / (pred + true), np.nan)
+        iou = np.where(pred + true - inter > 0, inter / (pred + true - inter), np.nan)
+    return {"dice": dice, "iou": iou}
+
+
+def overlap_metrics(
+    intersection: Sequence[float],
+    predicted: Sequence[float],
+    target: Sequence[float],
+    domains: Sequence[str],
+    *,
+    prefix: str = "",
+    groups: Sequence[object] | None = None,
+    bootstrap: int = 0,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``<prefix>dice`` and ``<prefix>iou`` of a segmentation, pooled over volumes, with
+    ``_ci_low`` / ``_ci_high`` when ``bootstrap`` > 0, then the same per domain
+    (``<prefix>dice/<domain>``).
+
+    Per volume: the count of voxels (or tokens) both predicted and true, predicted,
+    and true. Pooled means summed over the volumes before the ratio, 2 sum(I) /
+    (sum(P) + sum(T)), so a volume without the finding counts through its false
+    positives, and an all-background prediction scores 0. ``groups`` (one key per
+    volume, e.g. its patient) makes the bootstrap draw whole patients; the resamples
+    come from a generator seeded with ``seed``, overall first, then per domain in
+    sorted order. A value is left out where it is undefined (nothing predicted and
+    nothing true).
+    """
+    arrays = [np.asarray(a, dtype=np.float64) for a in (intersection, predicted, target)]
+    domain_array = np.asarray(list(domains))
+    group_array = None if groups is None else np.asarray([str(g) for g in groups])
+    rng = np.random.default_rng(seed)
+    out: dict[str, float] = {}
+    subsets = [("", np.ones(len(arrays[0]), dtype=bool))]
+    subsets += [(f"/{d}", domain_array == d) for d in sorted(set(domain_array.tolist()))]
+    for tail, keep in subsets:
+        weights = _point_and_resamples(int(keep.sum()), bootstrap, rng,
+                                       None if group_array is None else group_array[keep])
+        for key, values in _overlaps(*(a[keep] for a in arrays), weights).items():
+            for name, value in _estimate(f"{prefix}{key}", values, bootstrap).items():
+                out[f"{name}{tail}"] = value
     return out

@@ -284,14 +284,19 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
                       results["pretrained"], results["random_init"], difference)
 
 
+#: The metric plotted when none is asked for: the first of these an evaluator reports (a classifier's
+#: AUROC or balanced accuracy, a dense evaluator's voxel Dice).
+MAIN_METRICS = ("auroc", "balanced_accuracy", "voxel_dice")
+
+
 def main_metric(metrics: Sequence[str], asked: str | None) -> str:
-    """The metric to plot: ``asked``, else ``auroc`` where reported, else ``balanced_accuracy``."""
+    """The metric to plot: ``asked``, else the first of :data:`MAIN_METRICS` reported."""
     if asked is not None:
         if asked not in metrics:
             shown = ", ".join(m for m in dict.fromkeys(metrics) if "/" not in m)
             raise UserError(f"--metric {asked}: not reported by every evaluator (reported: {shown})")
         return asked
-    return "auroc" if "auroc" in metrics else "balanced_accuracy"
+    return next((m for m in MAIN_METRICS if m in metrics), "balanced_accuracy")
 
 
 CI_SUFFIXES = ("_ci_low", "_ci_high")

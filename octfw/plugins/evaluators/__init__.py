@@ -5,8 +5,11 @@ prepared exactly as training prepares its volumes: mean-pooled features
 (``linear-probe``, ``knn``) or patch tokens (``attentive-probe``); or
 fine-tunes a copy of the target encoder on the volumes (``fine-tune``). Each
 reports accuracy, balanced accuracy, AUROC and AUPRC (with bootstrap 95 %
-intervals) on held-out volumes, overall and per domain.
+intervals) on held-out volumes, overall and per domain. ``dense-probe`` predicts
+a finding's mask from the tokens instead (per token and per voxel, frozen and
+fine-tuned) and reports Dice and IoU.
 
 One package per evaluator holds its config and registration (``__init__``,
 light), its class (``evaluator``) and its algorithm (``algorithm``); the
-classification base they share is :mod:`octfw.evaluation.classification`."""
+classification base they share is :mod:`octfw.evaluation.classification`, the masked
+volumes of a dense evaluator :mod:`octfw.evaluation.segmentation`."""

@@ -27,7 +27,8 @@ class DicomConfig:
     path: Location = doc(
         "Folder (searched recursively), glob, or manifest .csv/.jsonl with columns "
         "path and optional domain, split, label, patient (evaluation splits keep a patient's volumes "
-        "on one side); local path or URL (gs://...)."
+        "on one side), mask (the volume's binary finding mask for dense-probe: .npy, NIfTI .nii/.nii.gz "
+        "or DICOM SEG, relative to the manifest like path); local path or URL (gs://...)."
     )
     split: str | None = doc(
         "Keep only manifest rows of this split (needs a manifest); unset: all rows.",

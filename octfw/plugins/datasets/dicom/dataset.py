@@ -30,7 +30,7 @@ import os
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import attrs
 
@@ -38,6 +38,9 @@ from octfw.plugins.datasets.dicom.manifest import is_manifest, read_manifest
 from octfw.plugins.datasets.dicom.reader import UNKNOWN_DOMAIN, read_header, read_oct_series, read_oct_volume
 from octfw.errors import CorruptFile, UserError
 from octfw.types import Sample
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
 
 __all__ = ["DOMAIN_SOURCES", "DicomEntry", "DicomDataset", "list_dicom_files"]
 
@@ -59,6 +62,7 @@ class DicomEntry:
     files: tuple[str, ...] = ()  #: a series' files (unordered); () for a single file
     patient: str | None = None  #: the manifest's patient key; never read from a DICOM header
     split: str | None = None  #: the manifest's split
+    mask: str | None = None  #: the manifest's finding mask file
 
     @property
     def first_file(self) -> str:
@@ -224,9 +228,9 @@ class DicomDataset:
                     if not files:
                         raise UserError(f"{path}: series folder {row.path} holds no DICOM files")
                     volumes.append((row.path.rstrip("/"), files, row.domain, row.label, None, row.patient,
-                                    row.split))
+                                    row.split, row.mask))
                 else:
-                    volumes.append((row.path, (), row.domain, row.label, None, row.patient, row.split))
+                    volumes.append((row.path, (), row.domain, row.label, None, row.patient, row.split, row.mask))
         else:
             urls = list_dicom_files(path, extensions)
             if not urls:
@@ -234,13 +238,13 @@ class DicomDataset:
                     f"no DICOM files in {path} (extensions {list(extensions)}; '' = none)"
                 )
             if series:
-                volumes = [(source, files, None, None, header_domain, None, None)
+                volumes = [(source, files, None, None, header_domain, None, None, None)
                            for source, files, header_domain in group_series(urls)]
             else:
-                volumes = [(url, (), None, None, None, None, None) for url in urls]
+                volumes = [(url, (), None, None, None, None, None, None) for url in urls]
 
         entries, header_domains = [], {}
-        for source, files, manifest_domain, label, header_domain, patient, split_name in volumes:
+        for source, files, manifest_domain, label, header_domain, patient, split_name, mask in volumes:
             if domain_from == "manifest":
                 domain = manifest_domain
             elif domain_from == "folder":
@@ -250,7 +254,7 @@ class DicomDataset:
                 if header_domain is not None:
                     header_domains[len(entries)] = header_domain
             entries.append(DicomEntry(url=source, domain=domain, label=label, files=files, patient=patient,
-                                      split=split_name))
+                                      split=split_name, mask=mask))
         dataset = cls(entries, location=path)
         dataset._header_domains.update(header_domains)
         return dataset
@@ -288,6 +292,20 @@ class DicomDataset:
     def patient(self, index: int) -> str | None:
         """The manifest's patient key of ``index`` (None: not given); evaluation splits group by it."""
         return self.entries[index].patient
+
+    def mask_source(self, index: int) -> str | None:
+        """The manifest's finding mask file of ``index`` (None: not given), without I/O."""
+        return self.entries[index].mask
+
+    def mask(self, index: int) -> "np.ndarray | None":
+        """The finding mask of ``index``, bool ``[D, H, W]`` (None: not given); raises
+        CorruptFile naming the mask file (:func:`octfw.plugins.datasets.dicom.masks.read_finding_mask`)."""
+        source = self.entries[index].mask
+        if source is None:
+            return None
+        from octfw.plugins.datasets.dicom.masks import read_finding_mask
+
+        return read_finding_mask(source)
 
     def load(self, index: int) -> Sample:
         """Decode volume ``index``; raises CorruptFile for an unusable file."""

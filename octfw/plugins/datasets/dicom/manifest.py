@@ -1,13 +1,15 @@
 """Dataset manifests: a CSV or JSON-lines file listing volumes.
 
 Columns (CSV header or JSON keys): ``path`` (required), ``domain``, ``split``,
-``label`` and ``patient`` (all optional; empty or null means unknown). Other
+``label``, ``patient`` and ``mask`` (all optional; empty or null means unknown). Other
 columns are ignored, so a manifest may carry bookkeeping of its own.
 ``patient`` is any key shared by the volumes of one patient (use a
 pseudonym): evaluation splits keep a patient's volumes on one side. It is
-only compared, never written to a run's outputs. A relative ``path``
-is relative to the manifest's folder, on the same filesystem (a manifest in
-``gs://bucket/cohort/`` can list ``scans/a.dcm``).
+only compared, never written to a run's outputs. ``mask`` is the volume's
+binary finding mask, of the volume's shape, for dense evaluation (``.npy``,
+NIfTI ``.nii``/``.nii.gz`` or a DICOM SEG file: :mod:`octfw.plugins.datasets.dicom.masks`).
+A relative ``path`` or ``mask`` is relative to the manifest's folder, on the same
+filesystem (a manifest in ``gs://bucket/cohort/`` can list ``scans/a.dcm``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ManifestRow:
     split: str | None = None
     label: int | None = None
     patient: str | None = None  #: groups volumes of one patient; compared only, never written out
+    mask: str | None = None  #: the volume's binary finding mask file, absolute like ``path``
 
 
 def is_manifest(location: str) -> bool:
@@ -91,6 +94,7 @@ def _row(manifest: str, line: int, record: dict[str, Any]) -> ManifestRow:
         split=_text(record.get("split")),
         label=_label(manifest, line, record.get("label")),
         patient=_text(record.get("patient")),
+        mask=None if (mask := _text(record.get("mask"))) is None else _resolve(manifest, mask),
     )
 
 
@@ -150,14 +154,19 @@ def write_manifest(url: str, rows: Iterable[ManifestRow], relative: bool = True)
     if not url.lower().endswith(".jsonl"):
         raise ValueError(f"write_manifest writes JSON lines; {url!r} must end in .jsonl")
     folder = _folder_of(url) + "/"
+
+    def written(path: str) -> str:
+        return path[len(folder):] if relative and path.startswith(folder) else path
+
     lines = []
     for row in rows:
-        path = row.path
-        if relative and path.startswith(folder):
-            path = path[len(folder):]
-        record: dict[str, Any] = {"path": path, "domain": row.domain, "split": row.split, "label": row.label}
-        if row.patient is not None:  # left out otherwise: manifests without patients stay byte-identical
+        record: dict[str, Any] = {"path": written(row.path), "domain": row.domain, "split": row.split,
+                                  "label": row.label}
+        # Each left out when unset: manifests without patients or masks stay byte-identical.
+        if row.patient is not None:
             record["patient"] = row.patient
+        if row.mask is not None:
+            record["mask"] = written(row.mask)
         lines.append(json.dumps(record))
     write_bytes(url, ("\n".join(lines) + "\n").encode("utf-8"))
 

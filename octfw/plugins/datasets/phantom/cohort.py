@@ -4,8 +4,9 @@ The families (:mod:`.tuning`, :mod:`.held_out`) draw a patient's anatomy and
 render one eye; this module only assigns vendors, labels and patients, and
 writes. Layout of a cohort folder::
 
-    <folder>/<vendor>/<index>.dcm   one Ophthalmic Tomography file per eye
-    <folder>/manifest.jsonl         path, domain, label, patient of every file
+    <folder>/<vendor>/<index>.dcm       one Ophthalmic Tomography file per eye
+    <folder>/<vendor>/<index>.mask.npy  its finding mask, bool [D, H, W] (all False without the finding)
+    <folder>/manifest.jsonl             path, domain, label, patient, mask of every file
     <folder>/cohort.json            options, files, sizes; written last
 
 ``cohort.json`` goes last, so a folder without it (or with one for other
@@ -15,6 +16,7 @@ options, or with a file of the wrong size) is written again.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from types import ModuleType
@@ -31,7 +33,7 @@ __all__ = ["GENERATOR_VERSION", "COHORT_FILE", "MANIFEST_FILE", "Vendor", "famil
            "cohort_options", "cohort_key", "write_phantom_cohort"]
 
 #: Bumped whenever a family's output changes, so cached cohorts are written again.
-GENERATOR_VERSION = 2  # 2: findings four times larger (sized by benchmarks/phantom_tasks.py)
+GENERATOR_VERSION = 3  # 2: findings four times larger (sized by benchmarks/phantom_tasks.py); 3: finding masks
 COHORT_FILE = "cohort.json"
 MANIFEST_FILE = "manifest.jsonl"
 EYES = ("OD", "OS")
@@ -92,6 +94,12 @@ def _is_complete(folder: str, options: dict[str, Any]) -> bool:
     return all(_size(_join(folder, item["path"])) == item["size"] for item in record["files"])
 
 
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
 def write_phantom_cohort(folder: str, family: str, n_volumes: int, *, seed: int, labels: bool = False,
                          finding_scale: float = 1.0) -> str:
     """Write (or reuse) a cohort of ``family`` in ``folder``; return its manifest's location.
@@ -120,8 +128,8 @@ def write_phantom_cohort(folder: str, family: str, n_volumes: int, *, seed: int,
         anatomy = module.draw_patient(np.random.default_rng([seed, family_id, patient]))
         rng = np.random.default_rng([seed, family_id, patient, eye + 1])
         positive = bool(rng.random() < 0.5)
-        volume = module.render(rng, anatomy, vendor, mirrored=eye == 1, positive=positive,
-                               finding_scale=finding_scale)
+        volume, mask = module.render(rng, anatomy, vendor, mirrored=eye == 1, positive=positive,
+                                     finding_scale=finding_scale)
         # The seed is in the key: cohorts of two seeds hold different patients.
         key = f"s{seed}-p{patient:04d}"
         name = f"{vendor.name}/{index:05d}.dcm"
@@ -129,9 +137,14 @@ def write_phantom_cohort(folder: str, family: str, n_volumes: int, *, seed: int,
                                 uid_entropy=["phantom-oct", family, str(seed), name, str(GENERATOR_VERSION)])
         url = _join(folder, name)
         write_bytes(url, data)
+        mask_name = f"{vendor.name}/{index:05d}.mask.npy"
+        mask_data = _npy_bytes(mask)
+        write_bytes(_join(folder, mask_name), mask_data)
         label = int(positive) if labels else None
         files.append({"path": name, "domain": vendor.name, "eye": EYES[eye], "label": label, "size": len(data)})
-        rows.append(ManifestRow(path=url, domain=vendor.name, label=label, patient=key))
+        files.append({"path": mask_name, "size": len(mask_data)})
+        rows.append(ManifestRow(path=url, domain=vendor.name, label=label, patient=key,
+                                mask=_join(folder, mask_name)))
 
     write_manifest(manifest, rows)
     record = {"options": options, "files": files}

@@ -88,8 +88,10 @@ def _cysts(rng: np.random.Generator, z: np.ndarray, y: np.ndarray, x: np.ndarray
 
 
 def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
-           positive: bool, finding_scale: float) -> np.ndarray:
-    """One eye as uint16 ``vendor.shape``; ``mirrored`` is the other eye (its fovea and tilt mirrored)."""
+           positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """One eye as uint16 ``vendor.shape`` and its finding mask (bool, the same shape: the voxels
+    the cysts empty, past the middle of their soft wall; all False without the finding);
+    ``mirrored`` is the other eye (its fovea and tilt mirrored)."""
     (d, h, w), (dz, dy, dx) = vendor.shape, vendor.spacing
     # The finding draws from its own stream, so an eye with it has the same noise as without.
     finding_rng, rng = rng.spawn(2)
@@ -118,12 +120,15 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     intensity = sum(level * inside(edges[k], edges[k + 1]) for k, level in enumerate(anatomy["levels"]))
     below = np.clip(y - edges[-1], 0.0, None)
     intensity = intensity + 0.3 * np.exp(-below / anatomy["choroid"]) * inside(edges[-1], edges[-1] + 1.0)
+    mask = np.zeros(vendor.shape, dtype=bool)
     if positive:
         middle = (edges[INL] + edges[INL + 1]) / 2
-        intensity = intensity * _cysts(finding_rng, z, y, x, fovea, middle, finding_scale)
+        left = _cysts(finding_rng, z, y, x, fovea, middle, finding_scale)
+        intensity = intensity * left
+        mask = left < 0.5
 
     corner = (z / (d * dz / 2)) ** 2 + (x / (w * dx / 2)) ** 2
     intensity = intensity * (1 - 0.2 * corner) + 0.005  # vignetting, over a faint noise floor
     intensity = intensity * rng.gamma(vendor.speckle, 1 / vendor.speckle, vendor.shape)
     level = np.log1p(LOG_RANGE * intensity) / np.log1p(LOG_RANGE)
-    return np.clip(level * vendor.gain, 0, 65535).astype(np.uint16)
+    return np.clip(level * vendor.gain, 0, 65535).astype(np.uint16), mask

@@ -78,8 +78,10 @@ def _drusen(rng: np.random.Generator, z: np.ndarray, x: np.ndarray, fovea: np.nd
 
 
 def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
-           positive: bool, finding_scale: float) -> np.ndarray:
-    """One eye as uint16 ``vendor.shape``; ``mirrored`` flips the nasal side (the other eye)."""
+           positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """One eye as uint16 ``vendor.shape`` and its finding mask (bool, the same shape: the drusen
+    deposit between the lifted epithelium and Bruch's membrane; all False without the finding);
+    ``mirrored`` flips the nasal side (the other eye)."""
     # The finding draws from its own stream, so an eye with it has the same noise as without.
     finding_rng, rng = rng.spawn(2)
     z, y, x = _grid(vendor, rng.normal(0.0, 0.1, 2))
@@ -98,7 +100,9 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     level = np.interp(t, KNOT_DEPTH, anatomy["levels"], left=0.01, right=0.0)
     below = y - epithelium
     level = np.where((below >= 0) & (below < RPE_THICKNESS), anatomy["levels"][-1], level)
-    level = np.where((below >= RPE_THICKNESS) & (y < bruch + RPE_THICKNESS), DEPOSIT_LEVEL, level)
+    # Empty where the epithelium is not lifted (it then lies on Bruch's membrane).
+    deposit = (below >= RPE_THICKNESS) & (y < bruch + RPE_THICKNESS)
+    level = np.where(deposit, DEPOSIT_LEVEL, level)
     depth = y - bruch - RPE_THICKNESS
     vessels = 1 + 0.3 * np.sin(9 * z + anatomy["vessel_phase"][0]) * np.sin(7 * x + anatomy["vessel_phase"][1])
     choroid = 0.5 * np.exp(-2.5 * depth / anatomy["choroid"]) * vessels
@@ -108,4 +112,5 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     speckle = rng.rayleigh(np.sqrt(2 / np.pi), vendor.shape)
     amplitude = np.sqrt(level) * (1 - vendor.speckle + vendor.speckle * speckle)
     amplitude += rng.rayleigh(0.04, vendor.shape)  # the detector's noise floor
-    return np.clip(amplitude * vendor.gain, 0, 65535).astype(np.uint16)
+    mask = np.broadcast_to(deposit, vendor.shape).copy()
+    return np.clip(amplitude * vendor.gain, 0, 65535).astype(np.uint16), mask

@@ -103,6 +103,34 @@ class OCTStandardTransform:
         np.clip(prepared, 0.0, 1.0, out=prepared)
         return prepared
 
+    def prepare_mask(self, mask: np.ndarray, sample: Sample) -> np.ndarray:
+        """A finding mask (bool, ``sample.volume``'s shape) brought to :meth:`prepare`'s geometry:
+        bool ``image_size``.
+
+        The same resampling and fit as the volume, on the mask as 0/1 floats, then a
+        threshold at one half: linear interpolation without anti-aliasing, so a voxel is
+        in the finding when the nearest source voxels mostly are (a Gaussian first would
+        erode small findings). No intensity normalisation. Raises ContractError for a
+        mask of another shape, or for a volume prepared earlier (its geometry is gone).
+        """
+        source = sample.provenance.source
+        if sample.prepared_key is not None:
+            raise ContractError(f"{source}: a volume prepared earlier (octfw prepare) has no original geometry "
+                                "to bring a finding mask to; give the volumes themselves")
+        mask = np.asarray(mask)
+        if mask.shape != np.shape(sample.volume):
+            raise ContractError(f"{source}: finding mask of shape {list(mask.shape)} for a volume of shape "
+                                f"{list(np.shape(sample.volume))}")
+        image = torch.tensor(mask, dtype=torch.float32)
+        if self.config.target_spacing is not None:
+            shape = self.resampled_shape(tuple(image.shape), tuple(float(s) for s in sample.provenance.spacing))
+            image = resize(image, shape, anti_aliasing=False)
+        if self._crop_pad is None:
+            fitted = resize(image, self.image_size, anti_aliasing=False).numpy()
+        else:
+            fitted = _to_numpy(self._crop_pad(image[None]))  # pads with 0: outside the finding
+        return fitted >= 0.5
+
     def _already_prepared(self, sample: Sample) -> np.ndarray:
         """A volume prepared earlier (``octfw prepare``), as float32."""
         return dequantize(self._as_stored(sample))
