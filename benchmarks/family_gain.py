@@ -57,7 +57,8 @@ from typing import Any
 from _common import ROOT, machine, write_result
 from pretraining_gain import mean_std, measured_recipe_id
 
-METHODS = {"vjepa3d": ROOT / "recipes" / "pretrain_cpu.toml", "mae3d": ROOT / "recipes" / "mae_cpu.toml"}
+METHODS = {"vjepa3d": ROOT / "recipes" / "pretrain_cpu.toml", "mae3d": ROOT / "recipes" / "mae_cpu.toml",
+           "vjepa3d-dense": ROOT / "recipes" / "pretrain_dense_cpu.toml"}
 #: Pretraining cohort of each setting: 240 volumes (120 patients), cohort seed 0.
 SETTINGS = {"in-domain": "held-out", "transfer": "tuning"}
 PRETRAIN_VOLUMES = 240
@@ -161,7 +162,7 @@ def pretrain(args: argparse.Namespace) -> None:
     if (args.out / "runs").exists():
         # A job finds its run as the one folder under its own: an older run there would be taken.
         raise SystemExit(f"--out {args.out}: holds runs of an earlier pretrain; give a new folder")
-    jobs = [(method, setting, seed) for method in args.methods for setting in SETTINGS for seed in args.seeds]
+    jobs = [(method, setting, seed) for method in args.methods for setting in args.settings for seed in args.seeds]
     write_cohorts(args.out, args.volumes)
     updates = args.updates
     calibration = None
@@ -303,6 +304,7 @@ def main() -> None:
         p.add_argument("--device", default="cpu")
         p.add_argument("--volumes", type=int, default=PRETRAIN_VOLUMES, help="pretraining cohort size")
     sub.choices["pretrain"].add_argument("--updates", default="auto", help="update steps per run, or auto")
+    sub.choices["pretrain"].add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     sub.choices["pretrain"].add_argument("--budget-minutes", type=float, default=5.0)
     sub.choices["pretrain"].add_argument("--max-updates", type=int, default=MAX_UPDATES)
     sub.choices["pretrain"].add_argument("--calibration-updates", type=int, default=300)
