@@ -287,14 +287,19 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
                       results["pretrained"], results["random_init"], difference)
 
 
+#: What :func:`main_metric` plots when none is asked for, the first reported.
+PLOTTED_METRICS = ("auroc", "tokens_auroc", "balanced_accuracy", "tokens_balanced_accuracy")
+
+
 def main_metric(metrics: Sequence[str], asked: str | None) -> str:
-    """The metric to plot: ``asked``, else ``auroc`` where reported, else ``balanced_accuracy``."""
+    """The metric to plot: ``asked``, else the first of :data:`PLOTTED_METRICS` reported (a
+    ``reading = "tokens"`` evaluator reports ``tokens_auroc`` only)."""
     if asked is not None:
         if asked not in metrics:
             shown = ", ".join(m for m in dict.fromkeys(metrics) if "/" not in m)
             raise UserError(f"--metric {asked}: not reported by every evaluator (reported: {shown})")
         return asked
-    return "auroc" if "auroc" in metrics else "balanced_accuracy"
+    return next((m for m in PLOTTED_METRICS if m in metrics), PLOTTED_METRICS[-1])
 
 
 CI_SUFFIXES = ("_ci_low", "_ci_high")
