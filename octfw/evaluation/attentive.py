@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["INIT_STD", "MLP_RATIO", "layout", "decayed", "initial_parameters", "channel_statistics",
-           "attentive_forward", "AttentiveHead"]
+           "attentive_forward", "AttentiveHead", "epoch_order"]
 
 #: V-JEPA's initialisation: weights from a normal truncated at two standard deviations.
 INIT_STD = 0.02
@@ -142,3 +142,12 @@ class AttentiveHead(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         params = {name: value[None] for name, value in self.params.items()}
         return attentive_forward({**params, "mean": self.mean, "scale": self.scale}, tokens, self.num_heads)[0]
+
+
+def epoch_order(n: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """``[steps, batch_size]`` indices of one epoch of an attentive head's training (the probe's
+    and fine-tuning's): a permutation, wrapped to fill its last batch, so every step has the
+    same shape (one XLA graph)."""
+    steps = math.ceil(n / batch_size)
+    order = torch.randperm(n, generator=generator)
+    return order.repeat(math.ceil(steps * batch_size / n))[:steps * batch_size].reshape(steps, batch_size)

@@ -43,7 +43,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from octfw.evaluation.attentive import attentive_forward, channel_statistics, decayed, initial_parameters, layout
+from octfw.evaluation.attentive import (attentive_forward, channel_statistics, decayed, epoch_order,
+                                        initial_parameters, layout)
 from octfw.schedules import warmup_cosine
 
 __all__ = ["AttentiveProbeGrid", "Selection", "fit_attentive_grid", "select_member", "validation_scores",
@@ -94,14 +95,6 @@ def _views(flat: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
         views[name] = flat[:, start:start + size].reshape(flat.shape[0], *shape)
         start += size
     return views
-
-
-def _epoch_order(n: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-    """``[steps, batch_size]`` indices of one epoch: a permutation, wrapped to fill its last batch,
-    so every step has the same shape (one XLA graph)."""
-    steps = math.ceil(n / batch_size)
-    order = torch.randperm(n, generator=generator)
-    return order.repeat(math.ceil(steps * batch_size / n))[:steps * batch_size].reshape(steps, batch_size)
 
 
 def validation_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[list[float], list[float], list[bool]]:
@@ -168,7 +161,7 @@ def fit_attentive_grid(
     epoch = 0
     with torch.enable_grad():
         for epoch in range(1, max_epochs + 1):
-            for offset, batch in enumerate(_epoch_order(tokens.shape[0], batch_size, generator)):
+            for offset, batch in enumerate(epoch_order(tokens.shape[0], batch_size, generator)):
                 step = (epoch - 1) * steps_per_epoch + offset
                 batch = batch.to(device)
                 leaf = flat.detach().requires_grad_(True)

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octfw.evaluation.attentive import AttentiveHead
+from octfw.evaluation.attentive import AttentiveHead, epoch_order
 from octfw.evaluation.metrics import balanced_accuracy
 from octfw.schedules import warmup_cosine
 
@@ -176,13 +176,6 @@ def _logits(network: nn.Module, inputs: torch.Tensor, batch_size: int) -> torch.
                           for start in range(0, inputs.shape[0], batch_size)])
 
 
-def _epoch_order(n: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-    """``[steps, batch_size]`` indices of one epoch: a permutation, wrapped to fill the last batch."""
-    steps = math.ceil(n / batch_size)
-    order = torch.randperm(n, generator=generator)
-    return order.repeat(math.ceil(steps * batch_size / n))[:steps * batch_size].reshape(steps, batch_size)
-
-
 def fine_tune(
     encoder: ViT3DEncoder,
     fit_inputs: torch.Tensor,
@@ -225,7 +218,7 @@ def fine_tune(
 
     with torch.enable_grad():
         for epoch in range(epochs):
-            for offset, batch in enumerate(_epoch_order(fit_inputs.shape[0], batch_size, generator)):
+            for offset, batch in enumerate(epoch_order(fit_inputs.shape[0], batch_size, generator)):
                 factor = warmup_cosine(epoch * steps_per_epoch + offset, total)
                 for group in groups:
                     group["lr"] = lr * group["lr_scale"] * factor
