@@ -133,7 +133,7 @@ def probe_options(registry: Any, probes: list[str], smoke: bool) -> dict[str, di
         if "bootstrap" in fields:
             chosen["bootstrap"] = 0
         if smoke and name == "attentive-probe":
-            chosen.update({k: v for k, v in {"epochs": 2, "learning_rates": [1e-3],
+            chosen.update({k: v for k, v in {"max_epochs": 2, "learning_rates": [1e-3],
                                              "weight_decays": [0.01]}.items() if k in fields})
         options[name] = chosen
     return options

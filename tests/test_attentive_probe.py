@@ -32,17 +32,18 @@ def _lesions(n: int, seed: int, *, flip: bool = False, tokens: int = 16, width: 
     return x.to(torch.bfloat16), labels
 
 
-def _fit(x, y, seed=0, **options):
-    options = {"learning_rates": [3e-3, 3e-2], "weight_decays": [0.01], "epochs": 20, "batch_size": 16,
-               **options}
-    return fit_attentive_grid(x, y, 2, seed=seed, **options)
+def _fit(x, y, seed=0, val=None, **options):
+    options = {"learning_rates": [3e-3, 3e-2], "weight_decays": [0.01], "max_epochs": 20, "patience": 20,
+               "batch_size": 16, "num_heads": 4, **options}
+    val_x, val_y = _lesions(32, seed=9) if val is None else val
+    return fit_attentive_grid(x, y, val_x, val_y, 2, seed=seed, **options)
 
 
 def test_the_probe_finds_a_small_lesion_far_above_chance():
     train_x, train_y = _lesions(64, seed=0)
     val_x, val_y = _lesions(32, seed=1)
     test_x, test_y = _lesions(200, seed=2)
-    grid = _fit(train_x, train_y)
+    grid = _fit(train_x, train_y, val=(val_x, val_y))
     chosen = select_member(grid, val_x, val_y).chosen
     accuracy = float((grid.probabilities(test_x, chosen).argmax(1) == test_y).float().mean())
     assert accuracy >= 0.8  # chance: 0.5
@@ -51,12 +52,12 @@ def test_the_probe_finds_a_small_lesion_far_above_chance():
 def test_the_grid_is_deterministic_for_a_seed_and_the_seed_matters():
     x, y = _lesions(40, seed=0)
     torch.manual_seed(1)
-    first = _fit(x, y, seed=7, epochs=8)
+    first = _fit(x, y, seed=7, max_epochs=8)
     torch.manual_seed(2)  # the global generator plays no part
     torch.rand(5)
-    second = _fit(x, y, seed=7, epochs=8)
+    second = _fit(x, y, seed=7, max_epochs=8)
     assert all(torch.equal(first.params[k], second.params[k]) for k in first.params)
-    other = _fit(x, y, seed=8, epochs=8)
+    other = _fit(x, y, seed=8, max_epochs=8)
     assert not torch.equal(first.params["query"], other.params["query"])
 
 
@@ -91,7 +92,7 @@ def test_the_member_is_chosen_on_validation_even_where_another_scores_higher_on_
     # learned the lesion; choosing by test would report it. Choosing on validation must not.
     train_x, train_y = _lesions(64, seed=0)
     test_x, test_y = _lesions(60, seed=3, flip=True)
-    options = dict(learning_rates=(1e-7, 1e-2), weight_decays=(0.01,), epochs=20, seed=0)
+    options = dict(learning_rates=(1e-7, 1e-2), weight_decays=(0.01,), max_epochs=20, num_heads=4, seed=0)
     evaluator = _evaluator(train_y.numpy(), test_y.numpy(), **options)
     metrics = evaluator.score(Encoded(train_x, test_x))
     assert metrics["selected_lr"] == 1e-2 and metrics["val_balanced_accuracy"] > 0.5
@@ -99,8 +100,8 @@ def test_the_member_is_chosen_on_validation_even_where_another_scores_higher_on_
 
     fit, val = evaluator.fit_val_positions()
     assert not set(fit) & set(val) and len(val) == 16
-    grid = fit_attentive_grid(train_x[fit], train_y[fit], 2, learning_rates=[1e-7, 1e-2], weight_decays=[0.01],
-                              epochs=20, batch_size=16, seed=0)
+    grid = fit_attentive_grid(train_x[fit], train_y[fit], train_x[val], train_y[val], 2, learning_rates=[1e-7, 1e-2],
+                              weight_decays=[0.01], max_epochs=20, patience=40, batch_size=16, num_heads=4, seed=0)
     on_test = [float((member.argmax(1) == test_y).float().mean()) for member in grid.logits(test_x)]
     assert on_test[0] > on_test[1] and on_test[1] == pytest.approx(metrics["accuracy"])
 
@@ -109,7 +110,7 @@ def test_the_score_is_the_same_twice():
     train_x, train_y = _lesions(48, seed=0)
     test_x, test_y = _lesions(30, seed=1)
     evaluator = _evaluator(train_y.numpy(), test_y.numpy(), learning_rates=(1e-2,), weight_decays=(0.01, 0.1),
-                           epochs=10)
+                           max_epochs=10, num_heads=4)
     encoded = Encoded(train_x, test_x)
     assert evaluator.score(encoded) == evaluator.score(encoded)
 
@@ -137,19 +138,24 @@ def test_a_width_the_heads_do_not_divide_is_refused():
 
 
 def _grid_of(informative: list[bool], biases: list[list[float]], width: int = 4):
-    """A grid whose members read channel 0 of the mean token (zero query, value = identity), or
-    ignore the tokens (``informative`` False) and answer with their classifier bias alone."""
+    """A grid whose members read channel 0 of the mean normalised token (zero query: uniform
+    attention; value and output projections the identity; no MLP), or ignore the tokens
+    (``informative`` False) and answer with their classifier bias alone."""
+    from octfw.evaluation.attentive import layout
     from octfw.plugins.evaluators.attentive_probe.algorithm import AttentiveProbeGrid
 
     members = len(biases)
-    w_c = torch.zeros(members, width, 2)
+    params = {name: torch.zeros(members, *shape) for name, shape in layout(width, 2).items()}
+    for name in ("ln1_w", "ln2_w"):
+        params[name] += 1.0
+    for name in ("w_v", "w_o"):
+        params[name] = torch.eye(width).expand(members, -1, -1).clone()
     for member, reads in enumerate(informative):
         if reads:
-            w_c[member, 0, 1], w_c[member, 0, 0] = 1.0, -1.0  # class 1 when channel 0 is high
-    params = {"query": torch.zeros(members, 1, width), "w_v": torch.eye(width).expand(members, -1, -1).clone(),
-              "b_v": torch.zeros(members, width), "w_c": w_c, "b_c": torch.tensor(biases),
-              "mean": torch.zeros(width), "scale": torch.ones(width)}
-    return AttentiveProbeGrid(params, 1, tuple((1e-3, 0.0) for _ in biases))
+            params["w_c"][member, 0, 1], params["w_c"][member, 0, 0] = 1.0, -1.0  # class 1: channel 0 high
+    params["b_c"] = torch.tensor(biases)
+    return AttentiveProbeGrid({**params, "mean": torch.zeros(width), "scale": torch.ones(width)}, 1,
+                              tuple((1e-3, 0.0) for _ in biases))
 
 
 def _one_channel_tokens(values: list[float], width: int = 4):
@@ -180,7 +186,7 @@ def test_a_grid_where_every_member_predicts_one_class_is_flagged_and_warned_abou
     labels = np.array([0, 0, 0, 1] * 16)
     tokens = torch.zeros(len(labels), 4, 8)
     evaluator = _evaluator(labels, labels[:8], learning_rates=(1e-3, 1e-2), weight_decays=(0.0,), num_heads=2,
-                           epochs=4, seed=0)
+                           max_epochs=4, seed=0)
     with caplog.at_level("WARNING", logger="octfw.evaluation.classification"):
         metrics = evaluator.score(Encoded(tokens, tokens[:8]))
     assert metrics["single_class"] == 1.0 and metrics["single_class_members"] == 2.0
@@ -230,3 +236,45 @@ def test_where_the_linear_probe_beats_chance_the_attentive_probe_is_not_worse_be
     assert linear_low > 0.5, f"the linear probe does not beat chance here ({linear_low:.3f}); the rule is void"
     assert scores["attentive-probe/auroc_ci_high"] >= scores["linear-probe/auroc"]
     assert scores["attentive-probe/single_class"] == 0.0
+
+
+def test_the_probe_is_v_jepas_cross_attention_block_computed_without_a_member_token_width_tensor():
+    # The same parameters through the textbook order of operations (keys and values of every
+    # token, a key bias, scaled dot-product attention, residual and MLP) give the same logits.
+    from octfw.evaluation.attentive import attentive_forward, initial_parameters
+
+    width, heads, classes = 8, 2, 3
+    params = {name: value + 0.3 * torch.randn(value.shape, generator=torch.Generator().manual_seed(i))
+              for i, (name, value) in enumerate(initial_parameters(width, classes,
+                                                                   torch.Generator().manual_seed(0)).items())}
+    tokens = torch.randn(5, 7, width) * 2 + 1
+    stats = {"mean": tokens.reshape(-1, width).mean(0), "scale": tokens.reshape(-1, width).std(0, correction=0)}
+    got = attentive_forward({**{k: v[None] for k, v in params.items()}, **stats}, tokens, heads)[0]
+
+    p = params
+    x = torch.nn.functional.layer_norm((tokens - stats["mean"]) / stats["scale"], (width,), p["ln1_w"], p["ln1_b"])
+    query = (p["query"] @ p["w_q"] + p["b_q"]).expand(5, -1, -1)  # [B, 1, E]
+    keys = x @ p["w_k"] + torch.randn(width)  # any key bias: the softmax removes it
+    values = x @ p["w_v"] + p["b_v"]
+    split = lambda t: t.reshape(5, t.shape[1], heads, width // heads).transpose(1, 2)
+    attended = torch.nn.functional.scaled_dot_product_attention(split(query), split(keys), split(values))
+    hidden = p["query"] + attended.transpose(1, 2).reshape(5, 1, width) @ p["w_o"] + p["b_o"]
+    inner = torch.nn.functional.layer_norm(hidden, (width,), p["ln2_w"], p["ln2_b"]) @ p["w_1"] + p["b_1"]
+    hidden = hidden + torch.nn.functional.gelu(inner) @ p["w_2"] + p["b_2"]
+    expected = (hidden @ p["w_c"] + p["b_c"])[:, 0]
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_training_stops_when_validation_stops_improving_and_keeps_the_best_epoch():
+    from octfw.plugins.evaluators.attentive_probe.algorithm import validation_scores
+
+    x, y = _lesions(48, seed=0)
+    val = _lesions(32, seed=9)
+    grid = _fit(x, y, val=val, learning_rates=[1e-2], max_epochs=400, patience=5)
+    assert grid.epochs_trained < 400  # stopped by patience, not the cap
+    assert grid.epochs_trained - grid.best_epoch[0] >= 5
+    longer = _fit(x, y, val=val, learning_rates=[1e-2], max_epochs=400, patience=grid.epochs_trained + 400)
+    assert longer.epochs_trained == 400
+    # What is returned is the best epoch's network: its validation score is the best recorded.
+    kept, _, _ = validation_scores(grid.logits(val[0]), val[1])
+    assert kept[0] == grid.best_balanced_accuracy[0] > 0.7

@@ -34,7 +34,7 @@ name = "attentive-probe"
 dataset = {LABELLED}
 learning_rates = [0.01]
 weight_decays = [0.01, 0.1]
-epochs = 4
+max_epochs = 4
 bootstrap = 100
 """
 EVAL_RECIPE = f"""
@@ -55,7 +55,7 @@ bootstrap = 100
 def short_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("short")
     path = root / "short.toml"
-    path.write_text(TINY_RECIPE + ATTENTIVE.replace("epochs = 4", "epochs = 4\nevery_steps = 3"),
+    path.write_text(TINY_RECIPE + ATTENTIVE.replace("max_epochs = 4", "max_epochs = 4\nevery_steps = 3"),
                     encoding="utf-8")
     registry = load_registry()
     # A fast EMA, so that the target encoder the probes read moves between checkpoints.
@@ -117,7 +117,7 @@ def test_every_saved_checkpoint_is_probed_and_the_metric_plotted_against_the_ste
 
 
 def test_chosen_checkpoints_are_probed_in_step_order_and_the_table_shows_them(short_run, eval_recipe, capsys):
-    assert main(["eval", str(short_run), "--recipe", str(eval_recipe), "--set", "evaluator.1.epochs=1",
+    assert main(["eval", str(short_run), "--recipe", str(eval_recipe), "--set", "evaluator.1.max_epochs=1",
                  "--checkpoints", "4,2"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("knn:"):out.index("attentive-probe:")]

@@ -7,6 +7,8 @@ made by hand: class 1 is bright in one corner of the volume, class 0 dark.
 
 from __future__ import annotations
 
+import math
+
 import csv
 import json
 import textwrap
@@ -21,6 +23,7 @@ from octfw.evaluation.classification import Encoded
 from octfw.plugins.evaluators.fine_tune.evaluator import FineTuneEvaluator
 from octfw.plugins.evaluators.fine_tune import FineTuneConfig
 from octfw.evaluation.features import LabelledVolumes
+from octfw.evaluation.attentive import layout
 from octfw.plugins.evaluators.fine_tune.algorithm import FineTuneNetwork, fine_tune, frozen_prefix, parameter_groups
 from octfw.formats import encoder_info, write_export
 from octfw.models.vit3d import ViT3DEncoder
@@ -71,11 +74,12 @@ def _encoded(encoder, blocks, train_x, test_x) -> Encoded:
 
 def test_each_layer_gets_its_decayed_learning_rate_and_only_matrices_are_decayed():
     depth, lr, decay = 3, 1e-3, 0.5
-    network = FineTuneNetwork(_encoder(depth), "all", n_classes=2)
+    network = FineTuneNetwork(_encoder(depth), "all", n_classes=2, num_heads=2, generator=torch.Generator())
     groups = parameter_groups(network, lr, decay, weight_decay=0.05)
     expected = {"encoder.patch_embed.proj.weight": depth + 1, "encoder.blocks.0.attn.qkv.weight": 3,
                 "encoder.blocks.1.mlp.fc1.bias": 2, "encoder.blocks.2.norm1.weight": 1,
-                "encoder.norm.weight": 0, "head.bias": 0, "head.weight": 0}
+                "encoder.norm.weight": 0, "head.params.b_c": 0, "head.params.w_c": 0,
+                "head.params.query": 0, "head.params.w_k": 0}
     seen = {}
     for group in groups:
         assert group["lr"] == pytest.approx(lr * decay ** group["exponent"])
@@ -87,7 +91,7 @@ def test_each_layer_gets_its_decayed_learning_rate_and_only_matrices_are_decayed
 
 
 def test_the_last_k_blocks_train_and_the_rest_is_frozen_and_left_out_of_the_optimizer():
-    network = FineTuneNetwork(_encoder(depth=3), 1, n_classes=2)
+    network = FineTuneNetwork(_encoder(depth=3), 1, n_classes=2, num_heads=2, generator=torch.Generator())
     grouped = {name for group in parameter_groups(network, 1e-3, 0.75, 0.05) for name in group["names"]}
     trainable = {name for name, p in network.named_parameters() if p.requires_grad}
     assert grouped == trainable
@@ -112,7 +116,8 @@ def test_fine_tuning_from_random_init_learns_an_easy_task_and_leaves_the_callers
         metrics = evaluator.score(_encoded(encoder, "all", train_x, test_x))
     assert metrics["balanced_accuracy"] >= 0.85 and metrics["auroc"] >= 0.9  # chance: 0.5
     assert 1 <= metrics["selected_epoch"] <= 8 and metrics["val_balanced_accuracy"] >= 0.75
-    assert metrics["trained_parameters"] == sum(p.numel() for p in encoder.parameters()) + 24 * 2 + 2  # + the head
+    head = sum(math.prod(shape) for shape in layout(24, 2).values())  # V-JEPA's attentive head
+    assert metrics["trained_parameters"] == sum(p.numel() for p in encoder.parameters()) + head
     assert all(torch.equal(before[k], v) for k, v in encoder.state_dict().items())
     assert [p.requires_grad for p in encoder.parameters()] == [p.requires_grad for p in _encoder().parameters()]
 

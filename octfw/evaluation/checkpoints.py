@@ -38,7 +38,8 @@ __all__ = ["CheckpointsReport", "run_checkpoints", "select_checkpoints", "compar
            "format_checkpoints", "plot_checkpoints"]
 
 #: Columns of the printed table, where an evaluator reports them (every metric goes to JSON).
-TABLE_METRICS = ("accuracy", "balanced_accuracy", "auroc", "auprc", "voxel_dice", "token_dice", "fine_tune_voxel_dice")
+TABLE_METRICS = ("accuracy", "balanced_accuracy", "auroc", "auprc", "tokens_balanced_accuracy", "tokens_auroc",
+                 "voxel_dice", "token_dice", "fine_tune_voxel_dice")
 
 
 @attrs.frozen

@@ -40,8 +40,7 @@ from octfw.errors import UserError
 from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.evaluation.features import (
     LabelledVolumes,
-    extract_features,
-    extract_tokens,
+    extract_readings,
     load_labelled,
     map_volumes,
     stratified_split,
@@ -52,8 +51,8 @@ from octfw.types import BuildContext, EncoderModel, LabelledDataset, NamingDatas
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Encoded", "ClassificationEvaluator", "PooledClassificationEvaluator", "LinearProbeEvaluator", "KNNEvaluator",
-           "ValidatedClassificationEvaluator", "AttentiveProbeEvaluator", "FineTuneEvaluator", "build_from_table"]
+__all__ = ["READING_PREFIXES", "Encoded", "ClassificationEvaluator", "PooledClassificationEvaluator",
+           "ValidatedClassificationEvaluator", "build_from_table"]
 
 
 def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str) -> Any:
@@ -137,8 +136,8 @@ class ClassificationEvaluator(abc.ABC):
         self.train_dataset, self.test_dataset, self.transform = train_dataset, test_dataset, transform
         self.grid = grid  #: the encoder's patch grid (D, H, W), when the run knows it
         self._split: tuple[LabelledVolumes, LabelledVolumes] | None = None
-        #: ``[N_test, K]`` probabilities of the newest :meth:`score`, for :meth:`difference`
-        self.last_test_probabilities: np.ndarray | None = None
+        #: ``{metric prefix: [N_test, K]}`` probabilities of the newest :meth:`score`, for :meth:`difference`
+        self.last_test_probabilities: dict[str, np.ndarray] | None = None
 
     @classmethod
     def from_config(cls, config: FeatureEvaluatorConfig, ctx: BuildContext):
@@ -201,9 +200,10 @@ class ClassificationEvaluator(abc.ABC):
 
     @abc.abstractmethod
     def fit_and_predict(self, encoded: Encoded, positions: np.ndarray,
-                        classes: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
+                        classes: np.ndarray) -> tuple[torch.Tensor | Mapping[str, torch.Tensor], dict[str, float]]:
         """Fit on the train volumes at ``positions``; ``([N_test, len(classes)]`` test
-        probabilities, extra host floats to report)."""
+        probabilities, extra host floats to report). An evaluator with several readings returns
+        ``{metric prefix: probabilities}`` instead (:data:`READING_PREFIXES`)."""
 
     def score(self, encoded: Encoded, positions: np.ndarray | None = None) -> dict[str, float]:
         """Fit on the train volumes at ``positions`` (default :meth:`fit_positions`), measure on test."""
@@ -211,18 +211,27 @@ class ClassificationEvaluator(abc.ABC):
         positions = self.fit_positions() if positions is None else np.asarray(positions, dtype=np.int64)
         classes = np.unique(train.labels)  # all of them, even when a subset lacks one: columns stay fixed
         probabilities, extra = self.fit_and_predict(encoded, positions, classes)
-        self.last_test_probabilities = probabilities.cpu().numpy()
-        metrics = classification_metrics(test.labels, self.last_test_probabilities, classes, test.domains,
-                                         groups=test.groups, bootstrap=self.config.bootstrap,
-                                         seed=self.config.split_seed)
+        readings = probabilities if isinstance(probabilities, Mapping) else {"": probabilities}
+        self.last_test_probabilities = {prefix: p.cpu().numpy() for prefix, p in readings.items()}
+        metrics: dict[str, float] = {}
+        for prefix, reading in self.last_test_probabilities.items():
+            scores = classification_metrics(test.labels, reading, classes, test.domains, groups=test.groups,
+                                            bootstrap=self.config.bootstrap, seed=self.config.split_seed)
+            metrics.update({prefix + key: value for key, value in scores.items()})
         return {**metrics, **extra}
 
-    def difference(self, first: np.ndarray, second: np.ndarray) -> dict[str, float]:
+    def difference(self, first: Mapping[str, np.ndarray], second: Mapping[str, np.ndarray]) -> dict[str, float]:
         """AUROC and AUPRC of two models' test probabilities (``last_test_probabilities`` of
-        two evaluations), first minus second, with a paired bootstrap interval."""
+        two evaluations), first minus second, with a paired bootstrap interval; each reading's
+        keys carry its metric prefix."""
         train, test = self.split()
-        return paired_difference(test.labels, first, second, np.unique(train.labels), groups=test.groups,
-                                 bootstrap=self.config.bootstrap, seed=self.config.split_seed)
+        out: dict[str, float] = {}
+        for prefix in first:
+            scores = paired_difference(test.labels, first[prefix], second[prefix], np.unique(train.labels),
+                                       groups=test.groups, bootstrap=self.config.bootstrap,
+                                       seed=self.config.split_seed)
+            out.update({prefix + key: value for key, value in scores.items()})
+        return out
 
     def evaluate(self, model: Any, device: Any, update_step: int) -> dict[str, float]:
         return self.score(self.encode(model, device))
@@ -249,27 +258,47 @@ def _warn_if_small(labels: np.ndarray, where: str) -> None:
                        where, held, SMALL_TEST_CLASS)
 
 
+#: The metric prefix of each reading of a :class:`PooledClassificationEvaluator`: the mean keeps
+#: the names the evaluators always reported (``auroc``), the tokens are ``tokens_auroc``.
+READING_PREFIXES = {"mean": "", "tokens": "tokens_"}
+
+
 class PooledClassificationEvaluator(ClassificationEvaluator):
-    """A classifier on mean-pooled features ``[N, E]``; subclasses implement :meth:`classify`."""
+    """A classifier on frozen features, read as the mean over a volume's tokens (``[N, E]``), as
+    its pooled tokens (``[N, T, E]``, at most ``max_tokens``), or both (the config's ``reading``),
+    each fitted on its own; subclasses implement :meth:`classify`.
+
+    One encoder pass gives both: the encoding is ``[N, 1 + T, E]``, the mean over every token of
+    the encoder first, then the tokens pooled over the patch grid (none for ``reading = "mean"``).
+    """
 
     @abc.abstractmethod
     def classify(self, train_features: torch.Tensor, train_targets: torch.Tensor,
-                 test_features: torch.Tensor, n_classes: int) -> torch.Tensor:
-        """``[M, n_classes]`` class probabilities of the test features."""
+                 test_features: torch.Tensor, n_classes: int, reading: str) -> torch.Tensor:
+        """``[M, n_classes]`` class probabilities of the test features (``[N, E]`` for the reading
+        ``"mean"``, ``[N, T, E]`` for ``"tokens"``)."""
+
+    def readings(self) -> tuple[str, ...]:
+        return ("mean", "tokens") if self.config.reading == "both" else (self.config.reading,)
 
     def encode(self, model: Any, device: Any) -> Encoded:
         train, test = self.split()
-        train_features = extract_features(model, train, device, self.config.batch_size)
-        test_features = extract_features(model, test, device, self.config.batch_size)
-        # The classifier is a small [N, E] problem with a data-dependent loop
-        # (line search); on XLA each iteration would cut a graph, so it runs
-        # on the host there. On cpu and cuda it runs where the features are.
+        options = dict(grid=self.grid, max_tokens=self.config.max_tokens, tokens="tokens" in self.readings(),
+                       where=f"evaluator {self.component}: reading = {self.config.reading!r}")
+        train_features = extract_readings(model, train, device, self.config.batch_size, **options)
+        test_features = extract_readings(model, test, device, self.config.batch_size, **options)
+        # The classifier is a small problem with a data-dependent loop (line search, sort);
+        # on XLA each iteration would cut a graph, so it runs on the host there. On cpu and
+        # cuda it runs where the features are.
         fit_device = torch.device("cpu") if torch.device(device).type == "xla" else train_features.device
         return Encoded(train_features.to(fit_device), test_features.to(fit_device))
 
     def fit_and_predict(self, encoded, positions, classes):
         features, targets = self._train_part(encoded, positions, classes)
-        return self.classify(features, targets, encoded.test, len(classes)), {}
+        parts = {"mean": lambda x: x[:, 0], "tokens": lambda x: x[:, 1:]}
+        return {READING_PREFIXES[reading]: self.classify(parts[reading](features), targets,
+                                                         parts[reading](encoded.test), len(classes), reading)
+                for reading in self.readings()}, {}
 
 
 class ValidatedClassificationEvaluator(ClassificationEvaluator):

@@ -17,9 +17,12 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import component_table, doc, in_range, non_negative, positive
+from octfw.fields import choices, component_table, doc, in_range, non_negative, positive
 
-__all__ = ["FeatureEvaluatorConfig"]
+__all__ = ["FeatureEvaluatorConfig", "TokenEvaluatorConfig", "ReadingEvaluatorConfig", "READINGS"]
+
+#: What a frozen-feature classifier reads: the mean of the tokens, the tokens themselves, or both.
+READINGS = ("mean", "tokens", "both")
 
 
 @attrs.frozen
@@ -65,4 +68,29 @@ class FeatureEvaluatorConfig:
         "keep the prepared volumes in host memory between evaluations (decoded once); "
         "false: decode and prepare them again at each evaluation",
         default=True,
+    )
+
+
+@attrs.frozen
+class TokenEvaluatorConfig(FeatureEvaluatorConfig):
+    """Options of an evaluator that reads patch tokens (``attentive-probe``, and the token
+    readings of ``linear-probe`` and ``knn``)."""
+
+    max_tokens: int = doc(
+        "patch tokens kept per volume: the patch grid is average-pooled (longest side halved) "
+        "until at most this many cells remain; bounds the cache at volumes x max_tokens x width",
+        default=64, validator=positive,
+    )
+
+
+@attrs.frozen
+class ReadingEvaluatorConfig(TokenEvaluatorConfig):
+    """Options of a classifier on frozen features that can read the mean of the tokens or the
+    tokens themselves (``linear-probe``, ``knn``)."""
+
+    reading: str = doc(
+        "'mean': the classifier reads the mean over a volume's tokens (metrics accuracy, auroc, ...); "
+        "'tokens': the max_tokens pooled tokens, concatenated (metrics tokens_accuracy, tokens_auroc, "
+        "...), which keeps a finding a few tokens see; 'both': both, fitted separately",
+        default="both", validator=choices(*READINGS),
     )

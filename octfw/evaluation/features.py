@@ -5,8 +5,9 @@ augmentation and masking: the transform's deterministic ``prepare(sample)``
 when it has one (``oct-standard`` does), else the ``target`` view of one call
 with a fixed generator. The encoder then sees the whole volume, unmasked.
 
-Features come in two forms: mean-pooled ``[N, E]`` (linear probe, kNN) or
-patch tokens ``[N, T, E]`` (attentive probe), average-pooled over the patch
+Features come in two forms: mean-pooled ``[N, E]`` or patch tokens
+``[N, T, E]`` (the attentive probe; the linear probe's and kNN's token
+readings, beside their mean in one pass), average-pooled over the patch
 grid to at most ``max_tokens`` and stored in a narrow dtype, because the
 full token set of a real volume is large (a 128 x 256 x 256 volume in
 4 x 16 x 16 patches is 8,192 tokens: 6 MiB per volume in bfloat16 at
@@ -36,7 +37,7 @@ from octfw.types import Dataset, EmbeddingModel, PatientDataset, PreparingTransf
 from octfw.tables import counted
 
 __all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
-           "pooled_grid", "pool_tokens", "extract_tokens", "map_volumes"]
+           "pooled_grid", "pool_tokens", "extract_tokens", "extract_readings", "map_volumes"]
 
 logger = logging.getLogger(__name__)
 
@@ -260,9 +261,28 @@ def extract_tokens(model: Any, volumes: LabelledVolumes, device: Any, batch_size
     batch exists at a time; the cache is ``N x T x E`` elements of ``dtype``.
     """
     def reduce(tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.ndim != 3:
-            raise UserError(f"the encoder returned features of shape {list(tokens.shape)}; "
-                            "an attentive probe needs patch tokens [B, N, E]")
-        return pool_tokens(tokens, grid, max_tokens).to(dtype)
+        return pool_tokens(_token_batch(tokens, "an attentive probe"), grid, max_tokens).to(dtype)
+
+    return _extract(model, volumes, device, batch_size, reduce)
+
+
+def _token_batch(tokens: torch.Tensor, where: str) -> torch.Tensor:
+    if tokens.ndim != 3:
+        raise UserError(f"{where}: the encoder returned features of shape {list(tokens.shape)}; "
+                        "reading tokens needs patch tokens [B, N, E]")
+    return tokens
+
+
+def extract_readings(model: Any, volumes: LabelledVolumes, device: Any, batch_size: int, *,
+                     grid: Sequence[int] | None, max_tokens: int, tokens: bool, where: str) -> torch.Tensor:
+    """``[N, 1 + T, E]`` float32 on ``device``: the mean over every token of a volume, then (with
+    ``tokens``) its tokens pooled to ``T <= max_tokens``; ``[N, 1, E]`` without. One encoder pass
+    for both readings. Raises UserError, naming ``where``, when ``tokens`` is asked of an encoder
+    that returns no tokens."""
+    def reduce(out: torch.Tensor) -> torch.Tensor:
+        mean = _mean_pooled(out)[:, None]
+        if not tokens:
+            return mean
+        return torch.cat([mean, pool_tokens(_token_batch(out, where), grid, max_tokens)], dim=1)
 
     return _extract(model, volumes, device, batch_size, reduce)

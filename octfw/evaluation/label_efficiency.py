@@ -36,7 +36,8 @@ from octfw.types import RefittingEvaluator
 __all__ = ["ShotsReport", "evaluate_shots", "format_shots", "write_shots"]
 
 #: Metrics of the printed table (every metric goes to the CSV and JSON).
-TABLE_METRICS = ("balanced_accuracy", "auroc", "voxel_dice", "token_dice", "fine_tune_voxel_dice")
+TABLE_METRICS = ("balanced_accuracy", "auroc", "tokens_balanced_accuracy", "tokens_auroc", "voxel_dice", "token_dice",
+                 "fine_tune_voxel_dice")
 CSV_COLUMNS = ("encoder", "evaluator", "shots", "volumes_per_class", "metric", "mean", "std", "draws")
 
 

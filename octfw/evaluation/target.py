@@ -284,19 +284,20 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
                       results["pretrained"], results["random_init"], difference)
 
 
-#: The metric plotted when none is asked for: the first of these an evaluator reports (a classifier's
-#: AUROC or balanced accuracy, a dense evaluator's voxel Dice).
-MAIN_METRICS = ("auroc", "balanced_accuracy", "voxel_dice")
+#: What :func:`main_metric` plots when none is asked for, the first reported: a classifier's AUROC or
+#: balanced accuracy (a ``reading = "tokens"`` evaluator reports the ``tokens_`` ones only), a dense
+#: evaluator's voxel Dice.
+PLOTTED_METRICS = ("auroc", "tokens_auroc", "balanced_accuracy", "tokens_balanced_accuracy", "voxel_dice")
 
 
 def main_metric(metrics: Sequence[str], asked: str | None) -> str:
-    """The metric to plot: ``asked``, else the first of :data:`MAIN_METRICS` reported."""
+    """The metric to plot: ``asked``, else the first of :data:`PLOTTED_METRICS` reported."""
     if asked is not None:
         if asked not in metrics:
             shown = ", ".join(m for m in dict.fromkeys(metrics) if "/" not in m)
             raise UserError(f"--metric {asked}: not reported by every evaluator (reported: {shown})")
         return asked
-    return next((m for m in MAIN_METRICS if m in metrics), "balanced_accuracy")
+    return next((m for m in PLOTTED_METRICS if m in metrics), "balanced_accuracy")
 
 
 CI_SUFFIXES = ("_ci_low", "_ci_high")

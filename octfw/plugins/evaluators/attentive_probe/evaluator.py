@@ -11,13 +11,16 @@ from octfw.evaluation.classification import Encoded, ValidatedClassificationEval
 from octfw.evaluation.features import extract_tokens
 
 class AttentiveProbeEvaluator(ValidatedClassificationEvaluator):
-    """Attentive probes on cached patch tokens; the grid member is chosen on a validation split.
+    """V-JEPA's attentive probe on cached patch tokens; the grid is trained until the validation
+    split stops improving, and the member is chosen there.
 
-    The members are fitted on the train split less its validation split, the
-    one with the best validation balanced accuracy is measured on the test
-    split, and only that one: the test split never picks a member. Besides
-    the test metrics it reports the chosen ``selected_lr``,
-    ``selected_weight_decay`` and its ``val_balanced_accuracy``.
+    The members are fitted on the train split less its validation split, each
+    kept at its best validation epoch; the one with the best validation
+    balanced accuracy is measured on the test split, and only that one: the
+    test split never picks a member or an epoch. Besides the test metrics it
+    reports the chosen ``selected_lr``, ``selected_weight_decay``,
+    ``selected_epoch`` (1-based), its ``val_balanced_accuracy`` and the
+    ``epochs_trained`` before training stopped.
     """
 
     component = "attentive-probe"
@@ -40,14 +43,17 @@ class AttentiveProbeEvaluator(ValidatedClassificationEvaluator):
                             f"the encoder's width {encoded.train.shape[-1]}")
         fit_tokens, fit_targets = self._train_part(encoded, positions, classes)
         val_tokens, val_targets = self._train_part(encoded, self.fit_val_positions()[1], classes)
-        grid = fit_attentive_grid(fit_tokens, fit_targets, len(classes), learning_rates=config.learning_rates,
-                                  weight_decays=config.weight_decays, num_heads=config.num_heads,
-                                  epochs=config.epochs, batch_size=config.fit_batch_size, seed=config.seed)
+        grid = fit_attentive_grid(fit_tokens, fit_targets, val_tokens, val_targets, len(classes),
+                                  learning_rates=config.learning_rates, weight_decays=config.weight_decays,
+                                  num_heads=config.num_heads, max_epochs=config.max_epochs,
+                                  patience=config.patience, batch_size=config.fit_batch_size, seed=config.seed)
         selection = select_member(grid, val_tokens, val_targets)
         lr, weight_decay = grid.members[selection.chosen]
         if selection.degenerate:
             self._warn_single_class("every member of the grid", len(val_targets))
         extra = {"selected_lr": lr, "selected_weight_decay": weight_decay,
+                 "selected_epoch": float(grid.best_epoch[selection.chosen]),
+                 "epochs_trained": float(grid.epochs_trained),
                  "val_balanced_accuracy": float(selection.balanced_accuracy[selection.chosen]),
                  "single_class": float(selection.degenerate),
                  "single_class_members": float(sum(selection.single_class))}

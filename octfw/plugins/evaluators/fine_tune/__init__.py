@@ -27,7 +27,7 @@ def _blocks(instance: Any, attribute: attrs.Attribute, value: int | str) -> None
 
 @attrs.frozen
 class FineTuneConfig(FeatureEvaluatorConfig):
-    """The target encoder fine-tuned with a head (mean-pooled tokens, layer norm, linear),
+    """The target encoder fine-tuned with V-JEPA's attentive head on its tokens,
     AdamW with layer-wise learning-rate decay; the epoch is chosen on a validation split
     carved out of the train split, and measured on the test split."""
 
@@ -64,8 +64,12 @@ class FineTuneConfig(FeatureEvaluatorConfig):
         "label, whole patients); the test split never chooses",
         default=0.25, validator=in_range(0.0, 1.0, low_open=True, high_open=True),
     )
+    num_heads: int = doc(
+        "attention heads of the attentive head (as the attentive probe's); must divide the "
+        "encoder's width", default=12, validator=positive,
+    )
     seed: int = doc(
-        "seed of the mini-batch order (the head starts at zero)", default=0, validator=non_negative,
+        "seed of the head's initial weights and the mini-batch order", default=0, validator=non_negative,
     )
 
 
@@ -82,5 +86,5 @@ def octfw_register_evaluators(register: Register) -> None:
         FineTuneConfig,
         build,
         "The encoder fine-tuned (whole, or its last k blocks) with layer-wise learning-rate "
-        "decay and a linear head; the epoch is chosen on a validation split.",
+        "decay and V-JEPA's attentive head; the epoch is chosen on a validation split.",
     )

@@ -31,6 +31,9 @@ class FineTuneEvaluator(ValidatedClassificationEvaluator):
         if not is_vit3d_encoder(encoder):
             raise UserError(f"{where}: fine-tunes a 3D ViT encoder (a model's .encoder); "
                             f"{type(model).__name__} has none")
+        if encoder.embed_dim % self.config.num_heads:
+            raise UserError(f"{where}: num_heads = {self.config.num_heads} does not divide the encoder's "
+                            f"width {encoder.embed_dim}")
         blocks, depth = self.config.blocks, len(encoder.blocks)
         if blocks != ALL_BLOCKS and blocks > depth:
             raise UserError(f"{where}: blocks = {blocks}, but the encoder has {depth} blocks; "
@@ -55,7 +58,7 @@ class FineTuneEvaluator(ValidatedClassificationEvaluator):
         result = fine_tune(encoded.network, fit_inputs, fit_targets, val_inputs, val_targets, encoded.test,
                            len(classes), blocks=config.blocks, epochs=config.epochs,
                            batch_size=config.fit_batch_size, lr=config.lr, layer_decay=config.layer_decay,
-                           weight_decay=config.weight_decay, seed=config.seed, eval_batch_size=config.batch_size)
+                           weight_decay=config.weight_decay, num_heads=config.num_heads, seed=config.seed, eval_batch_size=config.batch_size)
         if result.single_class:
             self._warn_single_class("at every epoch the network", len(val_targets))
         extra = {"selected_epoch": float(result.selected_epoch),

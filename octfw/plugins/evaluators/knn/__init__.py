@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from octfw.evaluation.config import FeatureEvaluatorConfig
+from octfw.evaluation.config import ReadingEvaluatorConfig
 from octfw.fields import choices, doc, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Evaluator
@@ -17,8 +17,10 @@ __all__ = ["KNNConfig", "build"]
 
 
 @attrs.frozen
-class KNNConfig(FeatureEvaluatorConfig):
-    """k-nearest neighbours by cosine similarity of centred, mean-pooled target-encoder features."""
+class KNNConfig(ReadingEvaluatorConfig):
+    """k-nearest neighbours by cosine similarity of centred target-encoder features: the mean over
+    a volume's tokens, its pooled tokens (each centred and normalised, then concatenated), or
+    both (``reading``)."""
 
     k: int = doc(
         "neighbours that vote (capped at the size of the train split)", default=10, validator=positive,
@@ -44,6 +46,6 @@ def octfw_register_evaluators(register: Register) -> None:
         "knn",
         KNNConfig,
         build,
-        "k-nearest neighbours (cosine) on frozen, mean-pooled encoder features of a labelled "
-        "dataset.",
+        "k-nearest neighbours (cosine) on frozen encoder features of a labelled dataset: the "
+        "mean of the tokens, the tokens, or both.",
     )

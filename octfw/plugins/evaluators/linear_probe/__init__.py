@@ -1,4 +1,5 @@
-"""The ``linear-probe`` evaluator: logistic regression on frozen encoder features.
+"""The ``linear-probe`` evaluator: logistic regression on frozen encoder features (their mean,
+their tokens concatenated, or both).
 
 Config, factory and registration; the class is :mod:`.evaluator`, the algorithm :mod:`.algorithm`,
 the base they share :mod:`octfw.evaluation.classification`.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from octfw.evaluation.config import FeatureEvaluatorConfig
+from octfw.evaluation.config import ReadingEvaluatorConfig
 from octfw.fields import doc, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Evaluator
@@ -17,8 +18,9 @@ __all__ = ["LinearProbeConfig", "build"]
 
 
 @attrs.frozen
-class LinearProbeConfig(FeatureEvaluatorConfig):
-    """Multinomial logistic regression on standardised, mean-pooled target-encoder features."""
+class LinearProbeConfig(ReadingEvaluatorConfig):
+    """Multinomial logistic regression on standardised target-encoder features: the mean over a
+    volume's tokens, its pooled tokens concatenated, or both (``reading``)."""
 
     l2: float = doc(
         "L2 penalty on the weights, added to the mean cross-entropy as l2 / 2 x |W|^2 "
@@ -43,5 +45,6 @@ def octfw_register_evaluators(register: Register) -> None:
         "linear-probe",
         LinearProbeConfig,
         build,
-        "Logistic regression on frozen, mean-pooled encoder features of a labelled dataset.",
+        "Logistic regression on frozen encoder features of a labelled dataset: the mean of the "
+        "tokens, the tokens concatenated, or both.",
     )
