@@ -96,7 +96,7 @@ def test_an_unknown_family_is_a_one_line_recipe_error(tmp_path):
     recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"', 'name = "phantom-oct"\nfamily = "x"'))
     out = octfw("check", str(recipe), cwd=tmp_path)
     assert refused(out).endswith("recipe.toml: 1 problem")
-    assert out.stderr.splitlines()[1:] == ["  dataset.family: must be one of 'tuning', 'held-out', got 'x'"]
+    assert out.stderr.splitlines()[1:] == ["  dataset.family: must be one of 'tuning', 'held-out', 'context', got 'x'"]
 
 
 def test_a_task_other_than_the_familys_is_refused():
@@ -165,3 +165,45 @@ def test_a_write_killed_mid_way_is_finished_by_the_next_and_two_writers_agree(tm
     assert _files(shared) == _files(reference)
     assert (shared / "manifest.jsonl").read_bytes() == (reference / "manifest.jsonl").read_bytes().replace(
         str(reference).encode(), str(shared).encode())
+
+
+def test_the_context_family_renders_the_same_eye_for_the_same_seed():
+    from octfw.plugins.datasets.phantom import context
+
+    anatomy = context.draw_patient(np.random.default_rng(5))
+    for vendor in context.VENDORS:
+        first, first_mask = context.render(np.random.default_rng(6), anatomy, vendor, mirrored=True, positive=True,
+                                           finding_scale=1.0, with_mask=True)
+        again = context.render(np.random.default_rng(6), anatomy, vendor, mirrored=True, positive=True,
+                               finding_scale=1.0)
+        assert first.shape == first_mask.shape == vendor.shape and first.dtype == np.uint16
+        np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_context_findings_mask_is_non_empty_exactly_in_positive_eyes(seed):
+    from octfw.plugins.datasets.phantom import context
+
+    anatomy = context.draw_patient(np.random.default_rng(seed))
+    vendor = context.VENDORS[seed % 3]
+    negative, empty = context.render(np.random.default_rng(seed + 10), anatomy, vendor, mirrored=bool(seed % 2),
+                                     positive=False, finding_scale=1.0, with_mask=True)
+    positive, mask = context.render(np.random.default_rng(seed + 10), anatomy, vendor, mirrored=bool(seed % 2),
+                                    positive=True, finding_scale=1.0, with_mask=True)
+    assert mask.dtype == empty.dtype == bool
+    assert not empty.any()
+    assert 0.005 < mask.mean() < 0.2
+    # The finding changes the eye where the mask says, and the same noise lies everywhere else.
+    changed = positive != negative
+    assert changed[mask].mean() > 0.5
+    assert changed.any() and not changed[:, :2].any()  # the vitreous above the retina is untouched
+
+
+def test_a_recipe_of_the_context_family_validates_and_builds_a_labelled_cohort(tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"',
+                                          'name = "phantom-oct"\nfamily = "context"\ntask = "dimming"\nlabels = true'))
+    assert octfw("check", str(recipe), cwd=tmp_path).returncode == 0
+    dataset = _build(tmp_path, family="context", n_volumes=6, labels=True)
+    assert {dataset.load(i).provenance.domain for i in range(6)} == {"tomey", "visionix", "thorlabs"}
+    assert {dataset.load(i).provenance.label for i in range(6)} <= {0, 1}

@@ -13,7 +13,7 @@ import attrs
 from octfw.fields import Location, choices, doc, non_negative, positive
 
 #: Each family's one binary task: the finding its positive volumes carry.
-FAMILY_TASKS: dict[str, str] = {"tuning": "drusen", "held-out": "cysts"}
+FAMILY_TASKS: dict[str, str] = {"tuning": "drusen", "held-out": "cysts", "context": "dome"}
 
 
 def _task(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
