@@ -193,16 +193,16 @@ def test_the_context_findings_mask_is_non_empty_exactly_in_positive_eyes(seed):
     assert mask.dtype == empty.dtype == bool
     assert not empty.any()
     assert 0.005 < mask.mean() < 0.2
-    # The finding changes the eye where the mask says, and the same noise lies everywhere else.
+    # The finding changes the eye where the mask says, under the same noise; most voxels are untouched.
     changed = positive != negative
     assert changed[mask].mean() > 0.5
-    assert changed.any() and not changed[:, :2].any()  # the vitreous above the retina is untouched
+    assert changed[~mask].mean() < 0.25
 
 
 def test_a_recipe_of_the_context_family_validates_and_builds_a_labelled_cohort(tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"',
-                                          'name = "phantom-oct"\nfamily = "context"\ntask = "dimming"\nlabels = true'))
+                                          'name = "phantom-oct"\nfamily = "context"\ntask = "asymmetry"\nlabels = true'))
     assert octfw("check", str(recipe), cwd=tmp_path).returncode == 0
     dataset = _build(tmp_path, family="context", n_volumes=6, labels=True)
     assert {dataset.load(i).provenance.domain for i in range(6)} == {"tomey", "visionix", "thorlabs"}
