@@ -79,6 +79,7 @@ def shapes() -> dict[str, Any]:
         "dimming-B": (Shape("dimming", size=(0.20, 0.35), width=(0.3, 0.6)), 1.0),
         "dimming-C": (Shape("dimming", size=(0.35, 0.50), width=(0.3, 0.6)), 1.0),
         "dimming-D": (Shape("dimming", size=(0.50, 0.80), width=(0.3, 0.6)), 1.0),
+        "dimming-E": (Shape("dimming", size=(0.65, 0.95), width=(0.3, 0.6)), 1.0),
         "asymmetry-A": (Shape("asymmetry", size=(0.2, 0.35), width=(0.3, 0.6)), 1.0),
         "asymmetry-B": (Shape("asymmetry", size=(0.3, 0.5), width=(0.3, 0.6)), 1.0),
         "asymmetry-C": (Shape("asymmetry", size=(0.45, 0.65), width=(0.3, 0.6)), 1.0),

@@ -47,6 +47,6 @@ def octfw_register_datasets(register: Register) -> None:
         "phantom-oct",
         PhantomOctConfig,
         build,
-        "Three synthetic OCT families (tuning: drusen; held-out: cysts; context: asymmetry) drawn independently of "
+        "Three synthetic OCT families (tuning: drusen; held-out: cysts; context: dimming) drawn independently of "
         "synthetic-oct, two eyes per patient, written as DICOM and read like `dicom`.",
     )

@@ -13,9 +13,9 @@ The finding is set by :data:`FINDING` (a :class:`Shape`), one of four
 forms that only the retina's shape or the relation of its regions defines:
 a dome-shaped macula (the whole retina bulges towards the vitreous around
 the fovea), a hemifield thinning or a dimming of the inner retina below the
-fovea, or an **asymmetry** (the current one): the inner retina is brighter
-above the fovea and darker below it than the patient's own level, which
-varies between patients more than a patch can tell. Sizing
+fovea (the current one: the inner retina below the fovea 65-95 % darker
+than above it, against a patient's own level that varies between patients
+more than a patch can tell), or an asymmetry (brighter above, darker below). Sizing
 (``benchmarks/context_task.py``, its ``HISTORY`` and docs/evaluation.md "A
 task that needs learned features"): **no form tried passes yet**: where the
 voxel probe sees it, a reader of random-init tokens sees most of it too.
@@ -32,7 +32,7 @@ from octfw.plugins.datasets.phantom.cohort import Vendor
 
 __all__ = ["TASK", "VENDORS", "Shape", "FINDING", "draw_patient", "render"]
 
-TASK = "asymmetry"
+TASK = "dimming"
 VENDORS = (
     Vendor("tomey", "Casia OCT", (20, 88, 104), (0.30, 0.0227, 0.0577), gain=24000.0, speckle=1.0),
     Vendor("visionix", "iVue 100", (26, 120, 80), (0.231, 0.0167, 0.075), gain=22000.0, speckle=2.0),
@@ -62,7 +62,7 @@ class Shape:
 
 
 #: The finding of a positive eye. Sized by benchmarks/context_task.py; its HISTORY lists every shape tried.
-FINDING = Shape("asymmetry", size=(0.6, 0.8), width=(0.3, 0.6))  # "asymmetry-D": does not pass yet
+FINDING = Shape("dimming", size=(0.65, 0.95), width=(0.3, 0.6))  # "dimming-E": nearest, does not pass yet
 
 
 def draw_patient(rng: np.random.Generator) -> dict[str, Any]:
