@@ -96,7 +96,7 @@ def test_an_unknown_family_is_a_one_line_recipe_error(tmp_path):
     recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"', 'name = "phantom-oct"\nfamily = "x"'))
     out = octfw("check", str(recipe), cwd=tmp_path)
     assert refused(out).endswith("recipe.toml: 1 problem")
-    assert out.stderr.splitlines()[1:] == ["  dataset.family: must be one of 'tuning', 'held-out', got 'x'"]
+    assert out.stderr.splitlines()[1:] == ["  dataset.family: must be one of 'tuning', 'held-out', 'context', got 'x'"]
 
 
 def test_a_task_other_than_the_familys_is_refused():
@@ -207,3 +207,46 @@ def test_a_cohort_writes_each_volumes_mask_beside_it_and_in_the_manifest(tmp_pat
         mask, sample = dataset.mask(index), dataset.load(index)
         assert mask.shape == sample.volume.shape
         assert bool(mask.any()) == bool(sample.provenance.label)
+
+
+def test_the_context_family_renders_the_same_eye_for_the_same_seed():
+    from octfw.plugins.datasets.phantom import context
+
+    anatomy = context.draw_patient(np.random.default_rng(5))
+    for vendor in context.VENDORS:
+        first, first_mask = context.render(np.random.default_rng(6), anatomy, vendor, mirrored=True, positive=True,
+                                           finding_scale=1.0)
+        again, again_mask = context.render(np.random.default_rng(6), anatomy, vendor, mirrored=True, positive=True,
+                                           finding_scale=1.0)
+        assert first.shape == first_mask.shape == vendor.shape and first.dtype == np.uint16
+        np.testing.assert_array_equal(first, again)
+        np.testing.assert_array_equal(first_mask, again_mask)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_context_findings_mask_is_non_empty_exactly_in_positive_eyes(seed):
+    from octfw.plugins.datasets.phantom import context
+
+    anatomy = context.draw_patient(np.random.default_rng(seed))
+    vendor = context.VENDORS[seed % 3]
+    negative, empty = context.render(np.random.default_rng(seed + 10), anatomy, vendor, mirrored=bool(seed % 2),
+                                     positive=False, finding_scale=1.0)
+    positive, mask = context.render(np.random.default_rng(seed + 10), anatomy, vendor, mirrored=bool(seed % 2),
+                                    positive=True, finding_scale=1.0)
+    assert mask.dtype == empty.dtype == bool
+    assert not empty.any()
+    assert 0.005 < mask.mean() < 0.2
+    # The finding changes the eye where the mask says, under the same noise; most voxels are untouched.
+    changed = positive != negative
+    assert changed[mask].mean() > 0.5
+    assert changed[~mask].mean() < 0.25
+
+
+def test_a_recipe_of_the_context_family_validates_and_builds_a_labelled_cohort(tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"',
+                                          'name = "phantom-oct"\nfamily = "context"\ntask = "dimming"\nlabels = true'))
+    assert octfw("check", str(recipe), cwd=tmp_path).returncode == 0
+    dataset = _build(tmp_path, family="context", n_volumes=6, labels=True)
+    assert {dataset.load(i).provenance.domain for i in range(6)} == {"tomey", "visionix", "thorlabs"}
+    assert {dataset.load(i).provenance.label for i in range(6)} <= {0, 1}

@@ -1,11 +1,13 @@
-"""The ``phantom-oct`` dataset: two synthetic OCT families independent of ``synthetic-oct``.
+"""The ``phantom-oct`` dataset: synthetic OCT families independent of ``synthetic-oct``.
 
 Every pretraining lever was first tuned on tasks drawn by ``synthetic-oct``'s
 renderer; these families are drawn by code that shares nothing with it but
 the DICOM writer and the manifest (their own layers, reflectivity, speckle,
 vendors and findings), so a lever can be checked on data it was not tuned
 on. ``tuning`` (drusen) and ``held-out`` (intraretinal cysts) differ from
-each other as much as from ``synthetic-oct``. Each patient has two eyes, so
+each other as much as from ``synthetic-oct``; ``context`` carries a finding
+that only the retina's shape or the relation of its regions defines (sized,
+not yet passing, by ``benchmarks/context_task.py``). Each patient has two eyes, so
 evaluation splits whole patients (the manifest's ``patient`` column).
 
 Registration and factory; the config lives in :mod:`octfw.plugins.datasets.phantom.config`,
@@ -45,6 +47,6 @@ def octfw_register_datasets(register: Register) -> None:
         "phantom-oct",
         PhantomOctConfig,
         build,
-        "Two synthetic OCT families (tuning: drusen; held-out: cysts) drawn independently of "
+        "Three synthetic OCT families (tuning: drusen; held-out: cysts; context: dimming) drawn independently of "
         "synthetic-oct, two eyes per patient, written as DICOM and read like `dicom`.",
     )

@@ -57,6 +57,8 @@ def family_module(family: str) -> ModuleType:
         from octfw.plugins.datasets.phantom import tuning as module
     elif family == "held-out":
         from octfw.plugins.datasets.phantom import held_out as module
+    elif family == "context":
+        from octfw.plugins.datasets.phantom import context as module
     else:
         raise ValueError(f"unknown phantom family {family!r}")
     return module
