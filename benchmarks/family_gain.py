@@ -64,9 +64,10 @@ SETTINGS = {"in-domain": "held-out", "transfer": "tuning"}
 PRETRAIN_VOLUMES = 240
 #: The held-out family's labelled cohort: 100 patients, two volumes each; half the patients test.
 EVAL_FAMILY, EVAL_VOLUMES, EVAL_SEED = "held-out", 200, 1
-PROBES = ("linear-probe", "knn", "attentive-probe", "fine-tune")
+PROBES = ("linear-probe", "knn", "attentive-probe", "fine-tune", "dense-probe")
 FINE_TUNE_SHOTS = 10
-METRICS = ("balanced_accuracy", "auroc")
+METRICS = ("balanced_accuracy", "auroc", "tokens_balanced_accuracy", "tokens_auroc", "voxel_dice", "token_dice",
+           "fine_tune_voxel_dice", "fine_tune_token_dice")
 GLOBAL_BATCH = 4  # both recipes: per_device_batch 4 x 1 device x 1 micro-step
 MAX_UPDATES = 24_000
 

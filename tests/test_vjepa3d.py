@@ -591,3 +591,22 @@ def test_the_patch_projection_is_initialised_like_a_linear_layer():
     # Standardised input through it: the content of a token now outweighs its position.
     tokens = enc.patch_embed(torch.randn(4, 1, 8, 32, 32))
     assert tokens.norm(dim=-1).mean() > enc.pos_embed.norm(dim=-1).mean()
+
+
+def test_an_encoder_exported_before_standardisation_loads_without_it():
+    from octfw.encoder import encoder_from_config
+
+    old = {"image_size": [8, 32, 32], "patch_size": [4, 16, 16], "in_channels": 1, "embed_dim": 96, "depth": 1,
+           "num_heads": 3, "mlp_ratio": 4.0}
+    assert encoder_from_config(old).standardise_input is False  # as it was trained
+    assert encoder_from_config({**old, "standardise_input": True}).standardise_input is True
+
+
+def test_octfw_check_checks_every_mask_configurations_indices(write_recipe, tmp_path, capsys):
+    from conftest import TINY_RECIPE
+    from octfw.cli import main
+
+    path = write_recipe(TINY_RECIPE)
+    assert main(["check", str(path), *[a for v in MULTIBLOCK for a in ("--set", v)]]) == 0
+    out = capsys.readouterr().out
+    assert "context_idx_short" in out and "target_idx_long" in out

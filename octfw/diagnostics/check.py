@@ -19,12 +19,10 @@ from octfw.errors import ContractError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.tables import counted
-from octfw.types import BatchKey, CountingModel, ModelOutput
+from octfw.types import BatchKey, CountingModel, ModelOutput, mask_keys
 
 __all__ = ["check_recipe"]
 
-#: Patch index arrays (V-JEPA's and MAE's masks): checked against the patch grid when present.
-INDEX_KEYS = ("context_idx", "target_idx")
 
 
 def _describe(t: Any) -> str:
@@ -34,10 +32,12 @@ def _describe(t: Any) -> str:
 
 
 def check_batch_contract(tensors: dict[str, torch.Tensor], spec: dict[str, BatchKey],
-                         num_patches: int | None) -> None:
+                         num_patches: int | None, mask_pairs: tuple[str, ...] = ("",)) -> None:
     """The collated batch against the transform's declaration, as the model will get it: views
-    float32, every key of its declared shape and dtype; patch indices inside the grid (a
-    ``[D, H, W]`` voxel mask is refused here)."""
+    float32, every key of its declared shape and dtype; each mask configuration's patch indices
+    (:func:`octfw.types.mask_keys` of ``mask_pairs``) inside the grid (a ``[D, H, W]`` voxel
+    mask is refused here)."""
+    index_keys = [key for pair in mask_pairs for key in mask_keys(pair)]
     for key, field in spec.items():
         t = tensors[key]
         dtype = "float32" if field.view else field.dtype
@@ -46,9 +46,10 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], spec: dict[str, Batch
                 f"batch {key!r} must be {dtype} [B, {', '.join(map(str, field.shape))}] as the transform's "
                 f"batch_spec declares, got {_describe(t)}"
                 + ("; this looks like a voxel mask [D, H, W]: masks are patch indices, never volumes"
-                   if key in INDEX_KEYS and t.dim() >= 4 else ""))
-    if num_patches is not None and all(key in tensors for key in INDEX_KEYS):
-        both = torch.cat([tensors[key] for key in INDEX_KEYS], dim=1)
+                   if key in index_keys and t.dim() >= 4 else ""))
+    present = [key for key in index_keys if key in tensors]
+    if num_patches is not None and present:
+        both = torch.cat([tensors[key] for key in present], dim=1)
         if both.min() < 0 or both.max() >= num_patches:
             raise ContractError(f"patch indices must lie in [0, {num_patches}), got "
                                 f"[{int(both.min())}, {int(both.max())}]")
@@ -103,7 +104,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     num_patches = None
     if ctx.image_size and ctx.patch_size:
         num_patches = int(np.prod([s // p for s, p in zip(ctx.image_size, ctx.patch_size)]))
-    check_batch_contract(batch, spec, num_patches)
+    check_batch_contract(batch, spec, num_patches, ctx.mask_pairs)
     report("batch     " + ", ".join(f"{k} {_describe(batch[k])}" for k in spec))
 
     model = parts.model
