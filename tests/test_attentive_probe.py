@@ -232,9 +232,11 @@ def test_where_the_linear_probe_beats_chance_the_attentive_probe_is_not_worse_be
     """), encoding="utf-8")
     assert main(["eval", str(export), "--recipe", str(eval_recipe), "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)["pretrained"]  # the exported (random) encoder
-    linear_low = scores["linear-probe/auroc_ci_low"]
+    # The linear probe's stronger reading, on the tokens (since issue #39; with the patch projection
+    # initialised as a linear layer the mean of the tokens no longer clears chance on these tasks).
+    linear_low = scores["linear-probe/tokens_auroc_ci_low"]
     assert linear_low > 0.5, f"the linear probe does not beat chance here ({linear_low:.3f}); the rule is void"
-    assert scores["attentive-probe/auroc_ci_high"] >= scores["linear-probe/auroc"]
+    assert scores["attentive-probe/auroc_ci_high"] >= scores["linear-probe/tokens_auroc"]
     assert scores["attentive-probe/single_class"] == 0.0
 
 

@@ -109,8 +109,8 @@ def test_a_reading_that_does_not_exist_is_a_recipe_error_naming_its_key(write_re
 def test_on_the_held_out_phantom_cysts_a_random_encoders_tokens_beat_their_mean(tmp_path, registry):
     """Issue #39 on real data: the cysts of the held-out phantom family sit in a few tokens. With
     a randomly initialised tiny encoder (the quickstart's, seed 0), the mean-pooled linear probe
-    is near chance, while the linear probe on the tokens and the converged attentive probe see
-    them (200 volumes, 100 patients, half of them test; benchmarks/readers.py measures more)."""
+    is near chance, while the linear probe on the tokens sees them (200 volumes, 100 patients, half
+    of them test; benchmarks/readers.py measures more)."""
     from octfw.recipe import build_component, load_recipe
 
     recipe = load_recipe("recipes/quickstart.toml", [f"run.cache_dir={str(tmp_path)!r}".replace("'", '"')],
@@ -129,6 +129,8 @@ def test_on_the_held_out_phantom_cysts_a_random_encoders_tokens_beat_their_mean(
         read = linear.evaluate(model, torch.device("cpu"), 0)
         attended = attentive.evaluate(model, torch.device("cpu"), 0)
     assert read["balanced_accuracy"] <= 0.62
-    assert read["tokens_balanced_accuracy"] >= read["balanced_accuracy"] + 0.2
-    assert attended["balanced_accuracy"] >= read["balanced_accuracy"] + 0.2  # measured: 0.51, 0.89, 0.84
-    assert attended["epochs_trained"] < 500  # stopped by validation, not by the cap
+    assert read["tokens_balanced_accuracy"] >= read["balanced_accuracy"] + 0.3  # measured: 0.54 and 0.94
+    # With standardised inputs the attentive probe chosen on 26 validation volumes does not reach the
+    # token reading (measured 0.50 with this grid, 0.60 with the default one; docs/evaluation.md):
+    # what holds is that validation, not the cap, stops it.
+    assert attended["epochs_trained"] < 500
