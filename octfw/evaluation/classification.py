@@ -39,20 +39,20 @@ import torch
 from octfw.errors import UserError
 from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.evaluation.features import (
+    validation_split,
     LabelledVolumes,
     extract_readings,
     load_labelled,
-    map_volumes,
     stratified_split,
 )
 from octfw.evaluation.metrics import classification_metrics, paired_difference
 from octfw.tables import counted
-from octfw.types import BuildContext, EncoderModel, LabelledDataset, NamingDataset, PatientDataset
+from octfw.types import BuildContext, LabelledDataset, NamingDataset, PatientDataset
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["READING_PREFIXES", "Encoded", "ClassificationEvaluator", "PooledClassificationEvaluator",
-           "ValidatedClassificationEvaluator", "build_from_table"]
+           "ValidatedClassificationEvaluator", "build_from_table", "check_patients_disjoint"]
 
 
 def build_from_table(stage: str, table: Mapping[str, Any], ctx: BuildContext, where: str) -> Any:
@@ -81,7 +81,7 @@ def _check_labels_early(dataset: Any, where: str) -> None:
         raise UserError(f"{where}: every volume has label {labels[0]}; a classifier needs two classes or more")
 
 
-def _check_patients_disjoint(train: Any, test: Any, where: str) -> None:
+def check_patients_disjoint(train: Any, test: Any, where: str) -> None:
     """Refuse a test dataset that shares a patient with the train dataset (before decoding).
 
     The message names files, never the patient key: it may be an identifier.
@@ -152,7 +152,7 @@ class ClassificationEvaluator(abc.ABC):
         if config.test_dataset is not None:
             test = build_from_table("dataset", config.test_dataset, ctx, f"{where}: test_dataset")
             _check_labels_early(test, f"{where}: test_dataset")
-            _check_patients_disjoint(train, test, where)
+            check_patients_disjoint(train, test, where)
         grid = None
         if ctx.image_size is not None and ctx.patch_size is not None:
             grid = tuple(int(i) // int(p) for i, p in zip(ctx.image_size, ctx.patch_size))
@@ -317,14 +317,8 @@ class ValidatedClassificationEvaluator(ClassificationEvaluator):
     def fit_val_positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(fit positions, validation positions) in the train split; drawn once, seeded."""
         if self._fit_val is None:
-            train = self.split()[0]
-            fit, val = stratified_split(train.labels, train.domains, 1.0 - self.config.val_fraction,
-                                        [self.config.split_seed, 1], groups=train.groups)
-            if not val:
-                raise UserError(f"evaluator {self.component}: the validation split is empty (train split "
-                                f"of {counted(len(train), 'volume')}, val_fraction {self.config.val_fraction}); "
-                                "use more volumes")
-            self._fit_val = (np.asarray(fit, dtype=np.int64), np.asarray(val, dtype=np.int64))
+            self._fit_val = validation_split(self.split()[0], self.config.val_fraction, self.config.split_seed,
+                                             self.component)
         return self._fit_val
 
     def fit_positions(self) -> np.ndarray:

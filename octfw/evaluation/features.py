@@ -36,7 +36,7 @@ from octfw.errors import CorruptFile, UserError
 from octfw.types import Dataset, EmbeddingModel, PatientDataset, PreparingTransform, Sample
 from octfw.tables import counted
 
-__all__ = ["prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
+__all__ = ["validation_split", "prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
            "pooled_grid", "pool_tokens", "extract_tokens", "extract_readings", "map_volumes"]
 
 logger = logging.getLogger(__name__)
@@ -286,3 +286,15 @@ def extract_readings(model: Any, volumes: LabelledVolumes, device: Any, batch_si
         return torch.cat([mean, pool_tokens(_token_batch(out, where), grid, max_tokens)], dim=1)
 
     return _extract(model, volumes, device, batch_size, reduce)
+
+
+def validation_split(train: Any, val_fraction: float, split_seed: int, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """(fit positions, validation positions) of the train split ``train`` (its ``labels``,
+    ``domains`` and patient ``groups``): ``val_fraction`` of each domain and label held out, whole
+    patients, seeded; a UserError naming ``who`` when nothing is left to validate on."""
+    fit, val = stratified_split(train.labels, train.domains, 1.0 - val_fraction, [split_seed, 1],
+                                groups=train.groups)
+    if not val:
+        raise UserError(f"evaluator {who}: the validation split is empty (train split of "
+                        f"{counted(len(train), 'volume')}, val_fraction {val_fraction}); use more volumes")
+    return np.asarray(fit, dtype=np.int64), np.asarray(val, dtype=np.int64)

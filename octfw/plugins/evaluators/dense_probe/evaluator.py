@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from octfw.errors import UserError
-from octfw.evaluation.classification import _check_patients_disjoint, build_from_table
-from octfw.evaluation.features import map_volumes, stratified_split
+from octfw.evaluation.classification import check_patients_disjoint, build_from_table
+from octfw.evaluation.features import map_volumes, stratified_split, validation_split
 from octfw.evaluation.metrics import overlap_metrics
 from octfw.evaluation.segmentation import MaskedVolumes, check_masks_early, load_masked
 from octfw.tables import counted
@@ -67,7 +67,7 @@ class DenseProbeEvaluator:
         if config.test_dataset is not None:
             test = build_from_table("dataset", config.test_dataset, ctx, f"{where}: test_dataset")
             check_masks_early(test, transform, f"{where}: test_dataset")
-            _check_patients_disjoint(train, test, where)
+            check_patients_disjoint(train, test, where)
         patch = tuple(int(p) for p in ctx.patch_size)
         grid = tuple(int(i) // p for i, p in zip(ctx.image_size, patch))
         return cls(config, train, test, transform, patch, grid)
@@ -103,14 +103,8 @@ class DenseProbeEvaluator:
     def fit_val_positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(fit positions, validation positions) in the train split; drawn once, seeded, whole patients."""
         if self._fit_val is None:
-            train = self.split()[0]
-            fit, val = stratified_split(train.labels, train.domains, 1.0 - self.config.val_fraction,
-                                        [self.config.split_seed, 1], groups=train.groups)
-            if not val:
-                raise UserError(f"evaluator {self.component}: the validation split is empty (train split of "
-                                f"{counted(len(train), 'volume')}, val_fraction {self.config.val_fraction}); "
-                                "use more volumes")
-            self._fit_val = (np.asarray(fit, dtype=np.int64), np.asarray(val, dtype=np.int64))
+            self._fit_val = validation_split(self.split()[0], self.config.val_fraction, self.config.split_seed,
+                                             self.component)
         return self._fit_val
 
     def fit_positions(self) -> np.ndarray:
