@@ -84,6 +84,9 @@ def shapes() -> dict[str, Any]:
         "asymmetry-B": (Shape("asymmetry", size=(0.3, 0.5), width=(0.3, 0.6)), 1.0),
         "asymmetry-C": (Shape("asymmetry", size=(0.45, 0.65), width=(0.3, 0.6)), 1.0),
         "asymmetry-D": (Shape("asymmetry", size=(0.6, 0.8), width=(0.3, 0.6)), 1.0),
+        "reversal-A": (Shape("reversal", size=(0.15, 0.3), width=(0.3, 0.6)), 1.0),
+        "reversal-B": (Shape("reversal", size=(0.3, 0.5), width=(0.3, 0.6)), 1.0),
+        "reversal-C": (Shape("reversal", size=(0.45, 0.65), width=(0.3, 0.6)), 1.0),
     }
 
 

@@ -53,9 +53,10 @@ GAMMA = 0.4  # the stored value is gain * intensity ** GAMMA
 class Shape:
     """The finding's form at ``finding_scale = 1``; heights scale with ``finding_scale``."""
 
-    kind: str = attrs.field(validator=attrs.validators.in_(("dome", "hemifield", "dimming", "asymmetry")))
+    kind: str = attrs.field(validator=attrs.validators.in_(("dome", "hemifield", "dimming", "asymmetry", "reversal")))
     #: dome: the bulge's peak (mm) range; hemifield: the share of the NFL lost; dimming: the share
-    #: of the inner layers' reflectivity lost; asymmetry: the share gained above the fovea and lost below
+    #: of the inner layers' reflectivity lost; asymmetry: the share gained above the fovea and lost below;
+    #: reversal: the share each half of a normal eye's inner retina is darker (above) or brighter (below)
     size: tuple[float, float]
     #: dome: the bulge's width (Gaussian sigma, mm) range; the others: the border's width (mm)
     width: tuple[float, float]
@@ -89,10 +90,13 @@ def _ramp(distance: np.ndarray, edge: float) -> np.ndarray:
 
 
 def _finding(rng: np.random.Generator, shape: Shape, z: np.ndarray, x: np.ndarray, fovea: np.ndarray,
-             scale: float) -> dict[str, np.ndarray]:
-    """What a positive eye's finding changes, each [D,1,W]: ``lift`` of every boundary (mm), ``nfl``
-    share of the NFL kept, ``inner`` share of the inner layers' reflectivity kept; ``region`` where
-    the change is at least half its peak."""
+             scale: float, positive: bool) -> dict[str, np.ndarray] | None:
+    """What the finding's ``shape`` changes in an eye, each [D,1,W]: ``lift`` of every boundary (mm),
+    ``nfl`` share of the NFL kept, ``inner`` share of the inner layers' reflectivity kept; ``region``
+    where a positive eye differs from a normal one by at least half the peak. None where nothing
+    changes (a negative eye, but for the reversal, whose normal eyes carry the normal asymmetry)."""
+    if not positive and shape.kind != "reversal":
+        return None
     ones = np.ones((z.shape[0], 1, x.shape[2]))
     out = {"lift": 0 * ones, "nfl": ones, "inner": ones}
     if shape.kind == "dome":
@@ -106,6 +110,13 @@ def _finding(rng: np.random.Generator, shape: Shape, z: np.ndarray, x: np.ndarra
     # total stays, only the halves' relation changes.
     loss = min(rng.uniform(*shape.size) * scale, 0.95)
     inferior = 1 / (1 + np.exp((z - fovea[0]) / rng.uniform(*shape.width))) * ones  # 1 below the fovea, 0 above
+    if shape.kind == "reversal":
+        # A normal eye's inferior inner retina is the brighter half (as its rim and nerve fibres are
+        # the thickest, the ISNT rule); a positive eye has it the other way round. Both are the same
+        # eye mirrored across the fovea: the same brightness histogram, only which half is which.
+        sign = -1.0 if positive else 1.0
+        out["inner"] = 1 + sign * loss * (2 * inferior - 1)
+        return {**out, "region": (np.abs(2 * inferior - 1) >= 0.5) & positive}
     if shape.kind == "asymmetry":
         out["inner"] = 1 + loss * (1 - 2 * inferior)
         return {**out, "region": np.abs(out["inner"] - 1) >= loss / 2}
@@ -129,7 +140,7 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     side = -1 if mirrored else 1
     fovea = anatomy["fovea"] * (1, side)
 
-    finding = _finding(finding_rng, FINDING, z, x, fovea, finding_scale) if positive else None
+    finding = _finding(finding_rng, FINDING, z, x, fovea, finding_scale, positive)
     lift = 0.0 if finding is None else finding["lift"]
     pit = np.exp(-((z - fovea[0]) ** 2 + (x - fovea[1]) ** 2) / (2 * anatomy["pit_width"] ** 2))
     thickness = anatomy["thickness"] * anatomy["shares"][:, None, None, None] * np.ones((1, d, 1, w))
@@ -154,9 +165,9 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     intensity = intensity * rng.gamma(vendor.speckle, 1 / vendor.speckle, vendor.shape) + 0.002 * rng.exponential(
         1.0, vendor.shape)
     volume = np.clip(vendor.gain * intensity**GAMMA, 0, 65535).astype(np.uint16)
-    if finding is None:
+    if not positive:
         return volume, np.zeros(vendor.shape, dtype=bool)
-    # The retina where the finding is; for the dimming, the dimmed inner layers only.
-    bottom = boundaries[INNER_DIMMED] if FINDING.kind in ("dimming", "asymmetry") else boundaries[-1]
+    # The retina where the finding is; for the findings of reflectivity, the inner layers only.
+    bottom = boundaries[INNER_DIMMED] if FINDING.kind in ("dimming", "asymmetry", "reversal") else boundaries[-1]
     mask = finding["region"] & (y >= boundaries[0]) & (y < bottom)
     return volume, np.broadcast_to(mask, vendor.shape).copy()
