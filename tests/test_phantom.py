@@ -245,7 +245,7 @@ def test_the_context_findings_mask_is_non_empty_exactly_in_positive_eyes(seed):
 def test_a_recipe_of_the_context_family_validates_and_builds_a_labelled_cohort(tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"',
-                                          'name = "phantom-oct"\nfamily = "context"\ntask = "dimming"\nlabels = true'))
+                                          'name = "phantom-oct"\nfamily = "context"\ntask = "reversal"\nlabels = true'))
     assert octfw("check", str(recipe), cwd=tmp_path).returncode == 0
     dataset = _build(tmp_path, family="context", n_volumes=6, labels=True)
     assert {dataset.load(i).provenance.domain for i in range(6)} == {"tomey", "visionix", "thorlabs"}
