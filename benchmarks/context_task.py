@@ -136,6 +136,11 @@ HISTORY: list[str] = [
     "reversal-A n=200: 0.871 / 0.604 / 0.555 / 0.557 / 0.491: not visible",
     "reversal-AB n=200: 0.955 / 0.634 / 0.595 / 0.611 / 0.526: passes (limit 0.728), the widest margin; "
     "the full run passes (voxels 0.965, strongest 0.649 against 0.733): chosen",
+    "current encoder: asymmetry-D n=200: 0.985 / 0.659 / 0.669 / 0.726 / 0.596: passes narrowly (limit 0.742)",
+    "current encoder: dimming-E n=200: 0.941 / 0.680 / 0.685 / 0.746 / 0.533: given away to the concatenated "
+    "linear probe (limit 0.720)",
+    "reversal-AB n=400: 0.990 / 0.604 / 0.591 / 0.722 / 0.561: passes (limit 0.745), the margin narrower "
+    "than on 200 volumes",
 ]
 
 
