@@ -242,10 +242,30 @@ def test_the_context_findings_mask_is_non_empty_exactly_in_positive_eyes(seed):
     assert changed[~mask].mean() < 0.25
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_context_reversal_swaps_which_half_is_brighter_and_keeps_the_volumes_brightness(seed):
+    from octfw.plugins.datasets.phantom import context
+
+    assert context.FINDING.kind == "reversal"
+    anatomy = context.draw_patient(np.random.default_rng(seed))
+    vendor = context.VENDORS[seed]
+    normal, _ = context.render(np.random.default_rng(seed + 10), anatomy, vendor, mirrored=False, positive=False,
+                               finding_scale=1.0)
+    positive, _ = context.render(np.random.default_rng(seed + 10), anatomy, vendor, mirrored=False, positive=True,
+                                 finding_scale=1.0)
+    normal, positive = normal.astype(float), positive.astype(float)
+    half = vendor.shape[0] // 2  # the slices below the fovea come first (z grows with the index)
+    assert normal[:half].mean() > normal[half:].mean()
+    assert positive[:half].mean() < positive[half:].mean()
+    # The same reflectivities, swapped between the halves: the volume's mean and spread stay.
+    assert positive.mean() == pytest.approx(normal.mean(), rel=0.01)
+    assert positive.std() == pytest.approx(normal.std(), rel=0.02)
+
+
 def test_a_recipe_of_the_context_family_validates_and_builds_a_labelled_cohort(tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(TINY_RECIPE.replace('name = "synthetic-oct"',
-                                          'name = "phantom-oct"\nfamily = "context"\ntask = "dimming"\nlabels = true'))
+                                          'name = "phantom-oct"\nfamily = "context"\ntask = "reversal"\nlabels = true'))
     assert octfw("check", str(recipe), cwd=tmp_path).returncode == 0
     dataset = _build(tmp_path, family="context", n_volumes=6, labels=True)
     assert {dataset.load(i).provenance.domain for i in range(6)} == {"tomey", "visionix", "thorlabs"}

@@ -6,8 +6,8 @@ the DICOM writer and the manifest (their own layers, reflectivity, speckle,
 vendors and findings), so a lever can be checked on data it was not tuned
 on. ``tuning`` (drusen) and ``held-out`` (intraretinal cysts) differ from
 each other as much as from ``synthetic-oct``; ``context`` carries a finding
-that only the retina's shape or the relation of its regions defines (sized,
-not yet passing, by ``benchmarks/context_task.py``). Each patient has two eyes, so
+that only the relation of the retina's regions defines (sized by
+``benchmarks/context_task.py``). Each patient has two eyes, so
 evaluation splits whole patients (the manifest's ``patient`` column).
 
 Registration and factory; the config lives in :mod:`octfw.plugins.datasets.phantom.config`,
@@ -47,6 +47,6 @@ def octfw_register_datasets(register: Register) -> None:
         "phantom-oct",
         PhantomOctConfig,
         build,
-        "Three synthetic OCT families (tuning: drusen; held-out: cysts; context: dimming) drawn independently of "
+        "Three synthetic OCT families (tuning: drusen; held-out: cysts; context: reversal) drawn independently of "
         "synthetic-oct, two eyes per patient, written as DICOM and read like `dicom`.",
     )

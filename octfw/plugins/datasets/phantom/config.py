@@ -13,7 +13,7 @@ import attrs
 from octfw.fields import Location, choices, doc, non_negative, positive
 
 #: Each family's one binary task: the finding its positive volumes carry.
-FAMILY_TASKS: dict[str, str] = {"tuning": "drusen", "held-out": "cysts", "context": "dimming"}
+FAMILY_TASKS: dict[str, str] = {"tuning": "drusen", "held-out": "cysts", "context": "reversal"}
 
 
 def _task(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
@@ -27,10 +27,10 @@ class PhantomOctConfig:
     family: str = doc(
         "tuning (drusen: bumps of the pigment epithelium; vendors optovue, nidek, canon) or "
         "held-out (cysts: small dark pockets in the inner retina; vendors optopol, bioptigen, "
-        "moptim) or context (dimming: the inner retina darker below the fovea than above it, "
-        "relative to the patient's own level; vendors tomey, visionix, thorlabs; not yet sized to "
-        "pass, see benchmarks/context_task.py). Drawn by code that shares nothing with "
-        "synthetic-oct's renderer, so a lever tuned on one family can be checked on the others.",
+        "moptim) or context (reversal: a normal eye's inner retina is brighter below the fovea than "
+        "above it, a positive eye's the other way round (the same reflectivities, halves swapped); vendors "
+        "tomey, visionix, thorlabs; sized by benchmarks/context_task.py). Drawn by code that shares "
+        "nothing with synthetic-oct's renderer, so a lever tuned on one family can be checked on the others.",
         default="tuning",
         validator=choices(*FAMILY_TASKS),
     )
@@ -46,7 +46,7 @@ class PhantomOctConfig:
         default=False,
     )
     task: str | None = doc(
-        "The family's task (drusen, cysts or dimming); unset: the family's. Named only to make a recipe "
+        "The family's task (drusen, cysts or reversal); unset: the family's. Named only to make a recipe "
         "say what it measures. Sizes and how they were chosen: benchmarks/phantom_tasks.py.",
         default=None,
         validator=_task,
