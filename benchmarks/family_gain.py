@@ -59,8 +59,9 @@ from pretraining_gain import mean_std, measured_recipe_id
 
 METHODS = {"vjepa3d": ROOT / "recipes" / "pretrain_cpu.toml", "mae3d": ROOT / "recipes" / "mae_cpu.toml",
            "vjepa3d-dense": ROOT / "recipes" / "pretrain_dense_cpu.toml"}
-#: Pretraining cohort of each setting: 240 volumes (120 patients), cohort seed 0.
-SETTINGS = {"in-domain": "held-out", "transfer": "tuning"}
+#: Pretraining cohort of each setting: 240 volumes (120 patients), cohort seed 0. ``context``:
+#: in-domain for the context family's task (issue #39's task that needs learned features).
+SETTINGS = {"in-domain": "held-out", "transfer": "tuning", "context": "context"}
 PRETRAIN_VOLUMES = 240
 #: The held-out family's labelled cohort: 100 patients, two volumes each; half the patients test.
 EVAL_FAMILY, EVAL_VOLUMES, EVAL_SEED = "held-out", 200, 1
@@ -146,13 +147,13 @@ def run_jobs(jobs: list[tuple[str, str, int]], updates: int, out: Path, device: 
     return [json.loads((out / "records" / f"{job_name(*job)}.json").read_text()) for job in jobs]
 
 
-def write_cohorts(out: Path, volumes: int) -> None:
+def write_cohorts(out: Path, volumes: int, settings: Any = SETTINGS) -> None:
     """Write each setting's pretraining cohort once, before the jobs that read it start together."""
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
 
     registry = load_registry()
-    for setting in SETTINGS:
+    for setting in settings:
         overrides = pretrain_overrides(setting, 0, 1, out / "cohorts", "cpu", volumes)
         recipe = load_recipe(METHODS["vjepa3d"], overrides, registry)
         dataset = recipe.dataset.build(recipe.build_context(registry=registry))
@@ -164,7 +165,7 @@ def pretrain(args: argparse.Namespace) -> None:
         # A job finds its run as the one folder under its own: an older run there would be taken.
         raise SystemExit(f"--out {args.out}: holds runs of an earlier pretrain; give a new folder")
     jobs = [(method, setting, seed) for method in args.methods for setting in args.settings for seed in args.seeds]
-    write_cohorts(args.out, args.volumes)
+    write_cohorts(args.out, args.volumes, args.settings)
     updates = args.updates
     calibration = None
     if updates == "auto":
@@ -189,10 +190,10 @@ def pretrain(args: argparse.Namespace) -> None:
 
 
 def eval_recipe(folder: Path, split_seed: int, seed: int, volumes: int, fine_tune: dict[str, Any],
-                probes: list[str]) -> Path:
+                probes: list[str], family: str = EVAL_FAMILY) -> Path:
     import tomli_w
 
-    dataset = {"name": "phantom-oct", "family": EVAL_FAMILY, "n_volumes": volumes, "labels": True,
+    dataset = {"name": "phantom-oct", "family": family, "n_volumes": volumes, "labels": True,
                "seed": EVAL_SEED}
     options = {"knn": {"k": 10}, "fine-tune": fine_tune}
     evaluators = [{"name": name, "dataset": dataset, "split_seed": split_seed, "bootstrap": 0,
@@ -238,7 +239,7 @@ def probe(args: argparse.Namespace) -> None:
         target = load_target(args.out / "encoders" / f"{run['job']}.pt", run["seed"], registry)
         for split_seed in range(args.splits):
             recipe = load_eval_recipe(eval_recipe(work, split_seed, run["seed"], args.eval_volumes, fine_tune,
-                                                  args.probes), [], registry)
+                                                  args.probes, args.eval_family), [], registry)
             evaluators = build_evaluators(target, recipe, registry)
             key = (run["seed"], split_seed)  # the random encoder depends on the seed only
             if key not in random_scores:
@@ -259,7 +260,7 @@ def probe(args: argparse.Namespace) -> None:
             "machine_probed": machine(), "pretraining": {k: v for k, v in pretrained.items() if k != "runs"},
             "runs": [r for r in pretrained["runs"] if r["method"] == method],
             "recipe": str(METHODS[method].relative_to(ROOT)), "recipe_id": recipe_id, "recipe_text": recipe_text,
-            "eval": {"family": EVAL_FAMILY, "volumes": args.eval_volumes, "cohort_seed": EVAL_SEED,
+            "eval": {"family": args.eval_family, "volumes": args.eval_volumes, "cohort_seed": EVAL_SEED,
                      "splits": args.splits, "fine_tune_shots": shots, "fine_tune_options": fine_tune},
             "table": rows, "records": [r for r in records if r["method"] == method],
             "seconds": round(time.perf_counter() - started, 1)})
@@ -311,6 +312,8 @@ def main() -> None:
     sub.choices["pretrain"].add_argument("--calibration-updates", type=int, default=300)
     sub.choices["pretrain"].add_argument("--jobs", type=int, default=1, help="runs at once")
     sub.choices["probe"].add_argument("--splits", type=int, default=5)
+    sub.choices["probe"].add_argument("--eval-family", default=EVAL_FAMILY, choices=["held-out", "context"],
+                                      help="the labelled family probed (context: the task that needs learned features)")
     sub.choices["probe"].add_argument("--eval-volumes", type=int, default=EVAL_VOLUMES)
     sub.choices["probe"].add_argument("--fine-tune-shots", type=int, default=FINE_TUNE_SHOTS)
     sub.choices["probe"].add_argument("--probes", nargs="+", default=list(PROBES), choices=PROBES)
