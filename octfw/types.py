@@ -190,11 +190,11 @@ class ModelOutput:
     loss: "torch.Tensor"  #: scalar float32, the value that is back-propagated
     per_sample_loss: "torch.Tensor"  #: float32 ``[B]``, for per-domain logging
     metrics: Mapping[str, "torch.Tensor"] = dataclasses.field(default_factory=dict)  #: scalars
-    #: Optional float32 ``[K, E]``: a fixed-size sample of the exported network's tokens
-    #: (:func:`octfw.models.health.rank_sample`). The engine copies it to the host on log
-    #: steps only and logs its RankMe (``rankme``, ``rankme_max``), a decomposition the
-    #: device should not do every step.
-    health_tokens: "torch.Tensor | None" = None
+    #: Optional float32 square matrix: the Gram matrix of a fixed-size sample of the exported
+    #: network's tokens (:func:`octfw.models.health.rank_gram`). The engine copies it to the
+    #: host on log steps only and logs its RankMe (``rankme``, ``rankme_max``), a decomposition
+    #: the device should not do every step.
+    health_gram: "torch.Tensor | None" = None
 
 
 @attrs.frozen

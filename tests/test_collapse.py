@@ -309,17 +309,22 @@ def test_position_share_is_one_for_tokens_that_are_only_their_position_and_low_f
 def test_rankme_counts_the_directions_with_entropy_and_reaches_the_width():
     import numpy as np
 
-    from octfw.models.health import rankme, spectrum_metrics
+    from octfw.models.health import rank_gram, rankme, spectrum_metrics
 
     rng = np.random.default_rng(0)
-    assert rankme(np.outer(rng.normal(size=512), rng.normal(size=64))) == pytest.approx(1.0, abs=0.01)
+    gram = lambda x: rank_gram(torch.from_numpy(x).float()).numpy()  # noqa: E731 (as a model hands it)
+    assert rankme(gram(np.outer(rng.normal(size=512), rng.normal(size=64)))) == pytest.approx(1.0, abs=0.01)
     spread = rng.normal(size=(512, 64))
-    assert 55 < rankme(spread) <= 64
+    assert 55 < rankme(gram(spread)) <= 64
+    # The entropy of the singular values, as the paper defines it.
+    singular = np.linalg.svd(spread, compute_uv=False)
+    p = singular / singular.sum() + 1e-7
+    assert rankme(gram(spread)) == pytest.approx(float(np.exp(-(p * np.log(p)).sum())), rel=1e-4)
     # A spectrum of one large and many small directions: the participation ratio calls it about
     # one direction, RankMe still counts the rest.
     skewed = spread * np.r_[20.0, np.ones(63)]
-    assert rankme(skewed) > 30
-    assert spectrum_metrics(spread) == {"rankme": rankme(spread), "rankme_max": 64.0}
+    assert rankme(gram(skewed)) > 30
+    assert spectrum_metrics(gram(spread)) == {"rankme": rankme(gram(spread)), "rankme_max": 64.0}
 
 
 def test_the_guard_acts_on_rankme_and_on_the_position_share():
@@ -334,3 +339,12 @@ def test_the_guard_acts_on_rankme_and_on_the_position_share():
     guard = CollapseGuard(CollapseConfig(min_std=None, min_effective_rank=None, patience=1, action="stop"))
     with pytest.raises(StopTraining, match=r"metric/rankme = 4 < min_rankme = 8"):
         guard.at_log_step(1, {**healthy, "metric/rankme": 4.0})
+
+
+def test_a_floor_of_0_or_a_ceiling_of_1_turns_a_signal_off(capsys):
+    """A recipe cannot write None: 0 (a floor) or 1 (a ceiling) is how a signal is not watched."""
+    guard = CollapseGuard(CollapseConfig(min_std=0, min_effective_rank=0, min_rankme=0, max_position_share=1.0,
+                                         patience=1, action="stop"))
+    assert guard.watches == {}
+    guard.at_log_step(1, {"metric/rankme": 0.5, "metric/position_share": 1.0, "metric/target_std": 0.0})
+    assert "collapse" not in capsys.readouterr().err  # nothing watched, nothing reported missing

@@ -219,7 +219,7 @@ def test_outputs_metrics_and_embeddings():
                                 "position_share", "mask/context_tokens", "mask/target_tokens"}
     assert float(out.metrics["mask/target_tokens"]) == 3.0
     assert 0.0 <= float(out.metrics["position_share"]) <= 1.0
-    assert out.health_tokens.shape[-1] == model.encoder.embed_dim
+    assert out.health_gram.shape[0] == out.health_gram.shape[1] <= model.encoder.embed_dim  # min(K, E)
     assert all(v.shape == () and torch.isfinite(v) for v in out.metrics.values())
     visible, predicted = model.reconstruct(batch["context"], batch["context_idx"], batch["target_idx"])
     assert predicted.shape == (3, 3, 2 * 16 * 16 * 2)

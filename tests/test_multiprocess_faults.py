@@ -276,7 +276,7 @@ def test_a_collapse_stop_on_one_rank_stops_every_rank_at_the_same_step(job):
     """The collapse guard reads rank 1's own metrics; it stops the run there, and rank 0 hears it
     at the end of the same update step: no hang, one final save, exit 1 everywhere."""
     result = job.run("collapse", "--set=model.name=collapsing", "--set=engine.log_every_steps=1",
-                     '--set=guard=[{name="collapse",action="stop",patience=2,min_effective_rank=1.5}]')
+                     '--set=guard=[{name="collapse",action="stop",patience=2,min_effective_rank=1.1,min_rankme=0,max_position_share=1}]')
     assert result.returncode == STOPPED_BY_GUARD, result.stderr[-3000:]
     [line] = job_lines(result.stderr)
     assert line.startswith("stopped early: collapse: metric/effective_rank = 1") and "(on rank 1)" in line
@@ -285,7 +285,7 @@ def test_a_collapse_stop_on_one_rank_stops_every_rank_at_the_same_step(job):
     assert summary["update_steps"] == 2 and summary["checkpoint"].endswith("step_00000002.pt")
     assert checkpoint_steps(run_dir) == ["step_00000002.pt"]
     again = job.run("collapse", "--resume", "auto", "--set=model.name=collapsing", "--set=engine.log_every_steps=1",
-                    '--set=guard=[{name="collapse",action="stop",patience=2,min_effective_rank=1.5}]')
+                    '--set=guard=[{name="collapse",action="stop",patience=2,min_effective_rank=1.1,min_rankme=0,max_position_share=1}]')
     assert again.returncode == STOPPED_BY_GUARD and "nothing to resume" in again.stderr
 
 

@@ -249,6 +249,7 @@ REQUIRED = {
     ("checkpointer", "gcs"): {"dir": "gs://bucket/run"},
     **{("evaluator", name): {"dataset": {"name": "synthetic-oct", "labels": True}}
        for name in ("attentive-probe", "fine-tune", "knn", "linear-probe")},
+    ("evaluator", "dense-probe"): {"dataset": {"name": "phantom-oct", "family": "held-out"}},
 }
 
 

@@ -22,30 +22,30 @@ from octfw.types import ModelOutput
 
 __all__ = ["DeviceTotals", "GuardLog", "PROVENANCE_WINDOW", "device_metrics", "model_metrics"]
 
-#: The key under which :func:`device_metrics` hands the model's health tokens to the one read.
-_HEALTH_TOKENS = "health_tokens"
+#: The key under which :func:`device_metrics` hands the model's health Gram matrix to the one read.
+_HEALTH_GRAM = "health_gram"
 
 
 def device_metrics(out: ModelOutput) -> dict[str, torch.Tensor]:
     """What a log step reads of the model's output: its ``metric/*`` scalars and, when it
-    gives them, its health tokens (read in the same transfer)."""
+    gives one, its health Gram matrix (read in the same transfer)."""
     values = {f"metric/{k}": v for k, v in out.metrics.items()}
-    if out.health_tokens is not None:
-        values[_HEALTH_TOKENS] = out.health_tokens
+    if out.health_gram is not None:
+        values[_HEALTH_GRAM] = out.health_gram
     return values
 
 
 def model_metrics(host: dict[str, Any], out: ModelOutput) -> dict[str, Any]:
-    """``host`` (as read) with the health tokens replaced by their spectrum metrics
+    """``host`` (as read) with the health Gram matrix replaced by its spectrum metrics
     (``metric/rankme``, ``metric/rankme_max``), computed on the host."""
-    tokens = host.pop(_HEALTH_TOKENS, None)
-    if tokens is not None:
+    gram = host.pop(_HEALTH_GRAM, None)
+    if gram is not None:
         import numpy as np
 
         from octfw.models.health import spectrum_metrics
 
-        sample = np.asarray(tokens, dtype=np.float64).reshape(out.health_tokens.shape)
-        host.update({f"metric/{k}": v for k, v in spectrum_metrics(sample).items()})
+        matrix = np.asarray(gram, dtype=np.float64).reshape(out.health_gram.shape)
+        host.update({f"metric/{k}": v for k, v in spectrum_metrics(matrix).items()})
     return host
 
 PROVENANCE_WINDOW = 8  # update steps whose sample URLs are kept for guard reports

@@ -5,11 +5,13 @@ a batch of tokens ``[..., E]`` into one float32 device scalar each. A model
 reports them as the metrics ``target_std``, ``effective_rank`` and
 ``position_share`` of its target encoder's tokens (the network octfw exports
 and probes), which the ``collapse`` guard, ``octfw plot`` and the benchmarks
-read under those names. :func:`rank_sample` is a fixed-size subset of those
-tokens that the engine copies to the host on log steps only, where
-:func:`spectrum_metrics` computes RankMe from its singular values: a
+read under those names. :func:`rank_gram` is the Gram matrix of a fixed-size
+subset of those tokens, which the engine copies to the host on log steps
+only, where :func:`spectrum_metrics` computes RankMe from its eigenvalues: a
 decomposition on the device would synchronise CUDA with the host every step
-(documented for ``torch.linalg``) and is slow on TPUs.
+(documented for ``torch.linalg``) and is slow on TPUs. A Gram matrix rather
+than the tokens: under SPMD its matrix product reduces partial sums across
+devices, while the tokens themselves would be gathered every step.
 
 Hot path: the device functions run every step. They never read a tensor on
 the host, never branch on tensor values, and take fixed-size slices only
@@ -28,6 +30,7 @@ __all__ = [
     "health_metrics",
     "position_share",
     "rank_sample",
+    "rank_gram",
     "rankme",
     "spectrum_metrics",
     "RANK_TOKENS",
@@ -145,24 +148,41 @@ def position_share(tokens: torch.Tensor, positions: torch.Tensor | None = None,
         return torch.where(within_dof > 0, share, torch.full_like(share, float("nan")))
 
 
-def rankme(sample: "np.ndarray") -> float:
-    """RankMe (Garrido et al. 2023) of host tokens ``[K, E]``: the exponential of the Shannon
-    entropy of the normalised singular values, ``exp(-sum p log p)`` with
-    ``p = s / sum(s) + 1e-7``. Between 1 and ``min(K, E)``; the rank measure papers report,
-    which the participation ratio (:func:`effective_rank`) understates for spread spectra."""
+def rank_gram(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> torch.Tensor:
+    """The Gram matrix of :func:`rank_sample` (the tokens as they are: not centred, not normalised),
+    float32, the smaller of ``[K, K]`` and ``[E, E]``: its eigenvalues are the squared singular values
+    of the sample, what :func:`rankme` reads."""
+    x = rank_sample(features, max_tokens)
+    with _without_autocast(x.device.type):
+        return x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+
+
+def rankme(gram: "np.ndarray") -> float:
+    """RankMe (Garrido et al. 2023) of tokens given by their Gram matrix (:func:`rank_gram`): the
+    exponential of the Shannon entropy of the normalised singular values, ``exp(-sum p log p)``
+    with ``p = s / sum(s) + 1e-7``. Between 1 and the Gram matrix's size (``min(K, E)``); the rank
+    measure papers report, which the participation ratio (:func:`effective_rank`) understates for
+    spread spectra."""
     import numpy as np
 
-    singular = np.linalg.svd(np.asarray(sample, dtype=np.float64), compute_uv=False)
-    if not np.isfinite(singular).all() or singular.sum() <= 0:
+    gram = np.asarray(gram, dtype=np.float64)
+    if not np.isfinite(gram).all():
+        return float("nan")
+    eigen = np.linalg.eigvalsh((gram + gram.T) / 2)
+    # The Gram matrix was summed in float32: eigenvalues within its rounding of the largest are
+    # noise, and their square roots would each add to the entropy (a rank-1 sample read 1.03).
+    eigen[eigen < eigen.max() * len(gram) * np.finfo(np.float32).eps] = 0.0
+    singular = np.sqrt(eigen)
+    if singular.sum() <= 0:
         return float("nan")
     p = singular / singular.sum() + 1e-7
     return float(np.exp(-(p * np.log(p)).sum()))
 
 
-def spectrum_metrics(sample: "np.ndarray") -> dict[str, float]:
-    """The metrics of a host copy of :func:`rank_sample` ``[K, E]``: ``rankme`` and its
-    maximum ``rankme_max`` (``min(K, E)``), which ``octfw plot`` draws it against."""
-    return {"rankme": rankme(sample), "rankme_max": float(min(sample.shape))}
+def spectrum_metrics(gram: "np.ndarray") -> dict[str, float]:
+    """The metrics of a host copy of :func:`rank_gram`: ``rankme`` and its maximum ``rankme_max``
+    (the Gram matrix's size, ``min(K, E)``), which ``octfw plot`` draws it against."""
+    return {"rankme": rankme(gram), "rankme_max": float(len(gram))}
 
 
 def effective_rank_ceiling(features: torch.Tensor, max_tokens: int = RANK_TOKENS) -> int:

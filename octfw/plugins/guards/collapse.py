@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.fields import choices, doc, in_range, positive
+from octfw.fields import choices, doc, in_range, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, GuardInputs, StopTraining
 
@@ -45,30 +45,29 @@ __all__ = ["CollapseConfig", "CollapseGuard", "build"]
 
 logger = logging.getLogger(__name__)
 
-_optional_positive = attrs.validators.optional(positive)
+_optional_non_negative = attrs.validators.optional(non_negative)
 
 
 @attrs.frozen
 class CollapseConfig:
     min_std: float | None = doc(
         "act when metric/target_std (healthy: about 1/sqrt(embed_dim)) stays below this; "
-        "leave out to not watch it",
-        default=0.01, validator=_optional_positive,
+        "0: not watched",
+        default=0.01, validator=_optional_non_negative,
     )
     min_effective_rank: float | None = doc(
         "act when metric/effective_rank (participation ratio, 1 = one direction; healthy tokens "
-        "read 2-3, collapsed ones 1.0-1.2) stays below this; leave out to not watch it",
-        default=1.5, validator=_optional_positive,
+        "read 2-3, collapsed ones 1.0-1.2) stays below this; 0: not watched",
+        default=1.5, validator=_optional_non_negative,
     )
     min_rankme: float | None = doc(
         "act when metric/rankme (RankMe, 1 = one direction; measured healthy 26-33 of 64 on the "
-        "tiny recipe, collapsed 3.8-5.6) stays below this; leave out to not watch it",
-        default=8.0, validator=_optional_positive,
+        "tiny recipe, collapsed 3.8-5.6) stays below this; 0: not watched",
+        default=8.0, validator=_optional_non_negative,
     )
     max_position_share: float | None = doc(
         "act when metric/position_share (share of the token variance position explains; measured "
-        "healthy 0.67-0.87, collapsed into position 0.93-0.996) stays above this; leave out to "
-        "not watch it",
+        "healthy 0.67-0.87, collapsed into position 0.93-0.996) stays above this; 1: not watched",
         default=0.95, validator=attrs.validators.optional(in_range(0.0, 1.0, low_open=True)),
     )
     action: str = doc(
@@ -107,7 +106,8 @@ class CollapseGuard:
                 ("metric/position_share", "max_position_share", config.max_position_share, True,
                  "the target tokens carry little but their position"),
             )
-            if limit is not None
+            # A floor of 0 or a ceiling of 1 can never be crossed: not watched (nor reported missing).
+            if limit is not None and limit != (1.0 if above else 0.0)
         }
         self._below = {key: 0 for key in self.watches}  # log steps in a row past the limit
         self._missing_reported: set[str] = set()

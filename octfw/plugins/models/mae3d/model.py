@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from octfw.models.health import health_metrics, rank_sample
+from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import ViT3DEncoder, gather_tokens, weight_decay_groups
 from octfw.types import BATCH_KEYS, ModelOutput, mask_keys
@@ -159,7 +159,7 @@ class MAE3D(nn.Module):
             per_sample_loss=per_sample,
             metrics={**health_metrics(visible, predicted, positions, self.num_patches),
                      **mask_metrics(batch, self.mask_pairs, per_sample)},
-            health_tokens=rank_sample(visible),
+            health_gram=rank_gram(visible),
         )
 
     @torch.no_grad()

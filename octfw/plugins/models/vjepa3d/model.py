@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octfw.models.health import health_metrics, rank_sample
+from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import (
     ViT3DEncoder,
@@ -139,7 +139,7 @@ class VJEPA3D(nn.Module):
     :func:`~octfw.models.health.embedding_std`), ``effective_rank`` and
     ``position_share`` of the target features (see :mod:`octfw.models.health`),
     the signals the ``collapse`` guard watches, each configuration's token counts
-    (:func:`~octfw.models.masked_decoder.mask_metrics`), and a sample of the target tokens for RankMe.
+    (:func:`~octfw.models.masked_decoder.mask_metrics`), and the Gram matrix of a sample of the target tokens for RankMe.
 
     Trainable parameters are those of ``context_encoder`` and ``predictor``;
     ``target_encoder`` (also :attr:`encoder`) is a copy updated only by
@@ -261,7 +261,7 @@ class VJEPA3D(nn.Module):
             per_sample_loss=per_sample,
             metrics={**health_metrics(tokens, torch.cat(predictions, dim=1)),
                      **mask_metrics(batch, self.mask_pairs, per_sample)},
-            health_tokens=rank_sample(tokens),
+            health_gram=rank_gram(tokens),
         )
 
     @torch.no_grad()
