@@ -51,6 +51,14 @@ class Vendor:
     gain: float  #: 16-bit level of a reflectivity of 1
     speckle: float  #: the family's speckle parameter (its meaning is the family's)
 
+    def grid(self, shift: "np.ndarray") -> tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+        """Physical coordinates of the voxels in mm, broadcastable: z ``[D, 1, 1]`` and x ``[1, 1, W]``
+        centred on the scan and moved by ``shift`` (z, x), y ``[1, H, 1]`` from the top."""
+        (d, h, w), (dz, dy, dx) = self.shape, self.spacing
+        z = (np.arange(d) - (d - 1) / 2) * dz + shift[0]
+        x = (np.arange(w) - (w - 1) / 2) * dx + shift[1]
+        return z[:, None, None], (np.arange(h) * dy)[None, :, None], x[None, None, :]
+
 
 def family_module(family: str) -> ModuleType:
     """The module that draws ``family``; imported here so the config stays light."""

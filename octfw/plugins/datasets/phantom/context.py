@@ -136,13 +136,11 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     voxels where the finding is, at least half its peak; all False for a negative eye), as every
     family renders; ``mirrored`` is the other eye (fovea and tilt mirrored along x).
     """
-    (d, h, w), (dz, dy, dx) = vendor.shape, vendor.spacing
+    d, h, w = vendor.shape
     # The finding draws from its own stream, so an eye with it has the same noise as without.
     finding_rng, rng = rng.spawn(2)
     shift = rng.normal(0.0, 0.08, 3)
-    z = ((np.arange(d) - (d - 1) / 2) * dz + shift[0])[:, None, None]
-    y = (np.arange(h) * dy)[None, :, None]
-    x = ((np.arange(w) - (w - 1) / 2) * dx + shift[1])[None, None, :]
+    z, y, x = vendor.grid(shift)
     side = -1 if mirrored else 1
     fovea = anatomy["fovea"] * (1, side)
 

@@ -92,13 +92,11 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     """One eye as uint16 ``vendor.shape`` and its finding mask (bool, the same shape: the voxels
     the cysts empty, past the middle of their soft wall; all False without the finding);
     ``mirrored`` is the other eye (its fovea and tilt mirrored)."""
-    (d, h, w), (dz, dy, dx) = vendor.shape, vendor.spacing
+    (d, h, w), (dz, _, dx) = vendor.shape, vendor.spacing
     # The finding draws from its own stream, so an eye with it has the same noise as without.
     finding_rng, rng = rng.spawn(2)
     shift = rng.normal(0.0, 0.08, 3)
-    z = ((np.arange(d) - (d - 1) / 2) * dz + shift[0])[:, None, None]
-    y = (np.arange(h) * dy)[None, :, None]
-    x = ((np.arange(w) - (w - 1) / 2) * dx + shift[1])[None, None, :]
+    z, y, x = vendor.grid(shift)
     side = -1 if mirrored else 1
     fovea = anatomy["fovea"] * (1, side)
     pit = np.exp(-((z - fovea[0]) ** 2 + (x - fovea[1]) ** 2) / (2 * anatomy["pit_sigma"] ** 2))

@@ -57,14 +57,6 @@ def draw_patient(rng: np.random.Generator) -> dict[str, Any]:
     }
 
 
-def _grid(vendor: Vendor, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Physical z [D,1,1], y [1,H,1], x [1,1,W] in mm; z and x centred, then shifted."""
-    (d, h, w), (dz, dy, dx) = vendor.shape, vendor.spacing
-    z = (np.arange(d) - (d - 1) / 2) * dz + shift[0]
-    x = (np.arange(w) - (w - 1) / 2) * dx + shift[1]
-    return z[:, None, None], (np.arange(h) * dy)[None, :, None], x[None, None, :]
-
-
 def _drusen(rng: np.random.Generator, z: np.ndarray, x: np.ndarray, fovea: np.ndarray, scale: float) -> np.ndarray:
     """Elevation [D,1,W] (mm) of the epithelium: the highest of a few domes near the fovea."""
     elevation = np.zeros((z.shape[0], 1, x.shape[2]))
@@ -84,7 +76,7 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     ``mirrored`` flips the nasal side (the other eye)."""
     # The finding draws from its own stream, so an eye with it has the same noise as without.
     finding_rng, rng = rng.spawn(2)
-    z, y, x = _grid(vendor, rng.normal(0.0, 0.1, 2))
+    z, y, x = vendor.grid(rng.normal(0.0, 0.1, 2))
     fovea = anatomy["fovea"] * (1, -1 if mirrored else 1)
     nasal = -x if mirrored else x
     radius = np.sqrt((z - fovea[0]) ** 2 + (x - fovea[1]) ** 2)
