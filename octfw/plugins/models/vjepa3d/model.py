@@ -225,11 +225,6 @@ class VJEPA3D(nn.Module):
         visible = self.context_encoder(context, keep_idx=context_idx)
         return self.predictor(visible, context_idx, target_idx)
 
-    @torch.no_grad()
-    def target_features(self, target: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
-        """Target-encoder features of the full ``target`` view at ``target_idx``: ``[B, Nt, E]``."""
-        return gather_tokens(self.target_encoder(target), target_idx)
-
     def forward(self, batch: Mapping[str, torch.Tensor]) -> ModelOutput:
         with torch.no_grad():  # every patch, once for all pairs
             if self.level_depths:
