@@ -63,6 +63,7 @@ __all__ = [
     "StopTraining",
     "TrainingDone",
     "BATCH_KEYS",
+    "STORED_VIEW_DTYPES",
     "mask_keys",
     "MaskingConfig",
     "BatchKey",
@@ -77,11 +78,12 @@ __all__ = [
 #: - ``context``: float32 ``[C, D, H, W]``, the view the context encoder sees.
 #: - ``target``: float32 ``[C, D, H, W]``, the view the target encoder sees.
 #:
-#: A view may also be uint8, each byte ``b`` meaning ``b / 255``: a volume
-#: stored as uint8 by ``octfw prepare`` and not augmented travels so, a
-#: quarter of the bytes through the loader workers and onto the device, and
-#: the engine converts it there (``octfw.engine.data.float_views``) before
-#: the model sees it: a model always receives float32.
+#: A view may also travel as stored (:data:`STORED_VIEW_DTYPES`): a volume
+#: ``octfw prepare`` stored as uint8 (each byte ``b`` meaning ``b / 255``) or
+#: float16, and not augmented, goes through the loader workers and onto the
+#: device in a quarter or a half of float32's bytes, and the engine converts
+#: it there (``octfw.engine.data.float_views``, exactly what ``prepare()``
+#: gives) before the model sees it: a model always receives float32.
 #: - ``context_idx``: int64 ``[N_context]``, indices of visible patches.
 #: - ``target_idx``: int64 ``[N_target]``, indices of masked patches.
 #:
@@ -92,6 +94,8 @@ __all__ = [
 #: ``(D / pd, H / ph, W / pw)``. The counts are the same for every sample so
 #: that an XLA graph compiles once; a ``[D, H, W]`` voxel mask is refused.
 BATCH_KEYS = ("context", "target", "context_idx", "target_idx")
+#: The dtypes a view may travel in besides float32: how ``octfw prepare`` stores voxels.
+STORED_VIEW_DTYPES = ("uint8", "float16")
 
 
 def mask_keys(pair: str) -> tuple[str, str]:
@@ -107,13 +111,13 @@ class BatchKey:
     :meth:`Transform.batch_spec`): collate, the transfer to the device, SPMD sharding and
     ``octfw check`` read the declaration, so a new key needs no engine change.
 
-    ``view``: an image the model reads as float32. It may travel as uint8 (each byte
-    ``b`` meaning ``b * UINT8_SCALE``), converted on the device; a view that is the
+    ``view``: an image the model reads as float32. It may travel as stored (uint8, each
+    byte ``b`` meaning ``b * UINT8_SCALE``, or float16), converted on the device; a view that is the
     same array as an earlier view of the sample (nothing augmented it) travels once.
     Every key is split along the batch dimension over the devices (SPMD)."""
 
     shape: tuple[int, ...]  #: per sample, without the batch dimension (fixed: one XLA graph)
-    dtype: str  #: numpy dtype name as returned ("float32", "int64"); a view may also come as "uint8"
+    dtype: str  #: numpy dtype name as returned ("float32", "int64"); a view may also come as stored
     view: bool = False
 
     @property

@@ -57,10 +57,10 @@ def prepared_recipe(write_recipe, location: str, name: str = "prepared.toml", ex
     return write_recipe(recipe_text(f'name = "prepared"\npath = "{location}"\n{extra}', **kwargs), name)
 
 
-def transform_for(image=IMAGE):
+def transform_for(image=IMAGE, **options):
     ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
                        image_size=tuple(image), patch_size=(4, 16, 16))
-    return build_transform(OCTStandardConfig(image_size=tuple(image), cache=False), ctx)
+    return build_transform(OCTStandardConfig(image_size=tuple(image), cache=False, **options), ctx)
 
 
 def prepare(recipe: Path, location, **kwargs):
@@ -119,6 +119,7 @@ def test_a_running_2_worker_cluster_prepares_the_cohort_with_its_quarantine(coho
         row = dataset.rows[index]
         assert row.content_hash == "sha256:" + hashlib.sha256(Path(row.source).read_bytes()).hexdigest()
         assert row.dtype == "float16" and row.label == original.provenance.label
+    assert_views_travel_as_stored(dataset, transform, torch.float16)
 
 
 def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_output(write_recipe, tmp_path):
@@ -142,24 +143,39 @@ def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_o
         errors.append(float(np.abs(transform.prepare(sample) - expected).max()))
     assert 0 < max(errors) <= 1 / 510 + 1e-6
 
-    # Unaugmented, the views stay bytes through the loader and become transform.prepare()'s
-    # float32 on the device, bit for bit (octfw.engine.data.float_views).
+    assert_views_travel_as_stored(dataset, transform, torch.uint8)
+    # ... and the engine trains on them (a loader worker converting them for the cpu device, the model).
+    recipe = prepared_recipe(write_recipe, str(location), name="train8.toml")
+    assert main(["run", str(recipe), "--set", "run.max_steps=2", "--set", "engine.num_workers=1"]) == 0
+    [summary] = [p for p in recipe.parent.rglob("summary.json") if "train8" in str(p)]
+    assert np.isfinite(json.loads(summary.read_text())["last_loss"])
+
+
+def assert_views_travel_as_stored(dataset, transform, dtype):
+    """Unaugmented, the views stay as stored (``dtype``) through the loader and become
+    transform.prepare()'s float32 on the device, bit for bit (octfw.engine.data.float_views)."""
     from octfw.engine.data import SampleSource, collate, float_views
 
     spec = transform.batch_spec()
     batch = collate([SampleSource(dataset, transform, seed=0)[(0, i)] for i in range(2)], spec)["tensors"]
-    assert batch["context"].dtype == batch["target"].dtype == torch.uint8
+    assert batch["context"].dtype == batch["target"].dtype == dtype
     views = float_views(batch, ("context", "target"))
     for position in range(2):  # SampleSource[(epoch, i)] is dataset sample i
         expected = transform.prepare(dataset.load(position))
         assert views["context"].dtype == torch.float32
         np.testing.assert_array_equal(views["context"][position, 0].numpy(), expected)
         np.testing.assert_array_equal(views["target"][position, 0].numpy(), expected)
-    # ... and the engine trains on them (a loader worker converting them for the cpu device, the model).
-    recipe = prepared_recipe(write_recipe, str(location), name="train8.toml")
-    assert main(["run", str(recipe), "--set", "run.max_steps=2", "--set", "engine.num_workers=1"]) == 0
-    [summary] = [p for p in recipe.parent.rglob("summary.json") if "train8" in str(p)]
-    assert np.isfinite(json.loads(summary.read_text())["last_loss"])
+    # On an accelerator the device converts them (torch_xla's CPU device here), to the same bits.
+    import torch_xla
+
+    device = torch_xla.device()
+    on_device = float_views({key: batch[key].to(device) for key in ("context", "target")}, ("context", "target"))
+    assert on_device["context"].device.type == "xla"
+    np.testing.assert_array_equal(on_device["context"].cpu().numpy(), views["context"].numpy())
+    # An augmenting transform sends float32 views: the augmentation computes in float32.
+    flipping = transform_for(flip_prob=1.0)
+    augmented = collate([SampleSource(dataset, flipping, seed=0)[(0, 0)]], flipping.batch_spec())["tensors"]
+    assert augmented["context"].dtype == torch.float32
 
 
 def test_a_rerun_prepares_only_added_and_rewritten_files_and_prune_drops_replaced_ones(cohort, write_recipe, tmp_path):

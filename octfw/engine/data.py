@@ -42,7 +42,7 @@ import torch
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.types import (DOMAIN_ID_KEY, UINT8_SCALE, BatchKey, Dataset, DomainCountingDataset,
                          PreparedVolumesDataset, PreparingTransform, Provenance, SeriesDataset, SourcedDataset,
-                         Transform, bytes_to_intensity)
+                         STORED_VIEW_DTYPES, Transform, dequantize)
 from octfw.storage.failures import format_bytes
 from octfw.tables import counted
 
@@ -244,18 +244,22 @@ def view_keys(spec: Mapping[str, BatchKey]) -> tuple[str, ...]:
 
 
 def float_views(tensors: Mapping[str, Any], views: tuple[str, ...]) -> dict[str, Any]:
-    """The batch with its uint8 ``views`` as float32 in [0, 1], converted where they are (on the
-    device, after the transfer): the one place a stored-byte view becomes model input."""
+    """The batch with its ``views`` that travel as stored (uint8 ``b / 255`` or float16,
+    :data:`~octfw.types.STORED_VIEW_DTYPES`) as float32 intensities, converted where they are
+    (on the device, after the transfer): the one place a stored view becomes model input,
+    bit for bit what :func:`~octfw.types.dequantize` gives on the host."""
     out = dict(tensors)
     for key in views:
         view = out.get(key)
-        if isinstance(view, torch.Tensor) and view.dtype == torch.uint8:
+        if isinstance(view, torch.Tensor) and view.dtype in (torch.uint8, torch.float16):
             if view.device.type == "cpu":  # numpy's cast is 3x torch's on the host, and bitwise the same
-                out[key] = torch.from_numpy(bytes_to_intensity(view.numpy()))
-            else:
+                out[key] = torch.from_numpy(dequantize(view.numpy()))
+            elif view.dtype == torch.uint8:
                 out[key] = view.to(torch.float32).mul_(UINT8_SCALE)
-        elif isinstance(view, np.ndarray) and view.dtype == np.uint8:
-            out[key] = bytes_to_intensity(view)
+            else:  # float16 -> float32 is exact
+                out[key] = view.to(torch.float32)
+        elif isinstance(view, np.ndarray) and view.dtype.name in STORED_VIEW_DTYPES:
+            out[key] = dequantize(view)
     return out
 
 
@@ -273,7 +277,7 @@ def shared_views(arrays: Mapping[str, Any], views: tuple[str, ...]) -> dict[str,
 
 def collate_float_views(items: list[dict[str, Any]], spec: Mapping[str, BatchKey],
                         share_views: bool = False) -> dict[str, Any]:
-    """:func:`collate`, with uint8 views converted to float32 in the loader (for the cpu
+    """:func:`collate`, with stored (uint8, float16) views converted to float32 in the loader (for the cpu
     device, where the training process has no device to do it on). Each sample's views are
     converted before the stacking, so in a worker the float32 batch is stacked straight into
     shared memory, not converted afterwards and copied there."""
@@ -377,8 +381,8 @@ def make_loader(source: SampleSource, batch_size: int, seed: int, start: int,
     With several processes, each logs one line (:func:`share_report`) saying
     which samples it loads, so the hosts of a slice can be compared.
 
-    ``views_to_device``: uint8 views stay bytes until the device converts them
-    (:func:`float_views`, four times fewer bytes to move); False converts them
+    ``views_to_device``: views stay as stored (uint8 or float16) until the device converts
+    them (:func:`float_views`, four or two times fewer bytes to move); False converts them
     in the loader, for the cpu device. A volume both views share travels once
     (:func:`collate`'s ``share_views``).
 

@@ -33,7 +33,7 @@ from octfw.models.masks import Grid, check_context_share, mask_generator_from_co
 from octfw.plugins.transforms.oct_standard.cache import PreparedCache
 from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
 from octfw.plugins.transforms.oct_standard.resize import resize
-from octfw.types import BatchKey, Sample, dequantize, mask_keys
+from octfw.types import STORED_VIEW_DTYPES, BatchKey, Sample, dequantize, mask_keys
 
 __all__ = ["OCTStandardTransform", "PREPARE_VERSION"]
 
@@ -211,11 +211,12 @@ class OCTStandardTransform:
     def augment_and_mask(self, prepared: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Both views and the patch mask for a prepared volume, drawn from ``rng``.
 
-        A uint8 volume as ``octfw prepare`` stored it (``b / 255``) stays uint8 when
-        nothing augments it: the views then cost a quarter of the bytes to move, and
-        the engine converts them on the device (:data:`octfw.types.BATCH_KEYS`)."""
+        A volume as ``octfw prepare`` stored it (uint8 ``b / 255``, or float16) stays so
+        when nothing augments it: the views then cost a quarter or a half of float32's
+        bytes to move, and the engine converts them on the device
+        (:data:`octfw.types.BATCH_KEYS`)."""
         prepared = np.asarray(prepared)
-        if prepared.dtype != np.uint8 or self.augments:
+        if self.augments or prepared.dtype.name not in STORED_VIEW_DTYPES:
             prepared = dequantize(prepared)
         if prepared.shape != self.image_size:
             raise ContractError(
@@ -270,8 +271,8 @@ class OCTStandardTransform:
         return self.augment_and_mask(self.prepare(sample), rng)
 
     def batch_spec(self) -> dict[str, BatchKey]:
-        """The batch this transform makes: two views ``[1, D, H, W]`` (float32, or uint8 as
-        stored when nothing augments them) and the fixed-length patch index arrays of each
+        """The batch this transform makes: two views ``[1, D, H, W]`` (float32, or as
+        stored, uint8 or float16, when nothing augments them) and the fixed-length patch index arrays of each
         mask configuration (:func:`octfw.types.mask_keys`)."""
         view = BatchKey((1, *self.image_size), "float32", view=True)
         spec = {"context": view, "target": view}
