@@ -103,7 +103,8 @@ def end_to_end(store: Path, device: str, preset: str, image_size: list[int], bat
         for name, peak in peaks.items():
             row[f"mfu_{name}"] = flops * row["samples_per_s"] / peak if peak else None
             row[f"mfu_on_device_{name}"] = flops * row["on_device_samples_per_s"] / peak if peak else None
-        row["estimate_bytes"] = estimate_memory(trainer.model, tensors, device=device).total
+        row["estimate_bytes"] = estimate_memory(trainer.model, tensors, device=device,
+                                                precision=trainer.backend.precision).total
         heads = trainer.model.encoder.blocks[0].attn.num_heads
         width = trainer.model.encoder.blocks[0].attn.qkv.in_features
         tokens = tensors["context_idx"].shape[1] + tensors["target_idx"].shape[1]

@@ -282,13 +282,14 @@ def memory_and_batch(probe: Probe, budget: int | None, device_bytes: int | None,
     from octfw.diagnostics.memory import estimate_memory, largest_batch
 
     config, kind, single = probe.config, probe.kind, probe.single["tensors"]
-    estimate = estimate_memory(probe.trainer.model, single, device=kind, checkpointing=config.checkpointing)
+    estimate = estimate_memory(probe.trainer.model, single, device=kind, checkpointing=config.checkpointing,
+                               precision=config.precision)
     measured = probe.peak_memory(1)
     release()
     largest, peaks = largest_fitting_batch(probe, budget, limit)
     limit_bytes = budget if budget is not None else device_bytes
     predicted = (largest_batch(probe.trainer.model, single, limit_bytes, device=kind,
-                               checkpointing=config.checkpointing, limit=limit)
+                               checkpointing=config.checkpointing, limit=limit, precision=config.precision)
                  if limit_bytes is not None else None)
     return {"checkpointing": config.checkpointing, "peak_bytes_batch1": measured,
             "estimate_bytes_batch1": estimate.total, "estimate_parts_batch1": estimate.parts,

@@ -15,6 +15,7 @@ from octfw.diagnostics.memory import (
     batch_advice,
     device_memory,
     estimate_memory,
+    flash_attention_line,
     largest_batch,
     memory_report,
     device_memory_bytes,
@@ -155,7 +156,7 @@ def test_largest_batch_is_zero_when_one_sample_does_not_fit():
 def test_batch_advice_names_the_batch_with_and_without_checkpointing():
     line = batch_advice(seeds_model(), meta_batch(1), 32 * GIB, "xla")
     assert re.fullmatch(r"fits {6}per-device batch up to \d+; \d+ with model.activation_checkpointing = true "
-                        r"\(estimated for xla, 32 GiB\)", line), line
+                        r"\(estimated for xla fp32, 85% of the device: 27.2 GiB\)", line), line
 
 
 @pytest.mark.parametrize("text, size", [("32GiB", 32 * GIB), ("16 GB", 16 * 10**9), ("80g", 80 * 10**9),
@@ -177,7 +178,8 @@ def test_check_sizes_a_run_for_a_stated_device(tiny_recipe, capsys):
     out = capsys.readouterr().out
     assert "of 32 GiB --device-memory" in out
     assert re.search(r"per-device batch up to \d+; \d+ with model.activation_checkpointing = true "
-                     r"\(estimated for xla, 32 GiB\)", out), out
+                     r"\(estimated for xla bf16, 85% of the device: 27.2 GiB\)", out), out
+    assert "with flash attention: activations" in out  # the estimate a flash kernel would give, beside
     assert main(["check", str(tiny_recipe), "--device-memory", "lots"]) == 2
     assert "--device-memory 'lots' is not a memory size" in capsys.readouterr().err
 
@@ -205,3 +207,36 @@ def test_checkpointing_lowers_the_measured_peak(measured_steps):
     plain = measured_steps[("tiny", "64,192,192", 2, False)]
     checkpointed = measured_steps[("tiny", "64,192,192", 2, True)]
     assert checkpointed["measured"] < 0.6 * plain["measured"], (plain, checkpointed)
+
+
+def test_under_bf16_autocast_activations_are_counted_as_autograd_saves_them():
+    """bf16 autocast saves matmul inputs (and the weights' bf16 copies) in 2 bytes: the estimate
+    runs the forward on fake CPU tensors under the CPU's autocast and counts what it saves."""
+    from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
+
+    ctx = BuildContext(recipe_dir=Path("."), cache_dir=Path("."), run_dir=None, seed=0,
+                       image_size=(16, 64, 64), patch_size=(4, 16, 16), mask_pairs={"": (6, 10)})
+    model = build(VJEPA3DConfig(preset="tiny", patch_size=(4, 16, 16)), ctx)
+    generator = torch.Generator().manual_seed(0)
+    batch = {"context": torch.rand(2, 1, 16, 64, 64, generator=generator),
+             "target": torch.rand(2, 1, 16, 64, 64, generator=generator),
+             "context_idx": torch.stack([torch.randperm(64, generator=generator)[:6] for _ in range(2)]),
+             "target_idx": torch.stack([torch.randperm(64, generator=generator)[:10] for _ in range(2)])}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = real_saved_bytes(model, batch)
+    estimated = estimate_memory(model, batch, precision="bf16").parts["activations"]
+    assert estimated == pytest.approx(real, rel=0.01)
+    assert estimate_memory(model, batch).parts["activations"] != estimated  # fp32 counts other bytes
+
+
+def test_seeds_config_under_bf16_keeps_about_half_the_activations_and_flash_drops_the_n_by_n():
+    model = seeds_model()
+    fp32 = estimate_memory(model, meta_batch(1), device="cuda").parts["activations"]
+    bf16 = estimate_memory(model, meta_batch(1), device="cuda", precision="bf16").parts["activations"]
+    assert 0.45 < bf16 / fp32 < 0.6
+    # xla: XLA's own attention keeps the probabilities; a flash kernel would not.
+    xla = estimate_memory(model, meta_batch(1), device="xla", precision="bf16")
+    flash = estimate_memory(model, meta_batch(1), device="xla", precision="bf16", attention="fused")
+    assert flash.parts["activations"] == bf16
+    assert xla.parts["activations"] - bf16 > 6 * 5 * 9216**2 * 2
+    assert "with flash attention: activations" in flash_attention_line(model, meta_batch(1), xla, "bf16")

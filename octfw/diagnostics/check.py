@@ -75,7 +75,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     and ``device_bytes`` (default: what :func:`device_memory` finds) size
     the memory estimate for the device the run is meant for.
     """
-    from octfw.engine.backend import refuse_compile_on_xla, resolve_device
+    from octfw.engine.backend import refuse_compile_on_xla, resolve_device, resolved_precision
 
     kind = device_kind or resolve_device(recipe.run.device)  # the device the run is meant for
     refuse_compile_on_xla(recipe.engine.compile, kind)  # the Trainer's rule, before an accelerator hour
@@ -133,14 +133,18 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 
     # --- memory (octfw.diagnostics.memory): estimated per device, warned before the run ---
-    from octfw.diagnostics.memory import batch_advice, device_memory, estimate_memory, memory_report
+    from octfw.diagnostics.memory import (batch_advice, device_memory, estimate_memory, flash_attention_line,
+                                         memory_report)
 
-    estimate = estimate_memory(model, batch, device=kind)
+    precision = resolved_precision(recipe.engine.precision, kind)
+    estimate = estimate_memory(model, batch, device=kind, precision=precision)
     memory = (device_bytes, "--device-memory") if device_bytes else device_memory(kind)
     memory_line, memory_warning = memory_report(estimate, *memory)
     report(memory_line)
+    if kind == "xla":
+        report(flash_attention_line(model, batch, estimate, precision))
     if memory[0]:
-        report(batch_advice(model, batch, memory[0], kind))
+        report(batch_advice(model, batch, memory[0], kind, precision))
     if memory_warning:  # a verdict of the report (stdout, before "check passed"), not a log record
         report(f"warning: {memory_warning}")
 

@@ -19,8 +19,9 @@ What is counted, in bytes, for one device:
   only: nothing is computed or allocated) with ``saved_tensors_hooks``, with
   attention saved as the device's kernel saves it (:data:`ATTENTION_BY_DEVICE`)
   and checkpointed blocks counted by what they keep (:class:`SavedTensors`).
-  They are counted at the dtype the meta forward produces (fp32), an upper
-  bound under bf16 autocast;
+  Under bf16 autocast the forward runs on fake CPU tensors under the CPU's
+  autocast, so each saved tensor is counted at the dtype autocast gives it,
+  the bf16 copies of the weights included (:func:`saved_tensors`);
 - ``update_buffers``: the temporaries of the optimizer step and the EMA
   update (:data:`OPTIMIZER_TEMPORARIES_BY_DEVICE`). They come after the
   backward pass has freed the activations, so the peak holds the larger of
@@ -52,7 +53,7 @@ from octfw.types import ActivationCheckpointing
 
 __all__ = [
     "ATTENTION_BY_DEVICE", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
-    "batch_advice", "device_memory", "estimate_memory", "largest_batch", "largest_fitting",
+    "batch_advice", "flash_attention_line", "device_memory", "estimate_memory", "largest_batch", "largest_fitting",
     "memory_report", "device_memory_bytes", "peak_rss_growth", "resized_batch", "saved_tensors",
 ]
 
@@ -91,6 +92,13 @@ class MemoryEstimate:
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.3g} GiB" if n >= 0.1 * GIB else f"{n / 1024**2:.3g} MiB"
+
+
+def _math_attention() -> contextlib.AbstractContextManager:
+    """Attention as XLA computes it: matmul, softmax, matmul, keeping the probabilities."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -162,15 +170,44 @@ class SavedTensors:
 
 
 def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
-                  checkpointing: bool | None = None) -> SavedTensors:
-    """Run ``model(batch)`` on meta tensors (shapes only) and record what autograd saves.
+                  checkpointing: bool | None = None, precision: str = "fp32") -> SavedTensors:
+    """Run ``model(batch)`` on shape-only tensors and record what autograd saves.
 
     ``checkpointing``: None measures the model as configured; True or False as
     if every checkpointable module had ``checkpoint_activations`` set so.
+    ``precision``: "fp32", or "bf16" to run under bf16 autocast, which saves
+    most activations in 2 bytes. Meta tensors carry no autocast, so bf16 runs on
+    fake CPU tensors (``FakeTensorMode``: shapes and dtypes, no memory) under the
+    CPU's autocast; it stands in for every device kind (without a GPU, torch
+    can fake no CUDA kernel), and its casts match CUDA's for the ops the models
+    use (matmuls and attention in bf16, layer norms saving their fp32 input).
     """
-    state = {name: _meta(p) for name, p in model.named_parameters()}
-    state.update({name: _meta(b) for name, b in model.named_buffers()})
-    meta_batch = {k: _meta(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+    with _shape_only(precision) as shaped:
+        state = {name: shaped(p) for name, p in model.named_parameters()}
+        state.update({name: shaped(b) for name, b in model.named_buffers()})
+        meta_batch = {k: shaped(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return _saved_tensors(model, state, meta_batch, attention, checkpointing, precision)
+
+
+@contextlib.contextmanager
+def _shape_only(precision: str):
+    """A function making shape-only copies of tensors: meta for fp32, fake CPU tensors for bf16."""
+    if precision == "fp32":
+        yield _meta
+        return
+    if precision != "bf16":
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
+
+    with FakeTensorMode():
+        yield fake
+
+
+def _saved_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], meta_batch: dict[str, Any],
+                   attention: str, checkpointing: bool | None, precision: str) -> SavedTensors:
     # Parameters, buffers and the batch are counted in parts of their own (the
     # patch embedding saves the batch itself for its weight gradient).
     frozen = {id(t) for t in state.values()} | {id(t) for t in meta_batch.values() if torch.is_tensor(t)}
@@ -210,8 +247,10 @@ def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention
         for m in checkpointable:
             m.checkpoint_activations = False  # run plainly, so every saved tensor is seen
             handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
-        mode = _FusedAttention() if attention == "fused" else contextlib.nullcontext()
-        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mode = _FusedAttention() if attention == "fused" else _math_attention()
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                    else contextlib.nullcontext())
+        with mode, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, (meta_batch,))
     finally:
         for handle in handles:
@@ -224,15 +263,19 @@ def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention
 
 
 def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
-                     checkpointing: bool | None = None) -> int:
+                     checkpointing: bool | None = None, precision: str = "fp32") -> int:
     """Bytes autograd keeps for backward in one ``model(batch)`` (see :func:`saved_tensors`)."""
-    return saved_tensors(model, batch, attention=attention, checkpointing=checkpointing).total()
+    return saved_tensors(model, batch, attention=attention, checkpointing=checkpointing,
+                         precision=precision).total()
 
 
 def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device: str = "cpu",
-                    checkpointing: bool | None = None) -> MemoryEstimate:
+                    checkpointing: bool | None = None, precision: str = "fp32",
+                    attention: str | None = None) -> MemoryEstimate:
     """Estimate the peak per-device bytes of training ``model`` on micro-batches like ``batch``
-    on a device of kind ``device`` (cpu, cuda, xla); ``checkpointing``: see :func:`saved_tensors`."""
+    on a device of kind ``device`` (cpu, cuda, xla) at ``precision`` (fp32, or bf16 autocast);
+    ``checkpointing``: see :func:`saved_tensors`; ``attention``: "fused" or "math", by default
+    the device's (:data:`ATTENTION_BY_DEVICE`)."""
     trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
     frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad)
     parts = {
@@ -242,8 +285,8 @@ def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device:
         "gradients": trainable,
         "optimizer": ADAMW_STATES * trainable,
         "batch": sum(_nbytes(v) for v in batch.values() if torch.is_tensor(v)),
-        "activations": activation_bytes(model, batch, attention=ATTENTION_BY_DEVICE[device],
-                                        checkpointing=checkpointing),
+        "activations": activation_bytes(model, batch, attention=attention or ATTENTION_BY_DEVICE[device],
+                                        checkpointing=checkpointing, precision=precision),
         "update_buffers": max(OPTIMIZER_TEMPORARIES_BY_DEVICE[device] * trainable, EMA_TEMPORARIES * frozen),
     }
     return MemoryEstimate(parts)
@@ -265,13 +308,14 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
 
 
 def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, *,
-                  device: str = "cpu", checkpointing: bool | None = None, limit: int = 1 << 16) -> int:
+                  device: str = "cpu", checkpointing: bool | None = None, limit: int = 1 << 16,
+                  precision: str = "fp32") -> int:
     """The largest per-device batch of samples like ``batch``'s whose estimate
     fits in ``device_bytes``; 0 when one sample does not fit."""
 
     def fits(size: int) -> bool:
         estimate = estimate_memory(model, resized_batch(batch, size), device=device,
-                                   checkpointing=checkpointing)
+                                   checkpointing=checkpointing, precision=precision)
         return estimate.total <= device_bytes
 
     return largest_fitting(fits, limit)
@@ -367,13 +411,34 @@ def memory_report(estimate: MemoryEstimate, device_bytes: int | None, device_des
     return line, warning
 
 
-def batch_advice(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, device: str) -> str:
-    """The largest per-device batch that fits, as configured and, where the
-    model can checkpoint activations but does not, with checkpointing."""
-    fitting = largest_batch(model, batch, device_bytes, device=device)
+def flash_attention_line(model: torch.nn.Module, batch: Mapping[str, Any], estimate: MemoryEstimate,
+                         precision: str) -> str:
+    """For xla: the activations and peak a flash-attention kernel (no ``N x N`` probabilities
+    kept) would give, beside ``estimate``'s for XLA's own attention, which octfw runs
+    (torch_xla's Pallas kernel is not used: docs/performance.md says why)."""
+    flash = estimate_memory(model, batch, device="xla", precision=precision, attention="fused")
+    return (f"          with flash attention: activations {_gib(flash.parts['activations'])} instead of "
+            f"{_gib(estimate.parts['activations'])}, ~{_gib(flash.total)} per device "
+            "(XLA's own attention runs: docs/performance.md)")
+
+
+#: Share of a device's memory the advised batch may fill: on an H100 the eager bf16 step of
+#: ``small`` at the seeds' size peaked 1.15x the estimate (the CUDA caching allocator and
+#: backward's transient gradients; the compiled step 1.00x), docs/performance.md.
+ADVISED_SHARE = 0.85
+
+
+def batch_advice(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, device: str,
+                 precision: str = "fp32") -> str:
+    """The largest per-device batch whose estimate fills at most :data:`ADVISED_SHARE` of the
+    device, as configured and, where the model can checkpoint activations but does not, with
+    checkpointing."""
+    device_bytes = int(device_bytes * ADVISED_SHARE)
+    fitting = largest_batch(model, batch, device_bytes, device=device, precision=precision)
     line = f"fits      per-device batch up to {fitting}" if fitting else "fits      not even 1 sample per device"
     configured = [m.checkpoint_activations for m in model.modules() if isinstance(m, ActivationCheckpointing)]
     if configured and not any(configured):
-        with_checkpointing = largest_batch(model, batch, device_bytes, device=device, checkpointing=True)
+        with_checkpointing = largest_batch(model, batch, device_bytes, device=device, checkpointing=True,
+                                           precision=precision)
         line += f"; {with_checkpointing} with model.activation_checkpointing = true"
-    return line + f" (estimated for {device}, {_gib(device_bytes)})"
+    return line + f" (estimated for {device} {precision}, {ADVISED_SHARE:.0%} of the device: {_gib(device_bytes)})"

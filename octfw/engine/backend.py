@@ -236,11 +236,17 @@ def refuse_compile_on_xla(compile: bool, kind: str) -> None:
                         "storm); torch_xla compiles its graphs itself")
 
 
+def resolved_precision(precision: str, kind: str) -> str:
+    """engine.precision on a device of ``kind``: "auto" is fp32 on the CPU, bf16 autocast elsewhere."""
+    if precision == "auto":
+        return "fp32" if kind == "cpu" else "bf16"
+    return precision
+
+
 def select_backend(processes: Processes, precision: str, compile: bool = False) -> Backend:
     """The backend of this process: its device was selected by :func:`octfw.engine.distributed.join`."""
     refuse_compile_on_xla(compile, processes.kind)
-    if precision == "auto":
-        precision = "fp32" if processes.kind == "cpu" else "bf16"
+    precision = resolved_precision(precision, processes.kind)
     if processes.kind == "xla":
         return _xla_backend(precision, processes)
     return Backend(kind=processes.kind, device=processes.device, precision=precision,
