@@ -185,8 +185,8 @@ def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention
     with _shape_only(precision) as shaped:
         state = {name: shaped(p) for name, p in model.named_parameters()}
         state.update({name: shaped(b) for name, b in model.named_buffers()})
-        meta_batch = {k: shaped(v) if torch.is_tensor(v) else v for k, v in batch.items()}
-        return _saved_tensors(model, state, meta_batch, attention, checkpointing, precision)
+        shaped_batch = {k: shaped(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return _saved_tensors(model, state, shaped_batch, attention, checkpointing, precision)
 
 
 @contextlib.contextmanager
@@ -206,11 +206,11 @@ def _shape_only(precision: str):
         yield fake
 
 
-def _saved_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], meta_batch: dict[str, Any],
+def _saved_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], shaped_batch: dict[str, Any],
                    attention: str, checkpointing: bool | None, precision: str) -> SavedTensors:
     # Parameters, buffers and the batch are counted in parts of their own (the
     # patch embedding saves the batch itself for its weight gradient).
-    frozen = {id(t) for t in state.values()} | {id(t) for t in meta_batch.values() if torch.is_tensor(t)}
+    frozen = {id(t) for t in state.values()} | {id(t) for t in shaped_batch.values() if torch.is_tensor(t)}
     keep_alive: dict[int, torch.Tensor] = {}  # so that ids are not reused during the forward
     outside: set[int] = set()
     calls: list[tuple[bool, set[int], set[int]]] = []
@@ -251,7 +251,7 @@ def _saved_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], meta_
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
                     else contextlib.nullcontext())
         with mode, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, state, (meta_batch,))
+            torch.func.functional_call(model, state, (shaped_batch,))
     finally:
         for handle in handles:
             handle.remove()
