@@ -27,6 +27,22 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def random_quickstart_encoder(overrides: list[str] | None = None) -> tuple[Any, Any, torch.nn.Module]:
+    """(registry, build context, model) of the quickstart recipe with its model randomly
+    initialised from seed 0, in eval mode: ``octfw eval``'s random baseline, which the
+    reader benchmarks read."""
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
+
+    registry = load_registry()
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.toml", overrides or [], registry)
+    ctx = recipe.build_context(registry=registry)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = recipe.model.build(ctx).eval()
+    return registry, ctx, model
+
+
 def machine() -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import ROOT, machine, write_result
+from _common import machine, random_quickstart_encoder, write_result
 
 DATASET = {"name": "phantom-oct", "family": "held-out", "n_volumes": 200, "labels": True, "seed": 1}
 
@@ -45,20 +45,14 @@ def main() -> None:
     from octfw.plugins.evaluators.attentive_probe.algorithm import (fit_attentive_grid, select_member,
                                                                      validation_scores)
     from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
-    from octfw.recipe import build_component, load_recipe
-    from octfw.registry import load_registry
+    from octfw.recipe import build_component
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", type=int, default=3)
     parser.add_argument("--focus", type=int, default=4, help="tokens the focused readings keep")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    registry = load_registry()
-    recipe = load_recipe(ROOT / "recipes" / "quickstart.toml", [], registry)
-    ctx = recipe.build_context(registry=registry)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = recipe.model.build(ctx).eval()
+    registry, ctx, model = random_quickstart_encoder()
     defaults = AttentiveProbeConfig(dataset=DATASET)
     grid_options = dict(learning_rates=defaults.learning_rates, weight_decays=defaults.weight_decays,
                         num_heads=defaults.num_heads, max_epochs=defaults.max_epochs,

@@ -24,7 +24,7 @@ import argparse
 import time
 from typing import Any
 
-from _common import ROOT, machine, write_result
+from _common import machine, random_quickstart_encoder, write_result
 
 DATASET = {"name": "phantom-oct", "family": "held-out", "n_volumes": 200, "labels": True, "seed": 1}
 READINGS = (("linear-probe", ""), ("linear-probe", "tokens_"), ("knn", ""), ("knn", "tokens_"),
@@ -36,8 +36,7 @@ def main() -> None:
     import torch
 
     from octfw.evaluation.shots import label_efficiency
-    from octfw.recipe import build_component, load_recipe
-    from octfw.registry import load_registry
+    from octfw.recipe import build_component
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", type=int, default=3)
@@ -45,13 +44,8 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    registry = load_registry()
     overrides = [f'run.cache_dir="{args.cache_dir}"'] if args.cache_dir else []
-    recipe = load_recipe(ROOT / "recipes" / "quickstart.toml", overrides, registry)
-    ctx = recipe.build_context(registry=registry)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = recipe.model.build(ctx).eval()
+    registry, ctx, model = random_quickstart_encoder(overrides)
     options = {"knn": {"k": 10}}
     records: list[dict[str, Any]] = []
     for split_seed in range(args.splits):

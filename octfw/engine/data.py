@@ -243,6 +243,9 @@ def view_keys(spec: Mapping[str, BatchKey]) -> tuple[str, ...]:
     return tuple(key for key, field in spec.items() if field.view)
 
 
+_STORED_TORCH_DTYPES = tuple(getattr(torch, name) for name in STORED_VIEW_DTYPES)
+
+
 def float_views(tensors: Mapping[str, Any], views: tuple[str, ...]) -> dict[str, Any]:
     """The batch with its ``views`` that travel as stored (uint8 ``b / 255`` or float16,
     :data:`~octfw.types.STORED_VIEW_DTYPES`) as float32 intensities, converted where they are
@@ -251,7 +254,7 @@ def float_views(tensors: Mapping[str, Any], views: tuple[str, ...]) -> dict[str,
     out = dict(tensors)
     for key in views:
         view = out.get(key)
-        if isinstance(view, torch.Tensor) and view.dtype in (torch.uint8, torch.float16):
+        if isinstance(view, torch.Tensor) and view.dtype in _STORED_TORCH_DTYPES:
             if view.device.type == "cpu":  # numpy's cast is 3x torch's on the host, and bitwise the same
                 out[key] = torch.from_numpy(dequantize(view.numpy()))
             elif view.dtype == torch.uint8:
