@@ -43,6 +43,29 @@ def random_quickstart_encoder(overrides: list[str] | None = None) -> tuple[Any, 
     return registry, ctx, model
 
 
+def attentive_probe_parts(registry: Any, ctx: Any, model: torch.nn.Module, dataset: dict[str, Any],
+                          split_seed: int) -> dict[str, torch.Tensor]:
+    """The tokens ``attentive-probe`` reads on one split of ``dataset``, as it draws them:
+    ``fit``, ``val`` and ``test`` tokens ``[N, T, E]`` (float32) and their class indices
+    ``fit_y``, ``val_y``, ``test_y``."""
+    import numpy as np
+
+    from octfw.recipe import build_component
+
+    table = {"name": "attentive-probe", "dataset": dataset, "split_seed": split_seed, "bootstrap": 0,
+             "token_dtype": "float32"}
+    evaluator = build_component(registry, "evaluator", table, ctx, "attentive-probe")
+    with torch.no_grad():
+        encoded = evaluator.encode(model, torch.device("cpu"))
+    train, test = evaluator.split()
+    classes = np.unique(train.labels)
+    fit_positions, val_positions = evaluator.fit_val_positions()
+    fit, fit_y = evaluator._train_part(encoded, fit_positions, classes)
+    val, val_y = evaluator._train_part(encoded, val_positions, classes)
+    return {"fit": fit, "fit_y": fit_y, "val": val, "val_y": val_y, "test": encoded.test,
+            "test_y": torch.from_numpy(np.searchsorted(classes, test.labels))}
+
+
 def machine() -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}

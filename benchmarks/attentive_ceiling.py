@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import machine, random_quickstart_encoder, write_result
+from _common import attentive_probe_parts, machine, random_quickstart_encoder, write_result
 
 DATASET = {"name": "phantom-oct", "family": "held-out", "n_volumes": 200, "labels": True, "seed": 1}
 
@@ -45,7 +45,6 @@ def main() -> None:
     from octfw.plugins.evaluators.attentive_probe.algorithm import (fit_attentive_grid, select_member,
                                                                      validation_scores)
     from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
-    from octfw.recipe import build_component
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", type=int, default=3)
@@ -75,17 +74,9 @@ def main() -> None:
     records = []
     for split_seed in range(args.splits):
         start = time.perf_counter()
-        table = {"name": "attentive-probe", "dataset": DATASET, "split_seed": split_seed, "bootstrap": 0,
-                 "token_dtype": "float32"}
-        evaluator = build_component(registry, "evaluator", table, ctx, "attentive-probe")
-        with torch.no_grad():
-            encoded = evaluator.encode(model, torch.device("cpu"))
-        train, test = evaluator.split()
-        classes = np.unique(train.labels)
-        fit_positions, val_positions = evaluator.fit_val_positions()
-        fit, fit_y = evaluator._train_part(encoded, fit_positions, classes)
-        val, val_y = evaluator._train_part(encoded, val_positions, classes)
-        test_tokens, test_y = encoded.test, torch.from_numpy(np.searchsorted(classes, test.labels))
+        parts = attentive_probe_parts(registry, ctx, model, DATASET, split_seed)
+        fit, fit_y, val, val_y = parts["fit"], parts["fit_y"], parts["val"], parts["val_y"]
+        test_tokens, test_y = parts["test"], parts["test_y"]
         # Rank tokens by a single-token linear probe fitted on the fit part, scored on validation.
         per_token = [linear(fit[:, t], fit_y, val[:, t], val_y) for t in range(fit.shape[1])]
         focus = torch.tensor(np.argsort(per_token, kind="stable")[::-1][:args.focus].copy())
