@@ -43,6 +43,16 @@ def random_quickstart_encoder(overrides: list[str] | None = None) -> tuple[Any, 
     return registry, ctx, model
 
 
+def default_attentive_grid() -> dict[str, Any]:
+    """Keyword arguments of ``fit_attentive_grid`` that ``attentive-probe`` uses by default."""
+    from octfw.plugins.evaluators.attentive_probe import AttentiveProbeConfig
+
+    defaults = AttentiveProbeConfig(dataset={"name": "phantom-oct"})
+    return dict(learning_rates=defaults.learning_rates, weight_decays=defaults.weight_decays,
+                num_heads=defaults.num_heads, max_epochs=defaults.max_epochs, patience=defaults.patience,
+                batch_size=defaults.fit_batch_size, seed=defaults.seed)
+
+
 def attentive_probe_parts(registry: Any, ctx: Any, model: torch.nn.Module, dataset: dict[str, Any],
                           split_seed: int) -> dict[str, torch.Tensor]:
     """The tokens ``attentive-probe`` reads on one split of ``dataset``, as it draws them:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import attentive_probe_parts, machine, random_quickstart_encoder, write_result
+from _common import attentive_probe_parts, default_attentive_grid, machine, random_quickstart_encoder, write_result
 
 DATASET = {"name": "phantom-oct", "family": "held-out", "n_volumes": 200, "labels": True, "seed": 1}
 
@@ -41,7 +41,6 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from octfw.plugins.evaluators.attentive_probe import AttentiveProbeConfig
     from octfw.plugins.evaluators.attentive_probe.algorithm import (fit_attentive_grid, select_member,
                                                                      validation_scores)
     from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
@@ -52,10 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     registry, ctx, model = random_quickstart_encoder()
-    defaults = AttentiveProbeConfig(dataset=DATASET)
-    grid_options = dict(learning_rates=defaults.learning_rates, weight_decays=defaults.weight_decays,
-                        num_heads=defaults.num_heads, max_epochs=defaults.max_epochs,
-                        patience=defaults.patience, batch_size=defaults.fit_batch_size, seed=defaults.seed)
+    grid_options = default_attentive_grid()
 
     def balanced(probabilities: torch.Tensor, targets: torch.Tensor) -> float:
         return validation_scores(probabilities.log()[None], targets)[0][0]

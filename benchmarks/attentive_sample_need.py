@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import attentive_probe_parts, machine, random_quickstart_encoder, write_result
+from _common import attentive_probe_parts, default_attentive_grid, machine, random_quickstart_encoder, write_result
 
 
 def main() -> None:
     import numpy as np
     import torch
 
-    from octfw.plugins.evaluators.attentive_probe import AttentiveProbeConfig
     from octfw.plugins.evaluators.attentive_probe.algorithm import (fit_attentive_grid, select_member,
                                                                      validation_scores)
     from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
@@ -44,10 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     registry, ctx, model = random_quickstart_encoder()
-    defaults = AttentiveProbeConfig(dataset={"name": "phantom-oct"})
-    grid_options = dict(learning_rates=defaults.learning_rates, weight_decays=defaults.weight_decays,
-                        num_heads=defaults.num_heads, max_epochs=defaults.max_epochs,
-                        patience=defaults.patience, batch_size=defaults.fit_batch_size, seed=defaults.seed)
+    grid_options = default_attentive_grid()
 
     def balanced(logits: torch.Tensor, targets: torch.Tensor) -> float:
         return validation_scores(logits[None], targets)[0][0]
