@@ -190,11 +190,11 @@ def pretrain(args: argparse.Namespace) -> None:
 
 
 def eval_recipe(folder: Path, split_seed: int, seed: int, volumes: int, fine_tune: dict[str, Any],
-                probes: list[str], family: str = EVAL_FAMILY) -> Path:
+                probes: list[str], family: str = EVAL_FAMILY, cohort_seed: int = EVAL_SEED) -> Path:
     import tomli_w
 
     dataset = {"name": "phantom-oct", "family": family, "n_volumes": volumes, "labels": True,
-               "seed": EVAL_SEED}
+               "seed": cohort_seed}
     options = {"knn": {"k": 10}, "fine-tune": fine_tune}
     evaluators = [{"name": name, "dataset": dataset, "split_seed": split_seed, "bootstrap": 0,
                    **options.get(name, {})} for name in probes]

@@ -68,6 +68,17 @@ class FineTuneConfig(FeatureEvaluatorConfig):
         "attention heads of the attentive head (as the attentive probe's); must divide the "
         "encoder's width", default=12, validator=positive,
     )
+    head_epochs: int = doc(
+        "passes of a first phase that trains the head alone on the starting encoder's tokens "
+        "(linear probing, then fine-tuning: LP-FT); its best validation epoch starts the "
+        "fine-tuning and competes with its epochs (selected_epoch 0). 0: the head starts from "
+        "its initial weights",
+        default=100, validator=non_negative,
+    )
+    head_lr: float = doc(
+        "peak AdamW learning rate of the head's first phase (10 % warmup, then cosine to 0)",
+        default=1e-2, validator=positive,
+    )
     seed: int = doc(
         "seed of the head's initial weights and the mini-batch order", default=0, validator=non_negative,
     )

@@ -14,6 +14,14 @@ network. The protocol, scaled to the CPU:
   finding a few tokens see: fine-tuning on 10 held-out phantom volumes per
   class stayed at chance where a linear probe on the 8 fovea tokens reached
   0.85 (issue #39);
+- the head first (``head_epochs``; linear probing then fine-tuning, LP-FT,
+  Kumar et al. 2022): the head alone trains on the starting encoder's frozen
+  tokens at ``head_lr``, its best validation epoch is kept, and fine-tuning
+  starts from it; that network (no encoder update, ``selected_epoch`` 0)
+  competes with every fine-tuning epoch. A fresh head trained together with
+  the encoder for 15 epochs of 3 steps answered one class on the reversal
+  task even on an encoder trained with its labels (issue #39,
+  ``benchmarks/supervised_ceiling.py``);
 - ``blocks``: ``"all"`` trains the whole encoder, patch embedding included;
   an int ``k`` only the last ``k`` blocks, the final norm and the head. The
   frozen part (patch embedding, positions and the blocks before them) then
@@ -123,8 +131,7 @@ class FineTuneNetwork(nn.Module):
     @torch.no_grad()
     def standardise_on(self, inputs: torch.Tensor, batch_size: int) -> None:
         """Fix the head's standardisation to the channel statistics of ``inputs``' tokens."""
-        self.head.standardise_on(torch.cat([self.tokens(inputs[start:start + batch_size]).float()
-                                            for start in range(0, inputs.shape[0], batch_size)]))
+        self.head.standardise_on(_batched(self.tokens, inputs, batch_size).float())
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.head(self.tokens(inputs))
@@ -163,17 +170,20 @@ def parameter_groups(network: FineTuneNetwork, lr: float, layer_decay: float,
 @attrs.frozen(eq=False)
 class FineTuneResult:
     test_probabilities: torch.Tensor  #: ``[N_test, K]``, of the selected epoch's network
-    selected_epoch: int  #: 1-based
+    selected_epoch: int  #: 1-based; 0: the fitted head on the starting encoder, no encoder update kept
     val_balanced_accuracy: float
     val_loss: float
     trained_parameters: int
     single_class: bool  #: every epoch's network answered one class on validation
 
 
+def _batched(function: Any, inputs: torch.Tensor, batch_size: int) -> torch.Tensor:
+    return torch.cat([function(inputs[start:start + batch_size]) for start in range(0, inputs.shape[0], batch_size)])
+
+
 def _logits(network: nn.Module, inputs: torch.Tensor, batch_size: int) -> torch.Tensor:
     with torch.no_grad():
-        return torch.cat([network(inputs[start:start + batch_size])
-                          for start in range(0, inputs.shape[0], batch_size)])
+        return _batched(network, inputs, batch_size)
 
 
 def fine_tune(
@@ -192,6 +202,8 @@ def fine_tune(
     layer_decay: float = 0.75,
     weight_decay: float = 0.05,
     num_heads: int = 12,
+    head_epochs: int = 100,
+    head_lr: float = 1e-2,
     seed: int = 0,
     eval_batch_size: int = 16,
 ) -> FineTuneResult:
@@ -206,16 +218,62 @@ def fine_tune(
     generator = torch.Generator().manual_seed(seed)
     network = FineTuneNetwork(copy.deepcopy(encoder), blocks, n_classes, num_heads, generator).to(device).train()
     network.standardise_on(fit_inputs, eval_batch_size)
-    groups = parameter_groups(network, lr, layer_decay, weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
-    trained = [p for group in groups for p in group["params"]]
     batch_size = min(batch_size, fit_inputs.shape[0])
-    steps_per_epoch = math.ceil(fit_inputs.shape[0] / batch_size)
-    total = epochs * steps_per_epoch
     fit_y = fit_targets.to(device=device, dtype=torch.long)
     val_y = val_targets.to(device=device, dtype=torch.long)
-    best: tuple[tuple[float, float, int], list[torch.Tensor]] | None = None
+    if head_epochs:
+        with torch.no_grad():  # the starting encoder's tokens: the head's first phase reads them frozen
+            fit_tokens, val_tokens = (_batched(network.tokens, inputs, eval_batch_size)
+                                      for inputs in (fit_inputs, val_inputs))
+        head = list(network.head.parameters())
+        head_groups = [{"params": [p for p in head if p.ndim > 1], "weight_decay": weight_decay, "lr_scale": 1.0},
+                       {"params": [p for p in head if p.ndim <= 1], "weight_decay": 0.0, "lr_scale": 1.0}]
+        _restore(head_groups, _train(network.head, head_groups, fit_tokens, fit_y, val_tokens, val_y, head_epochs,
+                                     batch_size, head_lr, generator, eval_batch_size))
+    groups = parameter_groups(network, lr, layer_decay, weight_decay)
+    trained = [p for group in groups for p in group["params"]]
+    # With a fitted head, its network (no encoder update: epoch 0) competes with every epoch.
+    start = (_validate(network, val_inputs, val_y, eval_batch_size, -1), [p.detach().clone() for p in trained]) \
+        if head_epochs else None
+    best = _train(network, groups, fit_inputs, fit_y, val_inputs, val_y, epochs, batch_size, lr, generator,
+                  eval_batch_size, best=start)
+    _restore(groups, best)
+    probabilities = torch.softmax(_logits(network.eval(), test_inputs, eval_batch_size).float(), dim=1)
+    (single_class, negative_balanced, val_loss, epoch) = best[0]
+    return FineTuneResult(probabilities, epoch + 1, float(-negative_balanced), val_loss,
+                          sum(p.numel() for p in trained), single_class)
 
+
+_Kept = tuple[tuple[bool, float, float, int], list[torch.Tensor]]
+
+
+def _validate(network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int,
+              epoch: int) -> tuple[bool, float, float, int]:
+    """The epoch's selection key, smaller is better: (one class answered, -balanced accuracy,
+    cross-entropy, epoch); equal keys keep the earlier epoch. A host sync, once per epoch."""
+    logits = _logits(network, inputs, batch_size)
+    predicted = logits.argmax(dim=1)
+    balanced = balanced_accuracy(targets.cpu().numpy(), predicted.cpu().numpy())
+    return bool((predicted == predicted[0]).all()), -balanced, float(F.cross_entropy(logits, targets)), epoch
+
+
+def _restore(groups: list[dict[str, Any]], kept: _Kept) -> None:
+    """Set the parameters of ``groups`` to the values :func:`_train` kept (in the groups' order)."""
+    with torch.no_grad():
+        for param, value in zip([p for group in groups for p in group["params"]], kept[1]):
+            param.copy_(value)
+
+
+def _train(network: nn.Module, groups: list[dict[str, Any]], fit_inputs: torch.Tensor, fit_y: torch.Tensor,
+           val_inputs: torch.Tensor, val_y: torch.Tensor, epochs: int, batch_size: int, lr: float,
+           generator: torch.Generator, eval_batch_size: int, best: _Kept | None = None) -> _Kept:
+    """Train the parameters of ``groups`` (each with its ``lr_scale``) with AdamW under the warmup
+    and cosine schedule; (the best epoch's key, its parameters), ``best`` to beat if given."""
+    device = fit_inputs.device
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
+    trained = [p for group in groups for p in group["params"]]
+    steps_per_epoch = math.ceil(fit_inputs.shape[0] / batch_size)
+    total = epochs * steps_per_epoch
     with torch.enable_grad():
         for epoch in range(epochs):
             for offset, batch in enumerate(epoch_order(fit_inputs.shape[0], batch_size, generator)):
@@ -231,22 +289,8 @@ def fine_tune(
                     import torch_xla
 
                     torch_xla.sync()
-            # Validation: a host sync per epoch, to choose the epoch.
-            logits = _logits(network, val_inputs, eval_batch_size)
-            val_loss = float(F.cross_entropy(logits, val_y))
-            predicted = logits.argmax(dim=1)
-            balanced = balanced_accuracy(val_y.cpu().numpy(), predicted.cpu().numpy())
-            single_class = bool((predicted == predicted[0]).all())
-            # Smaller is better; equal keys keep the earlier epoch.
-            key = (single_class, -balanced, val_loss, epoch)
+            key = _validate(network, val_inputs, val_y, eval_batch_size, epoch)
             if best is None or key < best[0]:
                 best = (key, [p.detach().clone() for p in trained])
-
     assert best is not None  # epochs >= 1
-    with torch.no_grad():
-        for param, kept in zip(trained, best[1]):
-            param.copy_(kept)
-    probabilities = torch.softmax(_logits(network.eval(), test_inputs, eval_batch_size).float(), dim=1)
-    (single_class, negative_balanced, val_loss, epoch) = best[0]
-    return FineTuneResult(probabilities, epoch + 1, float(-negative_balanced), val_loss,
-                          sum(p.numel() for p in trained), single_class)
+    return best
