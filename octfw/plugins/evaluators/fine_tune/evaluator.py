@@ -59,7 +59,8 @@ class FineTuneEvaluator(ValidatedClassificationEvaluator):
                            len(classes), blocks=config.blocks, epochs=config.epochs,
                            batch_size=config.fit_batch_size, lr=config.lr, layer_decay=config.layer_decay,
                            weight_decay=config.weight_decay, num_heads=config.num_heads,
-                           head_epochs=config.head_epochs, head_lr=config.head_lr, seed=config.seed, eval_batch_size=config.batch_size)
+                           head_epochs=config.head_epochs, head_lr=config.head_lr, seed=config.seed,
+                           eval_batch_size=config.batch_size)
         if result.single_class:
             self._warn_single_class("at every epoch the network", len(val_targets))
         extra = {"selected_epoch": float(result.selected_epoch),
