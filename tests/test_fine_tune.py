@@ -214,14 +214,19 @@ def test_a_fit_that_only_ever_answers_one_class_says_so():
     assert (result.test_probabilities.argmax(dim=1) == 0).all()
 
 
+def _corner_tokens():
+    """A random encoder and the corners task as the tokens its last block reads (``blocks = 1``):
+    32 fit volumes (the first 8 also validate) and 40 test volumes."""
+    encoder = _encoder()
+    (train_x, train_y), (test_x, test_y) = _corners(32, seed=0), _corners(40, seed=1)
+    with torch.no_grad():
+        return encoder, (frozen_prefix(encoder, 1, train_x), train_y), (frozen_prefix(encoder, 1, test_x), test_y)
+
+
 def test_a_head_fitted_first_reads_what_a_fresh_head_cannot_in_the_same_fine_tuning():
     # Fine-tuning too short and too slow to train a fresh attentive head (one epoch at lr 1e-6)
     # answers one class; the head fitted on the frozen tokens first (LP-FT) reads the corners.
-    encoder = _encoder()
-    train_x, train_y = _corners(32, seed=0)
-    test_x, test_y = _corners(40, seed=1)
-    with torch.no_grad():
-        train_x, test_x = frozen_prefix(encoder, 1, train_x), frozen_prefix(encoder, 1, test_x)
+    encoder, (train_x, train_y), (test_x, test_y) = _corner_tokens()
     options = dict(blocks=1, epochs=1, batch_size=4, lr=1e-6, num_heads=2)
     fresh = fine_tune(encoder, train_x, train_y, train_x[:8], train_y[:8], test_x, 2, head_epochs=0, **options)
     fitted = fine_tune(encoder, train_x, train_y, train_x[:8], train_y[:8], test_x, 2, head_epochs=60, **options)
@@ -232,12 +237,8 @@ def test_a_head_fitted_first_reads_what_a_fresh_head_cannot_in_the_same_fine_tun
 
 def test_the_fitted_head_alone_is_kept_when_every_fine_tuning_epoch_is_worse():
     # A learning rate that wrecks the network: validation keeps the head on the starting
-    # encoder (selected_epoch 0), and the encoder's trained part is back at its start.
-    encoder = _encoder()
-    train_x, train_y = _corners(32, seed=0)
-    test_x, test_y = _corners(40, seed=1)
-    with torch.no_grad():
-        train_x, test_x = frozen_prefix(encoder, 1, train_x), frozen_prefix(encoder, 1, test_x)
+    # encoder (selected_epoch 0), which predicts as a fit that never updates the encoder.
+    encoder, (train_x, train_y), (test_x, test_y) = _corner_tokens()
     options = dict(blocks=1, batch_size=4, num_heads=2, head_epochs=60)
     result = fine_tune(encoder, train_x, train_y, train_x[:8], train_y[:8], test_x, 2, epochs=2, lr=1e3, **options)
     head_only = fine_tune(encoder, train_x, train_y, train_x[:8], train_y[:8], test_x, 2, epochs=1, lr=0.0, **options)
