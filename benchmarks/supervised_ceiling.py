@@ -90,14 +90,12 @@ def supervised_cohort(target: Any, registry: Any, work: Path,
             cohort.groups or [str(i) for i in range(len(cohort))])
 
 
-def balanced_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    predicted = logits.argmax(dim=1)
-    return float(np.mean([(predicted[labels == c] == c).float().mean() for c in labels.unique()]))
-
-
 def train_supervised(encoder: nn.Module, data: tuple, seed: int, epochs: int, batch_size: int,
                      lr: float) -> tuple[nn.Module, list[dict[str, float]]]:
     """Train a copy of ``encoder`` on the cohort's labels and masks; (encoder, per-epoch log)."""
+    from octfw.evaluation.metrics import balanced_accuracy
+    from octfw.plugins.evaluators.dense_probe.algorithm import token_truth
+
     volumes, labels, patches, groups = data
     rng = np.random.default_rng(seed)
     patients = sorted(set(groups))
@@ -121,7 +119,7 @@ def train_supervised(encoder: nn.Module, data: tuple, seed: int, epochs: int, ba
             batch = order[start:start + batch_size]
             class_logits, token_logits, voxel_logits = network(volumes[batch])
             voxels = patches[batch].float()
-            tokens = (voxels.mean(dim=-1) > 0).float()
+            tokens = token_truth(patches[batch], "any").float()  # the dense probe's default
             loss = (F.cross_entropy(class_logits, labels[batch])
                     + F.binary_cross_entropy_with_logits(voxel_logits, voxels) + _dice_loss(voxel_logits, voxels)
                     + F.binary_cross_entropy_with_logits(token_logits, tokens) + _dice_loss(token_logits, tokens))
@@ -131,13 +129,14 @@ def train_supervised(encoder: nn.Module, data: tuple, seed: int, epochs: int, ba
             schedule.step()
         if (epoch + 1) % 10 == 0 or epoch + 1 == epochs:
             network.eval()
-            with torch.no_grad():
-                scores = {name: balanced_accuracy(torch.cat([network(volumes[chunk])[0] for chunk in index.split(16)]),
-                                                  labels[index])
-                          for name, index in (("fit", fit_index), ("held_out", held_index))}
-            log.append({"epoch": epoch + 1, "loss": round(float(loss.detach()), 4), **{k: round(v, 3) for k, v in scores.items()}})
-            print(f"seed {seed} epoch {epoch + 1}: loss {float(loss.detach()):.3f} balanced accuracy fit {scores['fit']:.3f} "
-                  f"held-out patients {scores['held_out']:.3f}", flush=True)
+            scores = {}
+            for name, index in (("fit", fit_index), ("held_out", held_index)):
+                with torch.no_grad():
+                    logits = torch.cat([network(volumes[chunk])[0] for chunk in index.split(16)])
+                scores[name] = round(balanced_accuracy(labels[index].numpy(), logits.argmax(dim=1).numpy()), 3)
+            log.append({"epoch": epoch + 1, "loss": round(float(loss.detach()), 4), **scores})
+            print(f"seed {seed} epoch {epoch + 1}: loss {float(loss.detach()):.3f}, balanced accuracy fit "
+                  f"{scores['fit']:.3f}, held-out patients {scores['held_out']:.3f}", flush=True)
     return network.encoder.eval().requires_grad_(False), log
 
 
