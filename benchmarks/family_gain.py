@@ -10,7 +10,9 @@ Two phases, so that pretraining can run where it is fast (a GPU) and probing
 where the results are read:
 
 ``pretrain``: for each method (``recipes/pretrain_cpu.toml``, V-JEPA, and
-``recipes/mae_cpu.toml``, MAE), each setting and each seed, train the recipe
+``recipes/mae_cpu.toml``, MAE; the variants ``vjepa3d-dense``,
+``recipes/pretrain_dense_cpu.toml``, and ``mae3d-pix``, ``recipes/mae_pix_cpu.toml``,
+with ``--methods``), each setting and each seed, train the recipe
 for the same number of update steps and export its encoder
 (``octfw export``) to ``OUT/encoders/<method>_<setting>_seed<N>.pt``:
 
@@ -58,7 +60,8 @@ from _common import ROOT, machine, write_result
 from pretraining_gain import mean_std, measured_recipe_id
 
 METHODS = {"vjepa3d": ROOT / "recipes" / "pretrain_cpu.toml", "mae3d": ROOT / "recipes" / "mae_cpu.toml",
-           "vjepa3d-dense": ROOT / "recipes" / "pretrain_dense_cpu.toml"}
+           "vjepa3d-dense": ROOT / "recipes" / "pretrain_dense_cpu.toml",
+           "mae3d-pix": ROOT / "recipes" / "mae_pix_cpu.toml"}
 #: Pretraining cohort of each setting: 240 volumes (120 patients), cohort seed 0. ``context``:
 #: in-domain for the context family's task (issue #39's task that needs learned features).
 SETTINGS = {"in-domain": "held-out", "transfer": "tuning", "context": "context"}
