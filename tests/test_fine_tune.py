@@ -11,7 +11,11 @@ import math
 
 import csv
 import json
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,3 +249,18 @@ def test_the_fitted_head_alone_is_kept_when_every_fine_tuning_epoch_is_worse():
     assert result.selected_epoch == 0 and result.val_balanced_accuracy == 1.0
     assert torch.allclose(result.test_probabilities, head_only.test_probabilities, atol=1e-6)
     assert float((result.test_probabilities.argmax(dim=1) == test_y).float().mean()) >= 0.9
+
+
+
+def test_a_fit_with_its_head_phase_runs_on_an_xla_device_as_on_the_cpu():
+    # torch_xla's CPU device, in a subprocess (importing torch_xla patches torch for the process,
+    # and autograd must meet the XLA device before any CPU backward): both phases train there
+    # (fixed-shape steps, a sync each) and give the CPU's result up to float rounding.
+    script = Path(__file__).parent / "xla" / "fine_tune_fit.py"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["device"] == "xla"
+    assert result["selected_epoch"]["xla"] == result["selected_epoch"]["cpu"]
+    assert result["max_difference"] < 1e-3
