@@ -68,11 +68,6 @@ class Supervised(nn.Module):
         return self.classify(tokens), self.token(normed)[..., 0], self.voxel(normed)
 
 
-def _dice_loss(logits: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
-    probabilities = torch.sigmoid(logits)
-    return 1 - (2 * (probabilities * truth).sum() + 1) / (probabilities.sum() + truth.sum() + 1)
-
-
 def supervised_cohort(target: Any, registry: Any, work: Path,
                       volumes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
     """(volumes [N, C, D, H, W], labels [N], patchified masks [N, T, P] bool, patient groups) of
@@ -94,7 +89,7 @@ def train_supervised(encoder: nn.Module, data: tuple, seed: int, epochs: int, ba
                      lr: float) -> tuple[nn.Module, list[dict[str, float]]]:
     """Train a copy of ``encoder`` on the cohort's labels and masks; (encoder, per-epoch log)."""
     from octfw.evaluation.metrics import balanced_accuracy
-    from octfw.plugins.evaluators.dense_probe.algorithm import token_truth
+    from octfw.plugins.evaluators.dense_probe.algorithm import _soft_dice_loss as dice_loss, token_truth
 
     volumes, labels, patches, groups = data
     rng = np.random.default_rng(seed)
@@ -121,8 +116,8 @@ def train_supervised(encoder: nn.Module, data: tuple, seed: int, epochs: int, ba
             voxels = patches[batch].float()
             tokens = token_truth(patches[batch], "any").float()  # the dense probe's default
             loss = (F.cross_entropy(class_logits, labels[batch])
-                    + F.binary_cross_entropy_with_logits(voxel_logits, voxels) + _dice_loss(voxel_logits, voxels)
-                    + F.binary_cross_entropy_with_logits(token_logits, tokens) + _dice_loss(token_logits, tokens))
+                    + F.binary_cross_entropy_with_logits(voxel_logits, voxels) + dice_loss(voxel_logits, voxels)
+                    + F.binary_cross_entropy_with_logits(token_logits, tokens) + dice_loss(token_logits, tokens))
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()

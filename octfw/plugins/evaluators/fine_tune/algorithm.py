@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octfw.evaluation.attentive import AttentiveHead, epoch_order
+from octfw.evaluation.attentive import AttentiveHead, decayed, epoch_order
 from octfw.evaluation.metrics import balanced_accuracy
 from octfw.schedules import warmup_cosine
 
@@ -158,10 +158,10 @@ def parameter_groups(network: FineTuneNetwork, lr: float, layer_decay: float,
     for name, param in network.named_parameters():
         if not param.requires_grad:
             continue
-        exponent, decayed = layer_exponent(name, depth), param.ndim > 1
-        group = groups.setdefault((exponent, decayed), {
+        exponent, decays = layer_exponent(name, depth), decayed(param.shape)
+        group = groups.setdefault((exponent, decays), {
             "params": [], "names": [], "exponent": exponent, "lr_scale": layer_decay ** exponent,
-            "lr": lr * layer_decay ** exponent, "weight_decay": weight_decay if decayed else 0.0})
+            "lr": lr * layer_decay ** exponent, "weight_decay": weight_decay if decays else 0.0})
         group["params"].append(param)
         group["names"].append(name)
     return [groups[key] for key in sorted(groups)]
@@ -226,8 +226,8 @@ def fine_tune(
             fit_tokens, val_tokens = (_batched(network.tokens, inputs, eval_batch_size)
                                       for inputs in (fit_inputs, val_inputs))
         head = list(network.head.parameters())
-        head_groups = [{"params": [p for p in head if p.ndim > 1], "weight_decay": weight_decay, "lr_scale": 1.0},
-                       {"params": [p for p in head if p.ndim <= 1], "weight_decay": 0.0, "lr_scale": 1.0}]
+        head_groups = [{"params": [p for p in head if decayed(p.shape)], "weight_decay": weight_decay, "lr_scale": 1.0},
+                       {"params": [p for p in head if not decayed(p.shape)], "weight_decay": 0.0, "lr_scale": 1.0}]
         _restore(head_groups, _train(network.head, head_groups, fit_tokens, fit_y, val_tokens, val_y, head_epochs,
                                      batch_size, head_lr, generator, eval_batch_size))
     groups = parameter_groups(network, lr, layer_decay, weight_decay)
