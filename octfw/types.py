@@ -8,6 +8,7 @@ channels, depth (B-scans), height (axial), width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -59,6 +60,7 @@ __all__ = [
     "STAGE_PROTOCOLS",
     "OPTIONAL_PROTOCOLS",
     "protocol_members",
+    "provides",
     "missing_members",
     "StopTraining",
     "TrainingDone",
@@ -253,8 +255,49 @@ class TrainingDone(StopTraining):
     """
 
 
+if TYPE_CHECKING:  # pragma: no cover - a checker sees a plain metaclass
+    _TypingProtocolMeta = type
+else:
+    _TypingProtocolMeta = type(Protocol)  # typing's metaclass of every Protocol, on every Python
+
+
+class _CapabilityMeta(_TypingProtocolMeta):
+    """The metaclass of octfw's protocols: ``isinstance(component, Protocol)`` looks each
+    member up as the code that then uses it does, with ``getattr``, on every Python.
+
+    Python 3.12 changed how ``isinstance`` checks a ``runtime_checkable`` protocol: it looks
+    members up with ``inspect.getattr_static`` (the instance's and the classes' ``__dict__``),
+    which never calls ``__getattr__``. A ``torch.nn.Module`` keeps its submodules,
+    parameters and buffers in ``_modules``, ``_parameters`` and ``_buffers`` and serves them
+    through ``__getattr__``, so on 3.12 and later a model whose ``encoder`` is a submodule
+    (``mae3d``) was no :class:`EncoderModel`: its run ended without ``RUN/encoder`` and said
+    nothing, and ``octfw export`` and the fine-tune evaluators refused it (``vjepa3d``'s
+    ``encoder``, a property, was found).
+
+    This keeps 3.10's and 3.11's rule on every Python: a component has a protocol when
+    ``getattr`` finds every member :func:`protocol_members` names, and none of the protocol's
+    methods is None there (None blocks a method, as in typing), which is :func:`provides`.
+    Where that fails, typing's own check decides: a class that subclasses the protocol
+    nominally has it (so does whatever 3.12's lookup finds: a descriptor that raises
+    ``AttributeError``). On 3.11 the answer is the one ``isinstance`` always gave.
+
+    One metaclass rather than a helper at each call site, so that every check, octfw's and
+    a plugin's, stays ``isinstance(component, Protocol)`` as the plugin guide says; and rather
+    than members declared so that ``getattr_static`` finds them (a property per submodule),
+    which would leave a third-party model that assigns ``self.encoder = ...`` without its
+    capability on 3.12, silently. ``tests/test_protocols.py`` checks every built-in
+    component under 3.12's lookup, emulated on 3.11 and for real on 3.12.
+    """
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        if (getattr(cls, "_is_protocol", False) and getattr(cls, "_is_runtime_protocol", False)
+                and provides(instance, cls)):
+            return True
+        return super().__instancecheck__(instance)
+
+
 @runtime_checkable
-class Dataset(Protocol):
+class Dataset(Protocol, metaclass=_CapabilityMeta):
     """A map-style collection of volumes.
 
     ``load`` decodes one volume (in a data-loader worker) and raises
@@ -285,7 +328,7 @@ class TransformCheckingDataset(Dataset, Protocol):
 
 
 @runtime_checkable
-class RecognisingDatasetConfig(Protocol):
+class RecognisingDatasetConfig(Protocol, metaclass=_CapabilityMeta):
     """Optional, on a dataset's **config class**: it recognises locations that hold its data.
 
     ``octfw embed`` (:func:`octfw.encoder.open_volumes`) is given a location, not a
@@ -303,7 +346,7 @@ class RecognisingDatasetConfig(Protocol):
 
 
 @runtime_checkable
-class MaskingConfig(Protocol):
+class MaskingConfig(Protocol, metaclass=_CapabilityMeta):
     """Optional, on a transform's **config**: the patch-mask configurations it draws.
 
     Each is a context/target pair of batch keys (:func:`mask_keys`); the recipe hands
@@ -417,7 +460,7 @@ class PreparedVolumesDataset(Dataset, Protocol):
 
 
 @runtime_checkable
-class Transform(Protocol):
+class Transform(Protocol, metaclass=_CapabilityMeta):
     """Turns a :class:`Sample` into the arrays its :meth:`batch_spec` declares.
 
     ``rng`` is derived from (seed, epoch, index), so a sample's views and
@@ -479,7 +522,7 @@ class StorableTransform(PreparingTransform, Protocol):
 
 
 @runtime_checkable
-class Model(Protocol):
+class Model(Protocol, metaclass=_CapabilityMeta):
     """What the engine trains: in practice a ``torch.nn.Module``.
 
     ``model(batch)`` (that is, ``forward``) takes the collated batch, a dict
@@ -543,7 +586,7 @@ class ParamGroupsModel(Model, Protocol):
 
 
 @runtime_checkable
-class EmbeddingModel(Protocol):
+class EmbeddingModel(Protocol, metaclass=_CapabilityMeta):
     """Optional: the frozen representation evaluators measure.
 
     ``embed(volume)`` takes float32 ``[B, C, D, H, W]`` and returns the
@@ -556,7 +599,7 @@ class EmbeddingModel(Protocol):
 
 
 @runtime_checkable
-class ExportableEncoder(Protocol):
+class ExportableEncoder(Protocol, metaclass=_CapabilityMeta):
     """An encoder ``octfw export`` and ``run.export_encoder`` can write out.
 
     ``architecture()`` returns its constructor arguments as plain data (an
@@ -576,7 +619,7 @@ class ExportableEncoder(Protocol):
 
 
 @runtime_checkable
-class EncoderModel(Protocol):
+class EncoderModel(Protocol, metaclass=_CapabilityMeta):
     """Optional: a model whose ``encoder`` is the network to keep after pretraining
     (the target encoder); exported when it is an :class:`ExportableEncoder`,
     and what the ``fine-tune`` evaluator trains."""
@@ -585,7 +628,7 @@ class EncoderModel(Protocol):
 
 
 @runtime_checkable
-class CountingModel(Protocol):
+class CountingModel(Protocol, metaclass=_CapabilityMeta):
     """Optional: ``count_parameters() -> {"encoder": n, "predictor": m, ...}``, shown by
     ``octfw check`` (else the number of trainable parameters)."""
 
@@ -593,7 +636,7 @@ class CountingModel(Protocol):
 
 
 @runtime_checkable
-class ActivationCheckpointing(Protocol):
+class ActivationCheckpointing(Protocol, metaclass=_CapabilityMeta):
     """Optional, on a **submodule** of a model: its activations can be recomputed in backward.
 
     ``checkpoint_activations`` says whether it does; ``octfw check``'s memory
@@ -604,7 +647,7 @@ class ActivationCheckpointing(Protocol):
 
 
 @runtime_checkable
-class Schedule(Protocol):
+class Schedule(Protocol, metaclass=_CapabilityMeta):
     """Pure functions of the update step (0-based): no hidden state to restart.
 
     ``lr`` is None for a schedule that never rewrites the learning rate
@@ -639,7 +682,7 @@ class GuardInputs:
 
 
 @runtime_checkable
-class Guard(Protocol):
+class Guard(Protocol, metaclass=_CapabilityMeta):
     """Decides on the device whether an update may be applied; watches health.
 
     ``before_step`` runs in the hot path on every update step and must not
@@ -656,7 +699,7 @@ class Guard(Protocol):
 
 
 @runtime_checkable
-class Stateful(Protocol):
+class Stateful(Protocol, metaclass=_CapabilityMeta):
     """Optional, for guards and loggers: state saved in every checkpoint and given back on resume.
 
     ``state_dict()`` returns plain data (it is loaded with
@@ -669,7 +712,7 @@ class Stateful(Protocol):
 
 
 @runtime_checkable
-class Logger(Protocol):
+class Logger(Protocol, metaclass=_CapabilityMeta):
     """Receives host scalars once per log step. Only rank 0 has loggers.
 
     Optional: :class:`StepListener` (``on_step``) for progress displays,
@@ -684,7 +727,7 @@ class Logger(Protocol):
 
 
 @runtime_checkable
-class StepListener(Protocol):
+class StepListener(Protocol, metaclass=_CapabilityMeta):
     """Optional, for loggers: ``on_step(update_step)`` after every update step.
 
     It receives the host step count only (no device value, no sync), for
@@ -695,7 +738,7 @@ class StepListener(Protocol):
 
 
 @runtime_checkable
-class Checkpointer(Protocol):
+class Checkpointer(Protocol, metaclass=_CapabilityMeta):
     """Saves and restores the whole training state.
 
     ``save`` is atomic: a reader never sees a partial checkpoint, and
@@ -759,7 +802,7 @@ class LocatedCheckpointer(Checkpointer, Protocol):
 
 
 @runtime_checkable
-class Evaluator(Protocol):
+class Evaluator(Protocol, metaclass=_CapabilityMeta):
     """Measures the representation during or after training.
 
     ``every_steps``: evaluate every N update steps (None: only at the end).
@@ -860,6 +903,26 @@ def protocol_members(protocol: type, *, inherited: bool = True) -> tuple[str, ..
                 continue
             names.append(name)
     return tuple(names)
+
+
+@functools.lru_cache(maxsize=None)
+def _declared(protocol: type) -> tuple[str, ...]:
+    return protocol_members(protocol)  # once per protocol: isinstance runs on the hot path (EMAModel)
+
+
+def provides(component: Any, protocol: type) -> bool:
+    """Whether ``component`` has ``protocol``: ``getattr`` finds each of its members, and no
+    method among them is None. ``isinstance(component, protocol)`` asks this for octfw's
+    protocols on every Python (:class:`_CapabilityMeta`), the submodules, parameters and
+    buffers of a ``torch.nn.Module`` included, which Python 3.12's own lookup does not see."""
+    for name in _declared(protocol):
+        try:
+            value = getattr(component, name)
+        except AttributeError:
+            return False
+        if value is None and callable(getattr(protocol, name, None)):
+            return False
+    return True
 
 
 def missing_members(component: Any, protocol: type) -> list[str]:

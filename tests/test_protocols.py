@@ -266,3 +266,196 @@ def test_the_plugin_guide_lists_each_stages_required_and_optional_members_as_dec
         assert (protocol, members) == (declared.__name__, list(protocol_members(declared))), stage
         assert optional == {p.__name__: list(protocol_members(p, inherited=False))
                             for p in OPTIONAL_PROTOCOLS[stage]}, stage
+
+
+# --- the same capabilities on every Python: 3.12's lookup ---------------------------
+#
+# Python 3.12 made isinstance() against a runtime_checkable protocol look members up with
+# inspect.getattr_static, which never calls __getattr__, where a torch.nn.Module keeps its
+# submodules, parameters and buffers. octfw's protocols keep the lookup of 3.10 and 3.11
+# (getattr) on every Python (octfw.types._CapabilityMeta). These tests run 3.12's lookup: on
+# 3.10 and 3.11 emulated (typing's check replaced by a port of CPython 3.12's), on 3.12 and
+# later the Python's own; and compare with 3.11's rule, ported too so that 3.12 can run it.
+
+import abc
+import contextlib
+import typing
+
+import octfw.types as octfw_types
+
+_TYPING_CHECK = type(typing.Protocol).__instancecheck__  # typing's own, as imported (not octfw's)
+RUNTIME_PROTOCOLS = [value for value in vars(octfw_types).values()
+                     if isinstance(value, type) and value is not typing.Protocol
+                     and getattr(value, "_is_protocol", False) and getattr(value, "_is_runtime_protocol", False)]
+
+
+def _typing_members(protocol: type) -> set[str]:
+    """The members typing's isinstance asks for: computed per call up to 3.11, cached on the class after."""
+    return set(getattr(protocol, "__protocol_attrs__", None) or typing._get_protocol_attrs(protocol))
+
+
+def _as_python_311(instance, protocol: type) -> bool:
+    """isinstance(instance, protocol) as CPython 3.10 and 3.11 answer it (typing's
+    _ProtocolMeta.__instancecheck__, runtime protocols only): each member found by getattr."""
+    members = _typing_members(protocol)
+    if all(callable(getattr(protocol, m, None)) for m in members) and issubclass(type(instance), protocol):
+        return True
+    if all(hasattr(instance, m) and (not callable(getattr(protocol, m, None)) or getattr(instance, m) is not None)
+           for m in members):
+        return True
+    return abc.ABCMeta.__instancecheck__(protocol, instance)
+
+
+def _as_python_312(cls, instance) -> bool:
+    """CPython 3.12's _ProtocolMeta.__instancecheck__ (3.12.1's typing.py), on any Python:
+    a nominal (ABC) check, else each member found by inspect.getattr_static."""
+    if cls is typing.Protocol or not getattr(cls, "_is_protocol", False) \
+            or not getattr(cls, "_is_runtime_protocol", False):
+        return _TYPING_CHECK(cls, instance)  # no lookup of members: the same on every Python
+    if abc.ABCMeta.__instancecheck__(cls, instance):
+        return True
+    for attr in _typing_members(cls):
+        try:
+            value = inspect.getattr_static(instance, attr)
+        except AttributeError:
+            return False
+        if value is None and callable(getattr(cls, attr, None)):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _lookup_as_python_312():
+    """isinstance against any protocol looks members up as Python 3.12 does: emulated before
+    3.12, the Python's own from 3.12 on (nothing replaced: the check is for real)."""
+    if sys.version_info >= (3, 12):
+        yield
+        return
+    meta = type(typing.Protocol)
+    meta.__instancecheck__ = _as_python_312
+    try:
+        yield
+    finally:
+        meta.__instancecheck__ = _TYPING_CHECK
+
+
+def _build(folder: Path, text: str):
+    from octfw.engine.build import build_components
+    from octfw.recipe import load_recipe
+
+    folder.mkdir()
+    path = folder / "recipe.toml"
+    path.write_text(text)
+    registry = load_registry(entry_points=[])
+    recipe = load_recipe(path, (), registry)
+    return recipe, build_components(recipe, registry, run_dir=folder / "run")
+
+
+MAE3D_RECIPE = TINY_RECIPE.replace('name = "vjepa3d"', 'name = "mae3d"').replace(
+    'image_size = [8, 32, 32]', 'image_size = [8, 32, 32]\nmask = { generator = "random", ratio = 0.75 }')
+LABELLED = '{ name = "synthetic-oct", n_volumes = 8, labels = true, seed = 5 }'
+EVERY_EVALUATOR = f"""
+[[evaluator]]
+name = "knn"
+dataset = {LABELLED}
+k = 3
+
+[[evaluator]]
+name = "attentive-probe"
+dataset = {LABELLED}
+
+[[evaluator]]
+name = "fine-tune"
+dataset = {LABELLED}
+
+[[evaluator]]
+name = "dense-probe"
+dataset = {{ name = "phantom-oct", family = "tuning", n_volumes = 8, seed = 1 }}
+"""
+
+
+@pytest.fixture(scope="module")
+def every_built_in(built, tmp_path_factory):
+    """(name, component) for each built-in that builds without files, a store or an account
+    (dicom, oct-vendor and prepared need files, wandb an account, gcs a store: none is a
+    torch.nn.Module), both models at the tiny preset with their encoders and submodules, and
+    the config each stage's protocols read (a dataset's config class, the transform's config)."""
+    folder = tmp_path_factory.mktemp("every-built-in")
+    recipe, mae = _build(folder / "mae3d", MAE3D_RECIPE.replace('"cosine-no-restart"\nwarmup = 1', '"constant"')
+                 + EVERY_EVALUATOR)
+    assert [type(m).__name__ for m in (built.model, mae.model)] == ["VJEPA3D", "MAE3D"]
+    assert {c.name for c in load_registry(entry_points=[]).by_stage("model")} == {"vjepa3d", "mae3d"}
+    found = []
+    for parts in (built, mae):
+        for stage, value in parts.by_stage.items():
+            for component in value if isinstance(value, list) else [value]:
+                found.append((f"{stage} {type(component).__name__}", component))
+        model = parts.model
+        found.append((f"{type(model).__name__}.encoder", model.encoder))
+        found += [(f"{type(model).__name__}.{name}", module) for name, module in model.named_modules() if name]
+    found += [(f"config {type(spec.config).__name__}", spec.config) for spec in recipe.stages()]
+    found += [(f"{c.stage} config {c.config.__name__}", c.config) for c in load_registry(entry_points=[]).by_stage()]
+    return found
+
+
+def test_the_ported_lookups_are_the_pythons_own(every_built_in):
+    """The ports above answer as this Python's typing does (3.11's on 3.10 and 3.11, 3.12's from 3.12)."""
+    port = _as_python_311 if sys.version_info < (3, 12) else (lambda obj, p: _as_python_312(p, obj))
+    for name, component in every_built_in:
+        for protocol in RUNTIME_PROTOCOLS:
+            assert port(component, protocol) == _TYPING_CHECK(protocol, component), (name, protocol.__name__)
+
+
+def test_protocol_members_are_the_members_typing_checks():
+    for protocol in RUNTIME_PROTOCOLS:
+        assert set(protocol_members(protocol)) == _typing_members(protocol), protocol.__name__
+        assert type(protocol) is octfw_types._CapabilityMeta, protocol.__name__
+
+
+def test_every_built_in_has_the_same_capabilities_under_python_312s_lookup(every_built_in):
+    differ = []
+    with _lookup_as_python_312():
+        for name, component in every_built_in:
+            for protocol in RUNTIME_PROTOCOLS:
+                if isinstance(component, protocol) != _as_python_311(component, protocol):
+                    differ.append(f"{name}: {protocol.__name__}")
+        mae = next(c for name, c in every_built_in if name == "model MAE3D")
+        exported = isinstance(mae, EncoderModel) and isinstance(mae.encoder, ExportableEncoder)
+    assert differ == []
+    assert exported  # mae3d's encoder, a submodule: RUN/encoder, octfw export, the fine-tune evaluators
+
+
+@typing.runtime_checkable
+class _HasWeight(typing.Protocol, metaclass=type(EncoderModel)):  # as octfw declares its own
+    weight: typing.Any  # a parameter of torch.nn.Linear
+
+
+@typing.runtime_checkable
+class _HasSteps(typing.Protocol, metaclass=type(EncoderModel)):
+    steps: typing.Any  # a buffer
+
+
+def test_a_submodule_parameter_or_buffer_is_a_member_under_python_312s_lookup():
+    import torch
+
+    class Net(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(2, 2)
+            self.encoder = torch.nn.Linear(2, 2)
+            self.register_buffer("steps", torch.zeros(1))
+
+    with _lookup_as_python_312():
+        for protocol in (EncoderModel, _HasWeight, _HasSteps):
+            assert isinstance(Net(), protocol), protocol.__name__
+            assert not isinstance(torch.nn.Module(), protocol), protocol.__name__
+
+
+def test_an_mae3d_run_exports_its_encoder_under_python_312s_lookup(tmp_path):
+    import octfw
+
+    path = tmp_path / "mae3d.toml"
+    path.write_text(MAE3D_RECIPE)
+    with _lookup_as_python_312():
+        result = octfw.train(octfw.load_recipe(path, ["run.max_steps=1", f"run.output_dir={tmp_path / 'runs'}"]))
+    assert result.summary["update_steps"] == 1 and result.summary["stopped"] is None
+    assert (result.run_dir / "encoder").is_dir()
