@@ -8,13 +8,16 @@ exits with that code, not the 1 that torchrun reports for any failure.
 
 from __future__ import annotations
 
-__all__ = ["FINISHED", "STOPPED_BY_GUARD", "USER_ERROR", "SAVE_FAILED_EXIT_CODE", "PREEMPTED_EXIT_CODE",
+__all__ = ["FINISHED", "STOPPED_BY_GUARD", "CRASHED", "USER_ERROR", "SAVE_FAILED_EXIT_CODE", "PREEMPTED_EXIT_CODE",
            "PEER_LOST_EXIT_CODE", "INTERRUPTED_EXIT_CODE", "BROKEN_PIPE_EXIT_CODE", "RETRY_CODES", "describe"]
 
 #: The run finished (or a guard ended it at a target reached), or ``--resume auto`` found it finished.
 FINISHED = 0
 #: A guard or logger stopped the run for a problem (the collapse guard, too many skipped updates).
 STOPPED_BY_GUARD = 1
+#: A bug: an exception octfw did not expect, on any process of the job (its traceback is printed by
+#: that process alone). Never retried: running it again meets the same bug.
+CRASHED = 1
 #: A user mistake: a bad recipe, a missing file, an unknown component. Nothing was trained.
 USER_ERROR = 2
 #: The final checkpoint could not be written (EX_IOERR): the state is in RUN_DIR/fallback/ if that
@@ -23,8 +26,9 @@ SAVE_FAILED_EXIT_CODE = 74
 #: Stopped by SIGTERM/SIGINT or a TPU preemption notice, with the state saved (EX_TEMPFAIL: "try
 #: again later", which is what a scheduler should do).
 PREEMPTED_EXIT_CODE = 75
-#: A process of the job died or stopped answering within ``engine.collective_timeout_s`` (EX_PROTOCOL):
-#: nothing after the newest checkpoint was saved; run the job again with ``--resume auto``.
+#: A process of the job vanished, was killed by a signal (an out-of-memory kill, a kill -9) or stopped
+#: answering within ``engine.collective_timeout_s`` (EX_PROTOCOL): nothing after the newest checkpoint
+#: was saved; run the job again with ``--resume auto``. Never a process's own error: that is 1, 2 or 74.
 PEER_LOST_EXIT_CODE = 76
 #: Stopped at once by a second Ctrl-C, without the final save (128 + SIGINT, as shells report it).
 INTERRUPTED_EXIT_CODE = 130
@@ -37,7 +41,7 @@ RETRY_CODES = (PREEMPTED_EXIT_CODE, PEER_LOST_EXIT_CODE)
 
 _MEANING = {
     FINISHED: "finished",
-    STOPPED_BY_GUARD: "stopped by a guard",
+    STOPPED_BY_GUARD: "stopped by a guard, or a crash",
     USER_ERROR: "a user mistake",
     SAVE_FAILED_EXIT_CODE: "the final checkpoint could not be written",
     PREEMPTED_EXIT_CODE: "preempted, state saved",

@@ -9,18 +9,19 @@ import sys
 from pathlib import Path
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
-from octfw.engine.launcher import JOB_STATUS_ENV  # light: torch is imported when a job starts
+from octfw.engine.launcher import JOB_STATUS_ENV, job_command, report_outcome  # light: no torch
 from octfw.errors import UserError, one_line
-from octfw.exit_codes import (FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
+from octfw.exit_codes import (CRASHED, FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
 
 __all__ = ["add_parser"]
 
 HELP = "Train: validate the recipe, build the components and run the engine."
-EPILOG = ("exit codes: 0 finished; 1 stopped by a guard; 2 a user mistake; 74 the final checkpoint could not be "
-          "written; 75 preempted, state saved (run it again with --resume auto); 76 a process of the job was "
-          "lost (run it again with --resume auto); 130 stopped at once by a second Ctrl-C. "
-          "Several processes: docs/distributed.md")
+EPILOG = ("exit codes (of the whole job under --nproc-per-node): 0 finished; 1 stopped by a guard, or a crash "
+          "(a bug: its traceback is printed); 2 a user mistake or a refusal; 74 the final checkpoint could not be "
+          "written; 75 preempted, state saved (run it again with --resume auto); 76 a process of the job vanished, "
+          "was killed by a signal or stopped answering (run it again with --resume auto); 130 stopped at once by a "
+          "second Ctrl-C. A requeue loop retries 75 and 76 only. Several processes: docs/distributed.md")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     with StopRequests(exit_before_training=True) as stop_requests:
         # A stop while starting ends the process from the handler: it says so first.
-        stop_requests.abandon_hooks.append(lambda stopped: _report(PREEMPTED_EXIT_CODE, f"octfw: {stopped}"))
+        stop_requests.abandon_hooks.append(
+            lambda stopped: report_outcome(PREEMPTED_EXIT_CODE, f"octfw: {stopped}", cause=True))
         try:
             if args.nproc_per_node is not None:
                 return _launch_job(args, stop_requests)
@@ -78,44 +80,74 @@ def _launch_job(args: argparse.Namespace, stop_requests) -> int:
     if args.debug:
         worker_argv.insert(0, "--debug")
     return launch_job(worker_argv, recipe, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                      resume_command=_resume_command(args))
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, command=_resume_command(args))
 
 
 def _resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: under a launcher, the launcher's (the whole job)."""
     job = []
     if args.nproc_per_node is not None:
         job = [f"--nproc-per-node={args.nproc_per_node}"]
-        if args.nnodes > 1:
+        if args.nnodes > 1 or args.rdzv_endpoint:
             job += [f"--nnodes={args.nnodes}", f"--rdzv-endpoint={args.rdzv_endpoint}"]
-    return shlex.join(["octfw", "run", args.recipe, *(f"--set={item}" for item in args.set or ()), *job,
-                       "--resume", "auto"])
+        if args.rdzv_id:
+            job += [f"--rdzv-id={args.rdzv_id}"]
+    return job_command(shlex.join(["octfw", "run", args.recipe, *(f"--set={item}" for item in args.set or ()),
+                                   *job, "--resume", "auto"]))
 
 
 def _run_this_process(args: argparse.Namespace, stop_requests) -> int:
     from octfw.engine.preemption import StoppedBeforeTraining
 
-    if os.environ.get(JOB_STATUS_ENV) and int(os.environ.get("RANK", "0")) != 0:
+    launched = bool(os.environ.get(JOB_STATUS_ENV))
+    if launched and int(os.environ.get("RANK", "0")) != 0:
         from octfw.logs import silence_console
 
         silence_console()  # one process of the job speaks: rank 0 (its final line goes to the launcher)
+    cause = True
     try:
-        code, line = _train(args, stop_requests)
+        code, line, cause = _train(args, stop_requests)
     except StoppedBeforeTraining as stopped:
         code, line = PREEMPTED_EXIT_CODE, f"octfw: {stopped}"
     except UserError as mistake:  # the same one line on every process: the launcher prints it once
         if args.debug:
             raise
         code, line = mistake.exit_code, mistake.console_text()
+    except Exception as bug:  # noqa: BLE001 - a crash of one process of a job: said, not lost
+        if not (launched or os.environ.get(TORCH_ERROR_FILE_ENV)):
+            raise  # alone: the traceback, exit 1, as for any program
+        code, line = CRASHED, _crash(bug, again=_resume_command(args))
     finally:
         stop_requests.done()  # a launcher tearing down the job's last processes changes nothing now
     if line:
-        _report(code, line)
+        report_outcome(code, line, cause=cause)
     return code
 
 
-def _train(args: argparse.Namespace, stop_requests) -> tuple[int, str | None]:
-    """(exit code, the final line) of this process."""
+#: Where torch's launchers (torchrun, octfw's) ask a worker to write its failure.
+TORCH_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def _crash(bug: Exception, again: str) -> str:
+    """A bug in one process of a job: its traceback printed by this process alone, written to
+    torch's error file (torchrun's summary shows it), and the job's one line naming the rank."""
+    import traceback
+
+    traceback.print_exception(bug)
+    if os.environ.get(TORCH_ERROR_FILE_ENV):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(bug)
+    rank = int(os.environ.get("RANK", "0"))
+    first = (str(bug).strip().splitlines() or [""])[0]
+    return (f"octfw: error: rank {rank} crashed: {type(bug).__name__}{': ' + first if first else ''} (its "
+            f"traceback is above); the job stopped, and nothing after the newest checkpoint is saved. A bug is not "
+            f"retried: once fixed, continue with: {again}")
+
+
+def _train(args: argparse.Namespace, stop_requests) -> tuple[int, str | None, bool]:
+    """(exit code, the final line, whether this process's outcome is a cause of the job's end
+    rather than a lost peer's consequence)."""
     recipe, registry = load_recipe_from_args(args)
     from octfw.engine.distributed import PeerLost
     from octfw.engine.launch import AlreadyFinished, launch  # imports torch: only when the command runs
@@ -125,36 +157,25 @@ def _train(args: argparse.Namespace, stop_requests) -> tuple[int, str | None]:
         summary = launch(recipe, registry, resume=args.resume, stop_requests=stop_requests,
                          allow_recipe_change=args.allow_recipe_change)
     except AlreadyFinished as done:  # --resume auto: nothing left to train
-        return (STOPPED_BY_GUARD if done.summary.get("stopped") else FINISHED), f"octfw: nothing to resume: {done}"
+        return ((STOPPED_BY_GUARD if done.summary.get("stopped") else FINISHED), f"octfw: nothing to resume: {done}",
+                True)
     except PeerLost as lost:  # before the first update step: nothing of this attempt to save
-        return PEER_LOST_EXIT_CODE, f"octfw: error: {lost}; nothing was trained in this attempt. Run again: {again}"
+        return (PEER_LOST_EXIT_CODE, f"octfw: error: {lost}; nothing was trained in this attempt. Run again: {again}",
+                False)
     if summary.peer_lost:
         return PEER_LOST_EXIT_CODE, (
             f"octfw: error: {summary.peer_lost}; stopped after update step {summary.update_steps}; nothing after "
-            f"the newest checkpoint ({summary.checkpoint or 'none yet'}) is saved. Run again: {again}")
+            f"the newest checkpoint ({summary.checkpoint or 'none yet'}) is saved. Run again: {again}"), False
     if summary.final_save_failed:
         kept = (f"the final state is in {summary.fallback_checkpoint}" if summary.fallback_checkpoint
                 else f"the newest complete checkpoint is {summary.checkpoint or '(none)'}")
         return SAVE_FAILED_EXIT_CODE, (
             f"octfw: error: the final checkpoint could not be written ({summary.failed_saves[-1]}); {kept}. "
-            f"When the checkpoint location works again, resume with: {again}")
+            f"When the checkpoint location works again, resume with: {again}"), True
     if summary.preempted:
         code = INTERRUPTED_EXIT_CODE if summary.interrupted else PREEMPTED_EXIT_CODE
         return code, (f"octfw: stopped by {summary.stopped}; checkpoint {summary.checkpoint or '(none written)'}. "
-                      f"Resume with: {again}")
+                      f"Resume with: {again}"), True
     if summary.stopped:
-        return STOPPED_BY_GUARD, f"stopped early: {summary.stopped}"
-    return FINISHED, None
-
-
-def _report(code: int, line: str) -> None:
-    """Print the final line; under ``--nproc-per-node`` hand it to the launcher, which prints one
-    line for the job (rank 0's, else the lowest rank's that wrote one)."""
-    status_dir = os.environ.get(JOB_STATUS_ENV)
-    if status_dir:
-        path = Path(status_dir) / f"rank{int(os.environ.get('RANK', '0')):05d}.txt"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(f"{code}\n{one_line(line)}\n", encoding="utf-8")
-        tmp.replace(path)
-        return
-    print(line, file=sys.stderr)
+        return STOPPED_BY_GUARD, f"stopped early: {summary.stopped}", True
+    return FINISHED, None, True

@@ -52,7 +52,7 @@ from typing import Any
 
 from octfw.engine.backend import require_torch_xla, resolve_device
 from octfw.engine.cadence import cadence_warnings
-from octfw.engine.distributed import join
+from octfw.engine.distributed import PeerLost, join
 from octfw.engine.preemption import StopRequests
 from octfw.engine.trainer import FALLBACK_DIR, RunSummary, train
 from octfw.errors import UserError
@@ -177,8 +177,12 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
         finally:
             if run_log is not None:
                 detach_run_log(run_log)
-    except BaseException:
+    except BaseException as exc:
         remove_failed_start()
+        # A collective of the build (DDP's first broadcast) that met a peer gone: not this process's bug.
+        lost = None if isinstance(exc, PeerLost) else peers.lost(exc)
+        if lost is not None:
+            raise lost from exc
         raise
     finally:
         if owner is not None:

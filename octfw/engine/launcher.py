@@ -1,30 +1,50 @@
 """``octfw run RECIPE --nproc-per-node N``: one node's training processes, one job.
 
-The processes are started and watched by torch.distributed's elastic agent,
-the engine torchrun uses (rendezvous, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``,
-the job's store), with no restarts: a failed process ends the job, and
-``--resume auto`` continues it. What octfw adds around the agent:
+Built on torch.distributed.elastic's public interfaces, the pieces torchrun
+is made of: the c10d rendezvous (``RendezvousParameters``,
+``next_rendezvous``: which node is which, and the store the workers share),
+``start_processes`` (the workers, each with torch's error file,
+``TORCHELASTIC_ERROR_FILE``) and its process context (``pids``, ``wait``,
+``close``). No restarts: a failed process ends the job, and ``--resume auto``
+continues it. What octfw decides itself:
 
-- **One line for the job.** Every worker writes its final line into a folder
-  of the launcher's (:data:`octfw.commands.run.JOB_STATUS_ENV`); the launcher
-  prints rank 0's (else the lowest rank's), and only rank 0's log reaches the
-  console while training. The agent's own INFO lines stay off the console.
-- **octfw's exit codes**, not torchrun's 1 for any failure: rank 0's code
-  (every process ends the same way: the decision behind it is shared), else
-  :data:`~octfw.exit_codes.PEER_LOST_EXIT_CODE` when a process died.
+- **Exit codes that mean what they say.** Every worker hands the launcher
+  its final line and exit code (:func:`report_outcome`), marked as a *cause*
+  (a crash, a refusal, a guard's stop, a failed final save, a preemption) or
+  a *consequence* (a peer it lost). The job exits with the first cause in
+  time, named with its rank: 1 for a crash (the bug's traceback is that
+  rank's alone), 2 for a refusal, 74, 75, 130. Only a process that vanished
+  with no word (killed by a signal, named) or that stopped answering makes
+  the job's 76, the one code besides 75 that a requeue loop retries.
+- **One line for the job.** Only rank 0's log reaches the console while
+  training; the launcher prints the job's one line. The ranks that only saw
+  a peer go stay silent.
+- **Time to say why.** When a worker ends with a failure, the others get
+  ``engine.collective_timeout_s`` (and :data:`LOST_PEER_REPORT_S`) to notice
+  and end by themselves; a stopped (SIGSTOP) one is continued so that it
+  finds its peer gone; what is left is killed.
 - **Signals forwarded once.** SIGTERM and SIGINT received by the launcher go
   to every worker as they came (Kubernetes stops a pod with a SIGTERM to its
   first process only); a worker counts a repeat that the process group had
   already delivered once (:data:`octfw.engine.preemption.DUPLICATE_WINDOW_S`).
-  A third Ctrl-C kills the workers (SIGKILL) and exits 130.
-- **No unbounded wait.** The rendezvous of the nodes waits at most
-  ``engine.collective_timeout_s``.
+  A second signal stops the job at once: the workers stop where they are and
+  whatever still runs after :data:`STOP_NOW_GRACE_S` is killed; exit 130, the
+  last complete checkpoint kept.
+- **The same answer on every node.** Each node's launcher puts its outcome
+  in the rendezvous store and reads the others' before it exits: every node
+  of a job exits with the same code and line.
+- **The machine shared fairly.** ``OMP_NUM_THREADS`` is the process's share
+  of this node's cores unless the user set it (torchrun sets 1).
+- **No unbounded wait.** The rendezvous of the nodes, the nodes' exchange of
+  outcomes and the grace above each wait at most ``engine.collective_timeout_s``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -33,22 +53,127 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from octfw.errors import UserError, one_line
-from octfw.exit_codes import FINISHED, PEER_LOST_EXIT_CODE, describe
+import attrs
 
-__all__ = ["launch_job", "processes_per_node", "JOB_STATUS_ENV"]
+from octfw.errors import UserError, one_line
+from octfw.exit_codes import FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, describe
+
+__all__ = ["launch_job", "processes_per_node", "report_outcome", "job_command", "JOB_STATUS_ENV",
+           "JOB_COMMAND_ENV", "Outcome", "job_outcome"]
 
 log = logging.getLogger(__name__)
 
-#: Set for the workers: the folder where each writes its final line (exit code, then the line), so
-#: that the launcher prints one line for the job instead of one per process.
+#: Set for the workers: the folder where each writes its outcome (:func:`report_outcome`).
 JOB_STATUS_ENV = "OCTFW_JOB_STATUS_DIR"
+#: Set for the workers: the command that runs the whole job again (``--nproc-per-node`` and the
+#: nodes included), for the "resume with" line of every worker.
+JOB_COMMAND_ENV = "OCTFW_JOB_COMMAND"
 
 #: Seconds a process needs, beyond the collective timeout, to name a lost peer and end (the liveness
 #: census, the newest checkpoint read back, the interpreter's exit).
 LOST_PEER_REPORT_S = 20.0
-#: The codes an octfw worker exits with on purpose: rank 0's is the job's.
-_OCTFW_CODES = {0, 1, 2, 74, 75, 76, 130}
+#: After a second stop signal, seconds the workers get to stop where they are before they are killed.
+STOP_NOW_GRACE_S = 5.0
+#: How often the launcher looks at its workers.
+POLL_S = 0.1
+
+
+# --- what a worker reports -------------------------------------------------------------------
+
+
+@attrs.frozen
+class Outcome:
+    """How one process (or one node) ended: its exit code, its one line, whether it is a cause
+    of the job's end or a consequence of another's (a lost peer), and when it was reported."""
+
+    code: int
+    line: str
+    cause: bool = True
+    at: float = 0.0
+    rank: int | None = None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Outcome":
+        return cls(**json.loads(text))
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self))
+
+
+def report_outcome(code: int, line: str, *, cause: bool) -> None:
+    """This worker's final line: written for the launcher under ``--nproc-per-node`` (which
+    prints one line for the job), else printed. ``cause``: False when the line only says that
+    another process was lost."""
+    status_dir = os.environ.get(JOB_STATUS_ENV)
+    if not status_dir:
+        if line:
+            print(line, file=sys.stderr)
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    path = Path(status_dir) / f"rank{rank:05d}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(Outcome(code, one_line(line), cause, time.time(), rank).to_json(), encoding="utf-8")
+    tmp.replace(path)
+
+
+def job_command(fallback: str) -> str:
+    """The command that runs this job again: the launcher's, where a launcher started this process."""
+    return os.environ.get(JOB_COMMAND_ENV) or fallback
+
+
+# --- the job's outcome -----------------------------------------------------------------------
+
+
+def job_outcome(reports: dict[int, Outcome], exit_codes: dict[int, int], messages: dict[int, str],
+                command: str) -> Outcome:
+    """The job's outcome from every process's report (rank -> :class:`Outcome`), exit code and
+    torch error-file message (a crash before octfw could report it):
+
+    1. a process that failed with no report: killed by a signal (named), or an exit code that
+       octfw did not choose; it is a cause, found when it ended;
+    2. the first *cause* in time decides the code (a crash, a refusal, a stop, a failed save);
+       the lowest rank with that code says the line (a shared decision: rank 0's, which knows
+       the checkpoint);
+    3. else the consequences (a peer that stopped answering: 76), the lowest rank's;
+    4. else every process finished (0, or the lowest rank's line).
+    """
+    reports = dict(reports)
+    for rank, code in exit_codes.items():
+        if code != 0 and rank not in reports:
+            reports[rank] = _silent_failure(rank, code, messages.get(rank, ""), command)
+    causes = sorted((r for r in reports.values() if r.cause and r.code != FINISHED), key=lambda r: r.at)
+    if causes:
+        code = causes[0].code
+        return min((r for r in causes if r.code == code), key=lambda r: r.rank or 0)
+    failed = [r for r in reports.values() if r.code != FINISHED]
+    if failed:
+        return min(failed, key=lambda r: r.rank or 0)
+    return reports[min(reports)] if reports else Outcome(FINISHED, "")
+
+
+def _silent_failure(rank: int, code: int, message: str, command: str) -> Outcome:
+    """A process that ended without a word from octfw: the job lost it (76)."""
+    if code < 0:
+        what = f"was {describe(code)}"  # "was killed by SIGKILL": an out-of-memory kill, a kill -9
+    else:
+        what = f"ended with exit code {code}" + (f" ({one_line(message)})" if message else "")
+    return Outcome(PEER_LOST_EXIT_CODE,
+                   f"octfw: error: the process of rank {rank} {what}; the job stopped, and nothing after its "
+                   f"newest checkpoint is saved. Run again: {command}", True, time.time(), rank)
+
+
+def _read_reports(status_dir: Path) -> dict[int, Outcome]:
+    reports = {}
+    for path in status_dir.glob("rank*.json"):
+        try:
+            report = Outcome.from_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            continue  # cut short by a kill: that process said nothing
+        reports[report.rank if report.rank is not None else int(path.stem.removeprefix("rank"))] = report
+    return reports
+
+
+# --- starting and watching the workers -------------------------------------------------------
 
 
 def processes_per_node(requested: str, device_kind: str) -> int:
@@ -71,12 +196,20 @@ def processes_per_node(requested: str, device_kind: str) -> int:
     return 1
 
 
+def threads_per_process(nproc: int, environ: dict[str, str]) -> str:
+    """``OMP_NUM_THREADS`` for each of ``nproc`` processes on this node: the user's, else an even
+    share of the cores this launcher may use (at least 1)."""
+    if environ.get("OMP_NUM_THREADS"):
+        return environ["OMP_NUM_THREADS"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return str(max(cores // nproc, 1))
+
+
 def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnodes: int = 1,
-               rdzv_endpoint: str | None = None, rdzv_id: str | None = None, resume_command: str = "") -> int:
+               rdzv_endpoint: str | None = None, rdzv_id: str | None = None, command: str = "") -> int:
     """Run ``octfw <worker_argv>`` in ``nproc_per_node`` processes of a job of ``nnodes`` nodes
-    and wait for them; the job's exit code (see the module docstring)."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    and wait for them; the job's exit code (see the module docstring). ``command``: the
+    command line that runs the job again, for the lines that say so."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
@@ -86,111 +219,210 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node "
                         "(the first node's address and a free port)")
-    _quiet_agent_logs()
+    _quiet_torch_logs()
     timeout_s = recipe.engine.collective_timeout_s
-    parameters = RendezvousParameters(
-        backend="c10d", endpoint=rdzv_endpoint or "localhost:0",
-        run_id=rdzv_id or (recipe.name if nnodes > 1 else str(uuid.uuid4())),
-        min_nodes=nnodes, max_nodes=nnodes, join_timeout=str(int(timeout_s)))
+    run_id = rdzv_id or (recipe.name if nnodes > 1 else str(uuid.uuid4()))
+    handler = rendezvous_registry.get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=rdzv_endpoint or "localhost:0", run_id=run_id,
+        min_nodes=nnodes, max_nodes=nnodes, join_timeout=str(int(timeout_s))))
     status_dir = Path(tempfile.mkdtemp(prefix="octfw-job-"))
-    os.environ[JOB_STATUS_ENV] = str(status_dir)  # the workers inherit it
-    spec = WorkerSpec(role="octfw", local_world_size=nproc, entrypoint=sys.executable,
-                      args=("-m", "octfw.cli", *worker_argv),
-                      rdzv_handler=rendezvous_registry.get_rendezvous_handler(parameters),
-                      max_restarts=0, monitor_interval=0.1)
-    agent = _Agent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(status_dir / "agent")),
-                   forwarder=_SignalForwarder(), grace_s=timeout_s + LOST_PEER_REPORT_S)
-    log.info("job: %s on this node%s", _processes(nproc),
-             f", {nnodes} nodes meeting at {rdzv_endpoint}" if nnodes > 1 else "")
     try:
-        result = agent.run()
-    except Exception as exc:  # noqa: BLE001 - the rendezvous timed out or a node left: one line
-        detail = (str(exc).strip().splitlines() or [""])[0]
-        log.debug("the job's rendezvous failed", exc_info=exc)
-        print(f"octfw: error: the job's processes could not start: not all {nnodes} nodes met at "
-              f"{rdzv_endpoint or 'this node'} within engine.collective_timeout_s = {timeout_s:g} s "
-              f"({type(exc).__name__}{': ' + one_line(detail) if detail else ''})", file=sys.stderr)
-        return PEER_LOST_EXIT_CODE
+        try:
+            rendezvous = handler.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - the nodes did not all come: one line
+            detail = (str(exc).strip().splitlines() or [""])[0]
+            log.debug("the job's rendezvous failed", exc_info=exc)
+            print(f"octfw: error: the job's processes could not start: not all {nnodes} nodes met at "
+                  f"{rdzv_endpoint or 'this node'} within engine.collective_timeout_s = {timeout_s:g} s "
+                  f"({type(exc).__name__}{': ' + one_line(detail) if detail else ''})", file=sys.stderr)
+            return PEER_LOST_EXIT_CODE
+        node = _Node(rendezvous, nproc, run_id, handler.use_agent_store)
+        log.info("job: %s on this node%s", _processes(nproc),
+                 f", {node.nodes} nodes meeting at {rdzv_endpoint}" if node.nodes > 1 else "")
+        local = _run_workers(node, worker_argv, status_dir, command, timeout_s)
+        outcome = node.agree(local, timeout_s, command)
     finally:
-        agent.forwarder.uninstall()
         # Close the rendezvous as torchrun does: its store thread left running at exit would end the
         # launcher in std::terminate ("terminate called without an active exception", SIGABRT).
         try:
-            spec.rdzv_handler.shutdown()
+            handler.shutdown()
         except Exception as exc:  # noqa: BLE001 - the job's outcome is known; this is tidying up
             log.debug("closing the rendezvous failed", exc_info=exc)
-    if result is None:  # the rendezvous closed: another node ended the job
-        result_codes: dict[int, int] = {}
-        succeeded = False
-    else:
-        succeeded = result.state == WorkerState.SUCCEEDED
-        result_codes = {rank: failure.exitcode for rank, failure in result.failures.items()}
-    codes = {**agent.exit_codes(), **result_codes}
-    code, line = _job_outcome(codes, succeeded, status_dir, resume_command)
-    if line:
-        print(line, file=sys.stderr)
-    return code
+        shutil.rmtree(status_dir, ignore_errors=True)
+    if outcome.line:
+        print(outcome.line, file=sys.stderr)
+    return outcome.code
 
 
 def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
-def _job_outcome(codes: dict[int, int], succeeded: bool, status_dir: Path, resume_command: str) -> tuple[int, str]:
-    """(the job's exit code, its one line) from every local worker's exit code and final line."""
-    lines = {int(p.stem.removeprefix("rank")): p.read_text(encoding="utf-8").split("\n", 1)
-             for p in status_dir.glob("rank*.txt")}
-    if succeeded and not lines:
-        return FINISHED, ""
-    if lines:  # rank 0's line, else the lowest rank's: the job's outcome as a worker saw it
-        code_text, line = lines[min(lines)]
-        return int(code_text), line.strip()
-    # No worker could say it: a process died (a signal, an out-of-memory kill) or crashed.
-    died = sorted((rank, code) for rank, code in codes.items() if code not in _OCTFW_CODES)
-    if died:
-        rank, code = died[0]
-        return PEER_LOST_EXIT_CODE, (f"octfw: error: the process of rank {rank} ended with {describe(code)}; the "
-                                     f"job stopped, and nothing after its newest checkpoint is saved. "
-                                     f"Run again: {resume_command}")
-    return min(codes.items())[1] if codes else PEER_LOST_EXIT_CODE, ""
-
-
-def _quiet_agent_logs() -> None:
-    """The agent's lines (launch configs, rendezvous rounds, "failed (exitcode: 75)") are not the
-    user's business: the job's one line says how it ended."""
+def _quiet_torch_logs() -> None:
+    """torch's elastic lines (rendezvous rounds, "Sending process ... closing signal") are not
+    the user's business: the job's one line says how it ended."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-class _SignalForwarder:
-    """The launcher's SIGTERM/SIGINT handler: each signal goes to every worker once, as it came."""
+class _Node:
+    """This node among the job's nodes, from the rendezvous: its workers' global ranks, the store
+    they share (the launcher's: it outlives any worker), and the exchange of outcomes."""
 
-    def __init__(self) -> None:
-        self.pids: list[int] = []
-        self.received = 0
+    def __init__(self, rendezvous: Any, nproc: int, run_id: str, use_agent_store: bool):
+        self.store, self.index, self.nodes = rendezvous.store, rendezvous.rank, rendezvous.world_size
+        self.nproc, self.run_id, self.use_agent_store = nproc, run_id, use_agent_store
+        self.master = rendezvous.bootstrap_store_info
+        self._check_same_size()
+
+    def _check_same_size(self) -> None:
+        """Every node runs the same command: the same number of processes (global ranks are
+        ``node x nproc + local``)."""
+        self.store.set(f"octfw/nproc/{self.index}", str(self.nproc))
+        sizes = {i: int(self.store.get(f"octfw/nproc/{i}")) for i in range(self.nodes)}
+        if len(set(sizes.values())) > 1:
+            raise UserError(f"--nproc-per-node differs between the nodes of the job ({sizes}); every node runs "
+                            "the same command")
+
+    def environment(self, local_rank: int, threads: str) -> dict[str, str]:
+        """A worker's environment, as torchrun documents it for its workers."""
+        world = self.nodes * self.nproc
+        rank = self.index * self.nproc + local_rank
+        return {**os.environ,
+                "LOCAL_RANK": str(local_rank), "RANK": str(rank), "GROUP_RANK": str(self.index),
+                "ROLE_RANK": str(rank), "ROLE_NAME": "octfw", "LOCAL_WORLD_SIZE": str(self.nproc),
+                "WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": str(self.nodes), "ROLE_WORLD_SIZE": str(world),
+                "MASTER_ADDR": self.master.master_addr, "MASTER_PORT": str(self.master.master_port),
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": str(self.use_agent_store),
+                "OMP_NUM_THREADS": threads}
+
+    def agree(self, local: Outcome, timeout_s: float, command: str) -> Outcome:
+        """The job's outcome, the same on every node: each node's own goes to the store, and
+        :func:`job_outcome` decides over them (a node that never reports was lost)."""
+        if self.nodes == 1:
+            return local
+        try:
+            self.store.set(f"octfw/outcome/{self.index}", attrs.evolve(local, rank=self.index).to_json())
+            _count_up(self.store, "octfw/reported", self.nodes, timeout_s)
+            outcomes = {i: Outcome.from_json(self.store.get(f"octfw/outcome/{i}").decode())
+                        for i in range(self.nodes) if self.store.check([f"octfw/outcome/{i}"])}
+            # The first node hosts the store: it waits until every node has read (bounded).
+            _count_up(self.store, "octfw/read", self.nodes if self.index == 0 else 1, 10.0)
+        except Exception as exc:  # noqa: BLE001 - the store's node is gone: this node's own view
+            log.debug("the nodes' outcomes could not be exchanged", exc_info=exc)
+            return local
+        for missing in (i for i in range(self.nodes) if i not in outcomes):
+            outcomes[missing] = Outcome(
+                PEER_LOST_EXIT_CODE, f"octfw: error: node {missing} of the job never said how it ended (waited "
+                f"engine.collective_timeout_s = {timeout_s:g} s); nothing after the newest checkpoint is saved. "
+                f"Run again: {command}", True, time.time(), missing)
+        return job_outcome(outcomes, {}, {}, command)
+
+
+def _count_up(store: Any, key: str, target: int, timeout_s: float) -> bool:
+    """Add this node to the counter ``key``, then wait (at most ``timeout_s``) for it to reach
+    ``target``; whether it did."""
+    deadline = time.monotonic() + timeout_s
+    count = store.add(key, 1)
+    while count < target and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        count = store.add(key, 0)
+    return count >= target
+
+
+def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command: str, timeout_s: float) -> Outcome:
+    """Start this node's workers, watch them until every one has ended, and say how this
+    node's part of the job ended."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    threads = threads_per_process(node.nproc, dict(os.environ))
+    envs = {local: {**node.environment(local, threads), JOB_STATUS_ENV: str(status_dir), JOB_COMMAND_ENV: command}
+            for local in range(node.nproc)}
+    context = start_processes(
+        name="octfw", entrypoint=sys.executable,
+        args={local: ("-m", "octfw.cli", *worker_argv) for local in range(node.nproc)}, envs=envs,
+        logs_specs=DefaultLogsSpecs(log_dir=str(status_dir / "torch")))
+    pids = context.pids()
+    ranks = {local: node.index * node.nproc + local for local in pids}
+    watch = _Watch(pids, grace_s=timeout_s + LOST_PEER_REPORT_S)
+    with watch:  # our SIGTERM/SIGINT handlers over torch's, from the workers' first instant
+        watch.until_all_ended()
+    result = context.wait(0)  # every worker has ended: their exit codes and error files
+    context.close()
+    failures = result.failures if result is not None else {}
+    exit_codes = {ranks[local]: code for local, code in watch.exit_codes.items()}
+    messages = {ranks[local]: failure.message for local, failure in failures.items()
+                if failure.error_file_data}  # a crash before octfw could report it (torch's error file)
+    outcome = job_outcome(_read_reports(status_dir), exit_codes, messages, command)
+    if watch.signals >= 2:  # stopped at once: whatever the workers managed to say
+        return Outcome(INTERRUPTED_EXIT_CODE, outcome.line if outcome.code == INTERRUPTED_EXIT_CODE else
+                       f"octfw: stopped at once by a second signal; the last complete checkpoint is kept. "
+                       f"Resume with: {command}")
+    return outcome
+
+
+class _Watch:
+    """The workers, watched without reaping them (``waitid`` with ``WNOWAIT``: torch's process
+    context reads their exit codes after), and the launcher's SIGTERM/SIGINT handler."""
+
+    def __init__(self, pids: dict[int, int], grace_s: float):
+        self.pids, self.grace_s = pids, grace_s
+        self.exit_codes: dict[int, int] = {}
+        self.signals = 0
+        self._kill_at: float | None = None
         self._previous: dict[int, Any] = {}
 
-    def install(self, pids: list[int]) -> None:
-        """Over the agent's handler (which would raise, close the workers with a second SIGTERM
-        and lose the first one's clean stop)."""
-        self.pids = pids
+    def __enter__(self) -> "_Watch":
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._forward)
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
 
-    def uninstall(self) -> None:
-        """The job is over: the launcher ignores signals while it says how it ended."""
+    def __exit__(self, *exc: object) -> None:
+        # The job is over: the launcher ignores signals while it says how it ended.
         for sig in self._previous:
             signal.signal(sig, signal.SIG_IGN)
-        self._previous.clear()
 
-    def _forward(self, signum: int, frame: Any) -> None:
-        self.received += 1
-        if signum == signal.SIGINT and self.received >= 3:  # the way out of anything
-            for pid in self.pids:
-                _kill(pid, signal.SIGKILL)
-            raise KeyboardInterrupt
-        for pid in self.pids:
+    def _running(self) -> list[int]:
+        return [pid for local, pid in self.pids.items() if local not in self.exit_codes]
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals += 1
+        if self.signals >= 2:  # stop now: the workers stop where they are, what is left is killed
+            deadline = time.monotonic() + (STOP_NOW_GRACE_S if self.signals == 2 else 0.0)
+            self._kill_at = min(self._kill_at or deadline, deadline)
+        for pid in self._running():
             _kill(pid, signum)
+
+    def until_all_ended(self) -> None:
+        while len(self.exit_codes) < len(self.pids):
+            for local, pid in self.pids.items():
+                if local not in self.exit_codes:
+                    code = _ended(pid)
+                    if code is not None:
+                        self.exit_codes[local] = code
+            if self._kill_at is None and any(code != 0 for code in self.exit_codes.values()):
+                # A worker failed: the others get the time to notice and say why; a stopped one
+                # is continued, so that it finds its peer gone.
+                self._kill_at = time.monotonic() + self.grace_s
+                for pid in self._running():
+                    _kill(pid, signal.SIGCONT)
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                for pid in self._running():
+                    _kill(pid, signal.SIGKILL)
+            time.sleep(POLL_S)
+
+
+def _ended(pid: int) -> int | None:
+    """The exit code of the child ``pid`` once it has ended (negative: the signal that killed it),
+    else None; the child stays waitable for its owner."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _kill(pid: int, signum: int) -> None:
@@ -198,53 +430,3 @@ def _kill(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
-
-
-def _agent_class() -> Any:
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    class Agent(LocalElasticAgent):
-        """torch's local agent, with octfw's signal forwarding once its workers run."""
-
-        def __init__(self, spec: Any, logs_specs: Any, forwarder: _SignalForwarder, grace_s: float):
-            super().__init__(spec, logs_specs=logs_specs)
-            self.forwarder, self.grace_s, self.grace_given = forwarder, grace_s, False
-
-        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
-            pids = super()._start_workers(worker_group)
-            self.forwarder.install(list(pids.values()))
-            return pids
-
-        def _monitor_workers(self, worker_group: Any) -> Any:
-            # When a worker has ended with a failure, the agent closes the others at once with
-            # SIGTERM (which they would take for a stop request) and SIGKILLs them 30 s later. The
-            # others end by themselves within engine.collective_timeout_s, each saying why: they
-            # get that long first. A stopped (SIGSTOP) one is continued, so it finds its peer gone.
-            handlers = getattr(self._pcontext, "subprocess_handlers", {})
-            if not self.grace_given and any(h.proc.poll() not in (None, 0) for h in handlers.values()):
-                self.grace_given = True
-                running = [h.proc for h in handlers.values() if h.proc.poll() is None]
-                for proc in running:
-                    _kill(proc.pid, signal.SIGCONT)
-                deadline = time.monotonic() + self.grace_s
-                while time.monotonic() < deadline and any(proc.poll() is None for proc in running):
-                    time.sleep(0.1)
-            return super()._monitor_workers(worker_group)
-
-        def exit_codes(self) -> dict[int, int]:
-            """Global rank -> exit code of every local worker that ended (the agent's result
-            keeps only those that had failed when it looked)."""
-            context = self._pcontext
-            if context is None or self._worker_group is None:
-                return {}
-            handlers = getattr(context, "subprocess_handlers", {})
-            return {worker.global_rank: handlers[worker.local_rank].proc.returncode
-                    for worker in self._worker_group.workers
-                    if worker.local_rank in handlers and handlers[worker.local_rank].proc.returncode is not None}
-
-    return Agent
-
-
-def _Agent(spec: Any, *, logs_specs: Any, forwarder: _SignalForwarder, grace_s: float) -> Any:  # noqa: N802
-    """The agent (its class is made lazily: it imports torch)."""
-    return _agent_class()(spec, logs_specs, forwarder, grace_s)

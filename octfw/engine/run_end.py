@@ -95,6 +95,9 @@ class Ending:
     final_save_failed: bool = False
     fallback: str | None = None
     encoder: str | None = None
+    #: rank 0's failed saves, heard by every process with the final save's outcome (None: this
+    #: process's own saver's list, which holds rank 0's alone)
+    failed_saves: list[str] | None = None
 
 
 def fallback_storage(run_dir: Path) -> CheckpointStorage:
@@ -127,17 +130,24 @@ class RunEnd:
         if end.vanished:  # every process: exit 74; rank 0 puts the folder back with the final state
             gone = self.vanished() if self.backend.is_main_process else []
             end.final_save_failed, end.fallback = True, self.restore_run_folder(done, gone) if gone else None
+            self._hear_outcome(end)
         elif end.peer_lost is None and not stops.stop_now and (done > self.start_step or self.upload_fallback):
             end.final_save_failed, end.fallback = self.save_final(done)  # rank 0's outcome: (False, None) elsewhere
-            try:
-                end.final_save_failed, end.fallback = self.peers.broadcast((end.final_save_failed, end.fallback))
-            except PeerLost as lost:  # rank 0 keeps what it knows; the others cannot know it
-                end.peer_lost = end.stopped = str(lost)
+            self._hear_outcome(end)
         elif self.backend.is_main_process and stops.stop_now:
             self.saver.cancel_in_flight(done)
         finished = done == self.parts.ctx.total_update_steps or end.finished_early is not None
         if finished and not end.final_save_failed and not end.peer_lost:
             end.encoder = self.export_encoder(done)
+
+    def _hear_outcome(self, end: Ending) -> None:
+        """Rank 0's final save outcome (and its failed saves) on every process: every process
+        ends alike and says the same line."""
+        try:
+            end.final_save_failed, end.fallback, end.failed_saves = self.peers.broadcast(
+                (end.final_save_failed, end.fallback, list(self.saver.failed)))
+        except PeerLost as lost:  # rank 0 keeps what it knows; the others cannot know it
+            end.peer_lost = end.stopped = str(lost)
 
     def summarise(self, end: Ending, **measured: Any) -> RunSummary:
         """The run's summary (``measured``: the loss, throughput and other fields the loop
@@ -147,7 +157,7 @@ class RunEnd:
 
         summary = RunSummary(
             run_dir=self.run_dir, update_steps=end.done, total_update_steps=self.parts.ctx.total_update_steps,
-            checkpoint=self.newest_checkpoint(end.peer_lost is not None), failed_saves=self.saver.failed,
+            checkpoint=self.newest_checkpoint(end.peer_lost is not None), failed_saves=end.failed_saves if end.failed_saves is not None else self.saver.failed,
             skipped_saves=len(self.saver.skipped), preempted=end.preempted,
             interrupted=self.stop_requests.stop_now, final_save_failed=end.final_save_failed,
             fallback_checkpoint=end.fallback, encoder=end.encoder, peer_lost=end.peer_lost,

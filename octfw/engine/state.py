@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from octfw.engine.build import Components
+from octfw.engine.distributed import BatchLayout
 from octfw.errors import UserError
 from octfw.tables import counted
 from octfw.types import NamingDataset, Stateful
@@ -89,7 +90,7 @@ def _component_states(components: list[Any]) -> list[Any]:
 
 
 def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            update_step: int, samples_done: int, *, global_batch_size: int,
+            update_step: int, samples_done: int, *, layout: BatchLayout,
             fingerprint: dict[str, Any], run: dict[str, Any] | None = None) -> dict[str, Any]:
     """The training state at ``update_step`` as a host copy the loop no longer touches.
     ``run``: what the run's summary carries across attempts (its first loss)."""
@@ -99,7 +100,8 @@ def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Op
         "format": FORMAT_VERSION,
         "update_step": update_step,
         "samples_done": samples_done,
-        "global_batch": global_batch_size,
+        "global_batch": layout.global_batch,
+        "devices": layout.devices,
         "dataset": fingerprint,
         "model": host_copy(model.state_dict()),
         "optimizer": host_copy(optimizer.state_dict()),
@@ -119,7 +121,7 @@ MEMORY_ONLY_MODEL_KEYS = frozenset({"activation_checkpointing"})
 
 
 def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
-                         global_batch_size: int, fingerprint: dict[str, Any]) -> None:
+                         layout: BatchLayout, fingerprint: dict[str, Any]) -> None:
     """Refuse what cannot be resumed exactly; warn about what can (see the module docstring)."""
     recorded_model = dict((state.get("recipe") or {}).get("model") or {})
     current_model = dict(parts.ctx.recipe.get("model") or {})
@@ -128,11 +130,17 @@ def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
     if recorded_model and changed:
         diff = ", ".join(f"model.{k} {recorded_model.get(k)!r} -> {current_model.get(k)!r}" for k in changed)
         raise UserError(f"--resume {where}: the checkpoint was trained with another model ({diff})")
-    saved_batch = state.get("global_batch")
-    if saved_batch is not None and saved_batch != global_batch_size:
+    saved_batch, saved_devices = state.get("global_batch"), state.get("devices")
+    if saved_batch is not None and saved_batch != layout.global_batch:
+        if saved_devices is not None and saved_devices != layout.devices:  # another launch, not another recipe
+            raise UserError(
+                f"--resume {where}: the checkpoint was trained on {counted(saved_devices, 'device')} (global batch "
+                f"{saved_batch}), this run has {counted(layout.devices, 'device')} (global batch "
+                f"{layout.global_batch}); run it as it was launched (--nproc-per-node), or pin engine.global_batch = "
+                f"{saved_batch} to derive the accumulation on any number of devices")
         raise UserError(
             f"--resume {where}: the checkpoint was trained with a global batch of {counted(saved_batch, 'sample')}, "
-            f"this run has {global_batch_size} (per_device_batch x devices x grad_accum_steps); "
+            f"this run has {layout.global_batch} (per_device_batch x devices x grad_accum_steps); "
             "the schedule and the data order count in it, so the run would not continue as it was")
     saved_data = state.get("dataset")
     if saved_data is None:
@@ -155,7 +163,7 @@ def _names(recipe: Any, stage: str) -> list[str] | None:
 
 
 def restore(location: str, parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-            global_batch_size: int, fingerprint: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            layout: BatchLayout, fingerprint: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Load the checkpoint at ``location`` into the built components; returns
     (update_step, the run's record: ``capture``'s ``run`` and, as ``recipe``, the resolved
     recipe that trained it). A file that cannot be read (cut short, not a checkpoint) is a
@@ -170,7 +178,7 @@ def restore(location: str, parts: Components, model: torch.nn.Module, optimizer:
                         f"({type(exc).__name__}: {first})") from None
     if not isinstance(state, dict) or "model" not in state or "update_step" not in state:
         raise UserError(f"--resume {location}: not an octfw training checkpoint")
-    _refuse_incompatible(state, location, parts, global_batch_size, fingerprint)
+    _refuse_incompatible(state, location, parts, layout, fingerprint)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:

@@ -43,6 +43,7 @@ from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, Ru
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import Throughput
 from octfw.engine.update import grad_norm, step_unless_vetoed
+from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.schedules import effective_lr
@@ -94,8 +95,7 @@ class Trainer:
         self.start_step, run_record = 0, {}
         if self.resumed_from is not None:
             self.start_step, run_record = restore(self.resumed_from, parts, self.model, self.optimizer,
-                                                  global_batch_size=self.samples_per_update,
-                                                  fingerprint=self.fingerprint)
+                                                  layout=layout, fingerprint=self.fingerprint)
             if compare_recipe:
                 check_recipe_change(run_record.get("recipe"), recipe, registry, allow_recipe_change,
                                     resumed_from=self.resumed_from, start_step=self.start_step, parts=parts,
@@ -139,8 +139,17 @@ class Trainer:
         """Hold the checkpoint folder (rank 0), train, summarise."""
         checkpointer = self.parts.checkpointer
         claiming = isinstance(checkpointer, ClaimingCheckpointer)
+        refusal = None
         if self.backend.is_main_process and claiming:  # before an hour is spent
-            checkpointer.claim(checkpoint_nbytes(self.model, self.parameters))
+            try:
+                checkpointer.claim(checkpoint_nbytes(self.model, self.parameters))
+            except UserError as exc:  # a folder in use, a lease held, no room: every process hears it
+                refusal = exc
+        refused = self.peers.broadcast(None if refusal is None else str(refusal))
+        if refusal is not None:
+            raise refusal
+        if refused is not None:
+            raise UserError(refused)
         try:
             if self._own_stop_requests:
                 with self.stop_requests:
@@ -221,13 +230,17 @@ class Trainer:
         """After update step ``done``: (why every process stops now, or None; what stops it:
         "guard", "target" (a target reached), "signal" or "vanished" (the run folder was
         deleted)). One tiny all-reduce of host values over the peers' own gloo group: the device
-        stream is never waited on. The reason travels only when there is one."""
+        stream is never waited on. The reason travels only when there is one, and so do the
+        files another process quarantined."""
         pending = self._pending
         signal_vote = self.stop_requests.local_vote(done)
         gone = self.run_end.vanished() if self.backend.is_main_process else []  # a stat per file: cheap
-        stop, finished, signalled, vanished = self.peers.max([
+        stop, finished, signalled, vanished, quarantined = self.peers.max([
             int(pending is not None and not isinstance(pending, TrainingDone)),
-            int(isinstance(pending, TrainingDone)), signal_vote, int(bool(gone))])
+            int(isinstance(pending, TrainingDone)), signal_vote, int(bool(gone)), len(self.quarantine.unshared)])
+        if quarantined:  # files another process met: rank 0 lists them, every process counts them
+            for entries in self.peers.gather(self.quarantine.take_unshared()):
+                self.quarantine.record(entries, heard=True)
         if vanished:
             return f"the run folder {self.run_dir} vanished at update step {done}", "vanished"
         if signalled > signal_vote:  # a peer's signal: this process stops as if it had it
@@ -351,10 +364,12 @@ class Trainer:
         self.totals.reset_interval()
 
     def evaluate(self, done: int) -> None:
-        """Run the evaluators due at this step; they never touch the training RNG stream."""
+        """Run the evaluators due at this step, once per job (rank 0, which logs them; the others
+        wait for it at the next collective, within ``engine.collective_timeout_s``); they never
+        touch the training RNG stream."""
         due = [(spec, ev) for spec, ev in zip(self.recipe.evaluators, self.parts.evaluators)
                if (ev.every_steps and done % ev.every_steps == 0) or done == self.total]
-        if not due:
+        if not due or not self.backend.is_main_process:
             return
         self.heartbeat.waiting_on("evaluation")
         started = time.perf_counter()
@@ -372,7 +387,7 @@ class Trainer:
     def _capture(self, done: int) -> dict[str, Any]:
         """The host copy of the training state: all a checkpoint step costs the loop."""
         return capture(self.parts, self.model, self.optimizer, done, self.throughput.samples_done(done),
-                       global_batch_size=self.samples_per_update, fingerprint=self.fingerprint,
+                       layout=self.layout, fingerprint=self.fingerprint,
                        run={"first_loss": self.first_loss})
 
     def save_checkpoint(self, done: int) -> None:

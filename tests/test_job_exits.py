@@ -1,0 +1,171 @@
+"""Every exit of a 4-process job means what it says, and the console shows one line for it.
+
+Each test starts ``octfw run --nproc-per-node 4`` for real (gloo on the CPU), ends it one way
+(a crash on one rank, a refusal, a SIGKILLed rank, a SIGTERM to the whole process group, a
+final save on a full disk) and reads what an operator and a requeue loop read: the exit code,
+the job's status lines (exactly one) and the tracebacks (none, or the crashing rank's alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from conftest import make_dist
+from test_multiprocess_faults import Job, checkpoint_steps, job  # noqa: F401 - the job fixture
+from octfw.exit_codes import (CRASHED, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, RETRY_CODES,
+                              SAVE_FAILED_EXIT_CODE, USER_ERROR)
+
+pytestmark = pytest.mark.slow
+
+NPROC = 4
+STEPS = 14
+
+# Guards that misbehave on one rank: a bug at a step, a refusal while the run is built.
+MISBEHAVING_PLUGIN = '''
+import attrs
+from octfw.errors import UserError
+from octfw.hookspecs import hookimpl
+
+@attrs.frozen
+class OnRankConfig:
+    rank: int = 1
+    at_step: int = 5
+
+class Crasher:
+    def __init__(self, config, rank):
+        self.config, self.rank = config, rank
+    def before_step(self, inputs):
+        if self.rank == self.config.rank and inputs.update_step == self.config.at_step:
+            raise RuntimeError(f"a plugin bug on rank {self.rank}")
+        return None
+    def at_log_step(self, update_step, metrics):
+        pass
+
+def build_refuser(config, ctx):
+    if ctx.rank == config.rank:
+        raise UserError(f"guard.refuser: rank {ctx.rank} cannot take this run")
+    return Crasher(attrs.evolve(config, at_step=-1), ctx.rank)
+
+@hookimpl
+def octfw_register_guards(register):
+    register("crasher", OnRankConfig, lambda c, ctx: Crasher(c, ctx.rank), "raises at a step on one rank")
+    register("refuser", OnRankConfig, build_refuser, "refuses the run on one rank")
+'''
+
+
+def status_lines(stderr: str) -> list[str]:
+    """What the job printed to say how it ended (not rank 0's progress lines)."""
+    return [line for line in stderr.splitlines()
+            if line.startswith(("octfw: error:", "octfw: stopped", "stopped early", "octfw: nothing"))]
+
+
+def tracebacks(output: str) -> int:
+    return output.count("Traceback (most recent call last)")
+
+
+@pytest.fixture
+def misbehaving(job):
+    make_dist(job.root / "site", "octfw-misbehaving", "plug_misbehaving", MISBEHAVING_PLUGIN)
+    return job
+
+
+def run4(job: Job, out: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return job.run(out, *args, f"--set=run.max_steps={STEPS}", nproc=NPROC, env=env)
+
+
+def test_a_crash_on_one_rank_exits_1_naming_the_rank_with_its_traceback_alone(misbehaving):
+    """A plugin's exception on rank 1 is a bug, not a lost process: the job exits 1 (never 76,
+    which a requeue loop would retry forever), one line names rank 1 and the error, and the
+    only traceback is rank 1's."""
+    result = run4(misbehaving, "crash", '--set=guard=[{name="crasher",rank=1,at_step=5}]')
+    assert result.returncode == CRASHED and CRASHED not in RETRY_CODES, result.stderr[-3000:]
+    [line] = status_lines(result.stderr)
+    assert "rank 1 crashed: RuntimeError: a plugin bug on rank 1" in line, line
+    assert f"--nproc-per-node={NPROC}" in line  # the hint runs the job as it was launched
+    output = result.stdout + result.stderr
+    assert tracebacks(output) == 1 and "a plugin bug on rank 1" in output.split("Traceback", 1)[1]
+    assert "stopped answering" not in output  # the other ranks' view stays off the console
+
+
+def test_a_refusal_on_one_rank_is_the_jobs_refusal_exit_2_one_line(misbehaving):
+    result = run4(misbehaving, "refusal", '--set=guard=[{name="refuser",rank=2}]')
+    assert result.returncode == USER_ERROR, result.stderr[-3000:]
+    [line] = status_lines(result.stderr)
+    assert line == "octfw: error: guard.refuser: rank 2 cannot take this run", line
+    assert tracebacks(result.stdout + result.stderr) == 0 and "stopped answering" not in result.stderr
+
+
+def test_a_checkpoint_folder_held_by_another_process_refuses_the_job_exit_2(job):
+    """checkpointer.claim runs on rank 0; every rank hears its refusal (no rank waits for a peer
+    that left, no 76)."""
+    from octfw.storage.owner import FolderOwner
+
+    held = job.root / "held-checkpoints"
+    held.mkdir()
+    owner = FolderOwner(str(held), "checkpoint folder")
+    owner.acquire()  # this test's process: alive, so the folder is in use
+    try:
+        result = run4(job, "held", f"--set=checkpointer.dir={held}")
+    finally:
+        owner.release()
+    assert result.returncode == USER_ERROR, result.stderr[-3000:]
+    [line] = status_lines(result.stderr)
+    assert "in use" in line and str(held) in line, line
+    assert tracebacks(result.stdout + result.stderr) == 0
+
+
+def test_a_sigkilled_rank_exits_76_named_as_killed_by_sigkill(job):
+    process = job.start("killed", f"--set=run.max_steps={STEPS}", "--set=engine.log_every_steps=1", nproc=NPROC)
+    job.wait_for_step("killed", 3, process)
+    os.kill(job.rank_pid("killed", 2), signal.SIGKILL)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == PEER_LOST_EXIT_CODE and PEER_LOST_EXIT_CODE in RETRY_CODES, err[-3000:]
+    [line] = status_lines(err)
+    assert "the process of rank 2 was killed by SIGKILL" in line and f"--nproc-per-node={NPROC}" in line, line
+    assert tracebacks(out + err) == 0
+
+
+def test_a_sigterm_to_the_whole_group_exits_75_one_line_with_the_launch_in_its_hint(job):
+    process = job.start("term", f"--set=run.max_steps={STEPS * 20}", "--set=engine.log_every_steps=1", nproc=NPROC)
+    job.wait_for_step("term", 3, process)
+    os.killpg(process.pid, signal.SIGTERM)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    [line] = status_lines(err)
+    assert line.startswith("octfw: stopped by SIGTERM") and f"--nproc-per-node={NPROC}" in line, line
+    assert line.endswith("--resume auto") and tracebacks(out + err) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a real full disk) needs root; CI runs as root")
+def test_a_final_save_on_a_full_disk_exits_74_with_one_line_and_no_rank_traceback(job):
+    disk = job.root / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], check=True)
+    try:
+        result = run4(job, "full", f"--set=checkpointer.dir={disk / 'ckpt'}", "--set=engine.log_every_steps=1",
+                      '--set=guard=[{name="nan-skip"},{name="filler",at_step=3}]',
+                      env={"FILL_PATH": str(disk / "other-job.bin")})
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert result.returncode == SAVE_FAILED_EXIT_CODE, result.stderr[-3000:]
+    [line] = status_lines(result.stderr)
+    assert "the final checkpoint could not be written" in line and f"--nproc-per-node={NPROC}" in line, line
+    assert tracebacks(result.stdout + result.stderr) == 0
+    summary = json.loads((job.run_dir("full") / "summary.json").read_text())
+    assert summary["final_save_failed"] and summary["failed_saves"]
+
+
+def test_a_resume_on_another_number_of_processes_is_refused_naming_both(job):
+    first = job.run("resize", nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = job.run_dir("resize")
+    newest = sorted(checkpoint_steps(run_dir))[-1]
+    again = job.run("resize", "--resume", str(run_dir / "checkpoints" / newest), nproc=NPROC)
+    assert again.returncode == USER_ERROR, again.stderr[-3000:]
+    [line] = status_lines(again.stderr)
+    assert "trained on 2 devices" in line and "this run has 4 devices" in line and "engine.global_batch" in line
