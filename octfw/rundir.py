@@ -11,20 +11,35 @@ between regions, share neither a clock nor a time zone. Each run records a
 ``sequence``: one more than the largest of the runs already under its
 recipe's folder. ``--resume auto`` reads the runs in that order
 (:func:`run_dirs`). Folder names are UTC (``20261126-095317Z``), for people.
+
+**Runs started at the same moment get their own folder and number.** The
+sequence is read and recorded while the start holds an exclusive lock on the
+recipe's folder (``flock``, held for a few milliseconds: the largest recorded
+number, the new folder and its ``run.json``), so two starts never record the
+same number. The folder is made with an exclusive ``mkdir``: a name taken in
+the same second gets the next suffix (``20261126-095317Z-2``). A start that
+fails while it writes its folder removes that folder, never one another start
+made.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import errno
+import fcntl
 import importlib.metadata as metadata
 import json
+import logging
+import os
 import platform
 import shutil
 import subprocess
 import sys
+import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from octfw.errors import UserError
 from octfw.recipe import Recipe, to_toml
@@ -38,6 +53,10 @@ RUN_FILE = "run.json"
 #: What a run folder holds before its first update step: a folder with nothing else
 #: trained nothing, and a start that failed removes it (see octfw.engine.launch).
 START_FILES = frozenset({"recipe.toml", RUN_FILE, "versions.json", "git.json", "octfw.log", "owner.lock"})
+#: At most this long a start waits for another start of the same recipe to record its sequence.
+SEQUENCE_LOCK_TIMEOUT_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 def _version(dist: str) -> str | None:
@@ -81,30 +100,74 @@ def _runs_root(recipe: Recipe) -> Path:
 
 
 def create_run_dir(recipe: Recipe, registry: Registry) -> Path:
+    """A new run folder of ``recipe``, made by this call alone, with its start files (see the
+    module docstring); a start that fails while writing them removes the folder it made."""
     root = _runs_root(recipe)
     now = dt.datetime.now(dt.timezone.utc)
-    stamp = now.strftime("%Y%m%d-%H%M%SZ")
-    run_dir = root / stamp
-    suffix = 1
-    while run_dir.exists():
-        suffix += 1
-        run_dir = root / f"{stamp}-{suffix}"
-    sequence = max((run_sequence(p) for p in _run_folders(root)), default=0) + 1
+    run_dir: Path | None = None  # set once this call has made the folder: the only one it may remove
     try:
-        run_dir.mkdir(parents=True)
-        _write_json(run_dir / RUN_FILE, {"id": uuid.uuid4().hex, "sequence": sequence,
-                                         "started_utc": now.isoformat(timespec="seconds")})
+        root.mkdir(parents=True, exist_ok=True)
+        with _sequence_lock(root):  # the largest number, the folder and its run.json: one start at a time
+            sequence = max((run_sequence(p) for p in root.iterdir() if p.is_dir()), default=0) + 1
+            run_dir = _make_folder(root, now.strftime("%Y%m%d-%H%M%SZ"))
+            _write_json(run_dir / RUN_FILE, {"id": uuid.uuid4().hex, "sequence": sequence,
+                                             "started_utc": now.isoformat(timespec="seconds")})
         (run_dir / "recipe.toml").write_text(to_toml(recipe.to_dict()), encoding="utf-8")
         _write_json(run_dir / "versions.json", versions(registry))
         _write_json(run_dir / "git.json", git_info(recipe.folder))
     except OSError as exc:  # a full disk, a read-only folder: said before anything is trained
-        shutil.rmtree(run_dir, ignore_errors=True)
-        cause = storage_cause(exc, str(run_dir)) or f"{type(exc).__name__}: {exc}"
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        where = run_dir or root
+        cause = storage_cause(exc, str(where)) or f"{type(exc).__name__}: {exc}"
         raise UserError(f"run.output_dir: cannot write the run folder: {cause}") from None
     except BaseException:  # a stop signal while the folder is written: nothing half-made is left
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
     return run_dir
+
+
+def _make_folder(root: Path, stamp: str) -> Path:
+    """``root/stamp``, or ``root/stamp-2``, ``-3``, ... when that name is taken: made here, by an
+    exclusive mkdir (an existing folder is never reused, whoever made it)."""
+    suffix = 1
+    while True:
+        run_dir = root / (stamp if suffix == 1 else f"{stamp}-{suffix}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+
+
+@contextmanager
+def _sequence_lock(root: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the recipe's runs folder itself (no lock file among the runs),
+    released when the block ends or the process dies. Waits at most
+    :data:`SEQUENCE_LOCK_TIMEOUT_S`; on a file system without locks, goes on without one."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + SEQUENCE_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise UserError(f"run.output_dir: another start of this recipe has held {root} for "
+                                    f"{SEQUENCE_LOCK_TIMEOUT_S:g} s while choosing its run folder; "
+                                    "is a start of it stopped (SIGSTOP)?") from None
+                time.sleep(0.01)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                logger.warning("run.output_dir: %s cannot be locked (%s); runs of this recipe started at the "
+                               "same moment may record the same sequence", root, exc.strerror)
+                break
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def run_sequence(run_dir: Path) -> int:
