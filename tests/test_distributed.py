@@ -148,3 +148,71 @@ def test_ddp_a_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     # Rank 0 alone held the folder (owner.lock stays; its owner record went with the run).
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "latest", "owner.lock", f"step_{steps[0][-1]:08d}.pt", f"step_{steps[0][-1]:08d}.pt.sha256"]
+
+
+# --- NCCL bounded by engine.collective_timeout_s (issue 48, item 7) --------------------------
+
+
+def test_nccl_settings_derive_from_the_collective_timeout():
+    from octfw.engine.distributed import nccl_environment
+
+    assert nccl_environment(600, {}) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # abort the communicators, then end the process
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "15000",  # torch's own: a tenth of 600 s is more
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600",
+    }
+    short = nccl_environment(12, {})
+    assert short["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "12"
+    assert short["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "1200"  # the abort by 12 + 4 x 1.2 s
+    tiny = nccl_environment(0.5, {})
+    assert tiny["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "1" and tiny["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "100"
+
+
+def test_nccl_settings_the_user_made_are_kept_under_either_of_torchs_names():
+    from octfw.engine.distributed import nccl_environment
+
+    user = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900", "NCCL_ASYNC_ERROR_HANDLING": "3",
+            "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    assert nccl_environment(600, user) == {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "15000"}
+    everything = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "60000",
+                  "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30"}
+    assert nccl_environment(600, everything) == {}
+
+
+def test_join_on_cuda_creates_the_nccl_group_with_those_settings_and_the_timeout(monkeypatch):
+    """The order in join(): the device selected, the NCCL settings in the environment, then the
+    group with the same timeout (torch's NCCL group reads the settings once, when it is made).
+    CUDA and torch.distributed are stood in for: this machine has no GPU."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from octfw.engine.distributed import join
+
+    environ = {key: value for key, value in os.environ.items() if "NCCL" not in key}
+    environ.update({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "77"})
+    environ.pop("MASTER_ADDR", None)  # no liveness thread: there is no store to mark in
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    selected: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    created: list = []
+
+    def init_process_group(backend, **kwargs):
+        created.append((backend, kwargs, {k: v for k, v in os.environ.items() if "NCCL" in k}, list(selected)))
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: object())
+    processes, peers = join("cuda", 12)
+    [(backend, kwargs, nccl, selected_before)] = created
+    assert backend == "nccl" and kwargs == {"timeout": datetime.timedelta(seconds=12),
+                                            "device_id": torch.device("cuda", 1)}
+    assert selected_before == [torch.device("cuda", 1)]  # the device first, then the group
+    assert nccl == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1200",
+                    "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "77"}  # the user's 77 kept
+    assert (processes.rank, processes.world_size, processes.local_rank) == (1, 2, 1)
+    peers.close()

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
@@ -35,8 +36,8 @@ import torch
 from octfw.errors import UserError
 from octfw.tables import counted
 
-__all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "all_reduce_", "min_across_ranks",
-           "layout_for", "step_time"]
+__all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "nccl_environment", "all_reduce_",
+           "min_across_ranks", "layout_for", "step_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,10 +193,55 @@ def join(kind: str, timeout_s: float) -> tuple[Processes, "Peers"]:
         os.environ.setdefault("RANK", str(rank))  # srun's tasks: env:// reads these
         os.environ.setdefault("WORLD_SIZE", str(world))
         if kind == "cuda":
+            # torch's NCCL group reads its watchdog's settings once, when it is created.
+            nccl = nccl_environment(timeout_s, os.environ)
+            os.environ.update(nccl)
+            logger.debug("NCCL settings from engine.collective_timeout_s = %g s: %s", timeout_s,
+                         ", ".join(f"{k}={v}" for k, v in nccl.items()) or "all set by the user")
             dist.init_process_group("nccl", timeout=timeout, device_id=device)
         else:
             dist.init_process_group("gloo", timeout=timeout)
     return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
+
+
+#: torch's NCCL settings that :func:`nccl_environment` gives a CUDA job, each with the older names
+#: torch 2.9 still reads for it (a value the user set under any of them is kept).
+NCCL_SETTINGS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("NCCL_ASYNC_ERROR_HANDLING",),
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": (),
+    "TORCH_NCCL_ENABLE_MONITORING": (),
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": (),
+}
+
+
+def nccl_environment(timeout_s: float, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set before a CUDA job's NCCL group is created, so that its watchdog
+    ends a lost or stuck collective within ``engine.collective_timeout_s`` (``timeout_s``)
+    and a small margin; the variables the user set (``environ``) are left out, theirs hold.
+
+    As torch 2.9's ``ProcessGroupNCCL`` reads them (docs/distributed.md says more):
+
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` ("TearDown"): a collective that fails or runs past
+      the group's ``timeout`` makes the watchdog abort the NCCL communicators (the kernels stop,
+      so nothing waits on them any more) and end the process. torch's default, 3, ends it without
+      the abort; 2 would abort and let the step go on with what the collective left.
+    - ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``: before acting, the watchdog waits 4 times this
+      for the flight recorder's dump (torch: 15 s, so 60 s); here a tenth of the timeout, at
+      most 15 s, so the abort comes by 1.4 x the timeout.
+    - ``TORCH_NCCL_ENABLE_MONITORING=1`` (torch's default, stated) and
+      ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` = the timeout (torch: 480 s): the heartbeat monitor
+      looks at the watchdog every this many seconds; a watchdog that hangs itself, in a CUDA or
+      NCCL call the collective timeout cannot interrupt, is found at the next look and the
+      process ended one more such wait later (within about 3 x the timeout).
+    """
+    wanted = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(max(100, min(15_000, math.ceil(timeout_s * 100)))),
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(1, math.ceil(timeout_s))),
+    }
+    return {name: value for name, value in wanted.items()
+            if not any(n in environ for n in (name, *NCCL_SETTINGS[name]))}
 
 
 def xla_processes() -> Processes:
