@@ -8,16 +8,11 @@ against it later.
 
 from __future__ import annotations
 
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from octfw.errors import UserError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["SourcedStr", "read_with_extends", "merge", "parse_override", "apply_overrides"]
 
