@@ -12,12 +12,14 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
 from conftest import make_dist
-from test_multiprocess_faults import Job, checkpoint_steps, job  # noqa: F401 - the job fixture
-from octfw.exit_codes import (CRASHED, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, RETRY_CODES,
+from test_multiprocess_faults import SLOW_PLUGIN, Job, checkpoint_steps, job  # noqa: F401 - the job fixture
+from octfw.engine.launcher import STOP_NOW_GRACE_S
+from octfw.exit_codes import (CRASHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, RETRY_CODES,
                               SAVE_FAILED_EXIT_CODE, USER_ERROR)
 
 pytestmark = pytest.mark.slow
@@ -169,3 +171,33 @@ def test_a_resume_on_another_number_of_processes_is_refused_naming_both(job):
     assert again.returncode == USER_ERROR, again.stderr[-3000:]
     [line] = status_lines(again.stderr)
     assert "trained on 2 devices" in line and "this run has 4 devices" in line and "engine.global_batch" in line
+
+
+def test_a_second_ctrl_c_ends_every_rank_at_once_exit_130_keeping_the_last_checkpoint(job):
+    """Two Ctrl-C to the whole process group inside a minute-long step: every rank stops where it
+    is, the launcher kills what is left after a short grace, and the job says one line, exit 130;
+    the checkpoint of the last complete step stays the newest."""
+    # The slow model of test_multiprocess_faults, slow from its fourth forward on: steps saved first.
+    make_dist(job.root / "site", "octfw-slow", "plug_slow", SLOW_PLUGIN.replace("len(calls) == 1", "len(calls) <= 3"))
+    mark = job.root / "in-the-step"
+    process = job.start("twice", "--set=model.name=slow", "--set=engine.checkpoint_every_steps=1", nproc=2,
+                        env={"SLOW_MARK": str(mark)})
+    deadline = time.monotonic() + 180
+    while not mark.exists():  # the second, minute-long update step has begun
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    time.sleep(1)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(1.5)  # more than a forwarded repeat's window: a second Ctrl-C
+    second = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert time.monotonic() - second < 10 + STOP_NOW_GRACE_S
+    assert process.returncode == INTERRUPTED_EXIT_CODE, err[-3000:]
+    [line] = status_lines(err)
+    assert "--nproc-per-node=2" in line, line
+    assert tracebacks(out + err) == 0
+    run_dir = job.run_dir("twice")
+    saved = checkpoint_steps(run_dir)  # every complete step's, the newest named in the line
+    assert saved and saved[-1] in line, (line, saved)
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))  # nothing half-written
