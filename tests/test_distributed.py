@@ -216,3 +216,33 @@ def test_join_on_cuda_creates_the_nccl_group_with_those_settings_and_the_timeout
                     "TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "77"}  # the user's 77 kept
     assert (processes.rank, processes.world_size, processes.local_rank) == (1, 2, 1)
     peers.close()
+
+
+# --- TPU pods: the hosts' group in the order torch_xla documents for SPMD (issue 48, item 10) ---
+
+
+def test_the_hosts_group_is_made_under_spmd_with_each_hosts_process_index_and_count(tmp_path):
+    """Two hosts, each in its own process, join as octfw's XLA path joins on a pod: SPMD first,
+    then torch_xla's ``xla://`` group, whose rank and size are then each host's process index and
+    the process count (made before SPMD, they would come from device ordinals and the device
+    count). torch_xla's runtime reports the two hosts (its CPU client is one process only,
+    tests/xla/host_group.py); the rendezvous, its store and the gloo groups are real."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHELASTIC", "XLA_USE_SPMD"))}
+    env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)})
+    hosts = [subprocess.Popen([sys.executable, str(REPO / "tests" / "xla" / "host_group.py"), str(host), "2"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for host in range(2)]
+    outcomes = [host.communicate(timeout=300) for host in hosts]
+    assert [host.returncode for host in hosts] == [0, 0], [err[-3000:] for _, err in outcomes]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outcomes]
+    for host, report in enumerate(reports):
+        assert report["spmd"] and report["devices"] == 2
+        assert report["processes"] == report["group"] == [host, 2]
+        assert report["broadcast"] == "decided on host 0"  # host 0's decision reached both
+        assert report["gathered"] == [0, 1]

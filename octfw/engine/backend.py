@@ -18,7 +18,7 @@ import torch
 
 from octfw.engine.attention import kernel_priority, priority_context
 from octfw.engine.data import float_views, view_keys, with_aliases
-from octfw.engine.distributed import BatchLayout, Processes, layout_for
+from octfw.engine.distributed import BatchLayout, Processes, layout_for, xla_spmd
 from octfw.errors import UserError
 from octfw.types import DOMAIN_ID_KEY, BatchKey
 
@@ -201,15 +201,14 @@ def _xla_backend(precision: str, processes: Processes) -> Backend:
     import torch_xla.runtime as xr
 
     mesh, local = None, 1
-    if xr.global_runtime_device_count() > 1:
-        # SPMD: one process per host drives every local device; XLA inserts
-        # the gradient all-reduce. Must be enabled before any XLA tensor exists.
-        # The mesh spans the devices of every host (torch_xla requires the
-        # global count); a host's own devices take its slice of the batch.
+    if xla_spmd():
+        # SPMD (switched on by join() before the hosts' group and any XLA tensor; here for work
+        # outside a training job): one process per host drives every local device; XLA inserts
+        # the gradient all-reduce. The mesh spans the devices of every host (torch_xla requires
+        # the global count); a host's own devices take its slice of the batch.
         import numpy as np
         import torch_xla.distributed.spmd as xs
 
-        xr.use_spmd()
         devices = xr.global_runtime_device_count()
         mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
         local = xr.addressable_runtime_device_count()

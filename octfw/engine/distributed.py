@@ -36,8 +36,8 @@ import torch
 from octfw.errors import UserError
 from octfw.tables import counted
 
-__all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "nccl_environment", "all_reduce_",
-           "min_across_ranks", "layout_for", "step_time"]
+__all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "nccl_environment", "xla_processes", "xla_spmd",
+           "all_reduce_", "min_across_ranks", "layout_for", "step_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +251,32 @@ def xla_processes() -> Processes:
     return Processes("xla", None, xr.process_index(), xr.process_count(), 0)
 
 
+def xla_spmd() -> bool:
+    """Whether this XLA runtime trains under SPMD, which this call switches on if so: whenever it
+    has more than one device (every host of a pod slice, one host with several chips, the CPU
+    device with ``CPU_NUM_DEVICES`` > 1), one process per host drives all of that host's devices.
+
+    Called before anything depends on it (:func:`join` for the hosts' group, then the backend):
+    torch_xla requires it before any XLA tensor exists, and its ``xla://`` rendezvous gives a
+    group the host's ``process_index`` and ``process_count`` only under SPMD (outside it, the
+    device ordinal and the device count). Calling it again changes nothing."""
+    import torch_xla.runtime as xr
+
+    if xr.global_runtime_device_count() <= 1:
+        return False
+    if not xr.is_spmd():
+        xr.use_spmd()
+    return True
+
+
 def _join_xla(timeout_s: float) -> tuple[Processes, "Peers"]:
     """XLA: one process per host. With several hosts, the host-side decisions travel over a gloo
-    group that torch_xla's coordinator sets up (``xla://``), beside SPMD's device collectives."""
+    group that torch_xla's coordinator sets up (``xla://``), beside SPMD's device collectives.
+
+    In the order torch_xla 2.9 documents for SPMD ("SPMD User Guide", Process Groups):
+    ``use_spmd()`` first, then ``init_process_group("gloo", init_method="xla://")``, so that the
+    group's rank and size are this host's process index and the process count; checked."""
+    xla_spmd()  # first: before the group below, and before any XLA tensor
     processes = xla_processes()
     if processes.world_size <= 1:
         return processes, Peers(processes)
@@ -263,6 +286,10 @@ def _join_xla(timeout_s: float) -> tuple[Processes, "Peers"]:
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="xla://", timeout=timeout)
+    if (dist.get_rank(), dist.get_world_size()) != (processes.rank, processes.world_size):
+        raise UserError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, but torch_xla "
+                        f"reports host {processes.rank} of {processes.world_size}: was torch.distributed "
+                        "initialised before octfw, or without SPMD? (docs/tpu-pods.md)")
     return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
 
 
