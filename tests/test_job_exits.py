@@ -53,10 +53,27 @@ def build_refuser(config, ctx):
         raise UserError(f"guard.refuser: rank {ctx.rank} cannot take this run")
     return Crasher(attrs.evolve(config, at_step=-1), ctx.rank)
 
+@attrs.frozen
+class CountingConfig:
+    every_steps: int | None = 2
+
+class Counting:
+    """Writes a line per call into RUN/evaluated_rank<R>.txt: which ranks evaluated, how often."""
+    def __init__(self, config, ctx):
+        self.every_steps, self.path = config.every_steps, ctx.run_dir / f"evaluated_rank{ctx.rank}.txt"
+    def evaluate(self, model, device, update_step):
+        with open(self.path, "a") as f:
+            f.write(f"{update_step}\n")
+        return {"calls": 1.0}
+
 @hookimpl
 def octfw_register_guards(register):
     register("crasher", OnRankConfig, lambda c, ctx: Crasher(c, ctx.rank), "raises at a step on one rank")
     register("refuser", OnRankConfig, build_refuser, "refuses the run on one rank")
+
+@hookimpl
+def octfw_register_evaluators(register):
+    register("counting", CountingConfig, Counting, "counts the calls on each rank")
 '''
 
 
@@ -201,3 +218,37 @@ def test_a_second_ctrl_c_ends_every_rank_at_once_exit_130_keeping_the_last_check
     saved = checkpoint_steps(run_dir)  # every complete step's, the newest named in the line
     assert saved and saved[-1] in line, (line, saved)
     assert not list((run_dir / "checkpoints").glob("*.tmp"))  # nothing half-written
+
+
+def test_records_are_the_jobs_every_ranks_quarantined_files_listed_and_evaluators_run_once(misbehaving):
+    """Corrupt files met by any of the 4 ranks reach rank 0's quarantine.jsonl and the summary's
+    count; an evaluator runs on rank 0 alone, at each of its steps."""
+    from octfw.plugins.datasets.synthetic.cohort import corrupt_count
+
+    volumes, fraction = 16, 0.25
+    result = run4(misbehaving, "records", f"--set=dataset.n_volumes={volumes}",
+                  f"--set=dataset.corrupt_fraction={fraction}", '--set=evaluator=[{name="counting",every_steps=4}]')
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = misbehaving.run_dir("records")
+    listed = [json.loads(line)["url"] for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
+    corrupt = corrupt_count(volumes, fraction)
+    assert len(listed) == len(set(listed)) == corrupt  # every corrupt file, met on whichever rank, once
+    assert json.loads((run_dir / "summary.json").read_text())["quarantined"] == corrupt
+    assert sorted(p.name for p in run_dir.glob("evaluated_rank*.txt")) == ["evaluated_rank0.txt"]
+    assert (run_dir / "evaluated_rank0.txt").read_text().split() == ["4", "8", "12", str(STEPS)]
+
+
+def test_two_nodes_exit_alike_when_a_rank_of_one_crashes(misbehaving):
+    """Two launchers meeting on 127.0.0.1 as two nodes of 2 processes each; rank 3 (on the second
+    node) raises: both nodes exit 1 with the same line, though the first node only lost a peer."""
+    from test_multiprocess_faults import _free_port
+
+    nodes = ["--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=crash-nodes"]
+    launched = [misbehaving.start("nodes", *nodes, f"--set=run.max_steps={STEPS}",
+                                  '--set=guard=[{name="crasher",rank=3,at_step=4}]', nproc=2) for _ in range(2)]
+    results = [process.communicate(timeout=300) for process in launched]
+    codes = [process.returncode for process in launched]
+    assert codes == [CRASHED, CRASHED], [err[-2000:] for _out, err in results]
+    lines = [status_lines(err) for _out, err in results]
+    assert lines[0] == lines[1] and len(lines[0]) == 1 and "rank 3 crashed: RuntimeError" in lines[0][0], lines
+    assert sum(tracebacks(out + err) for out, err in results) == 1

@@ -15,30 +15,32 @@ OCTFW = Path(__file__).resolve().parents[1] / "octfw"
 AGAIN = "octfw run r.toml --nproc-per-node=4 --resume auto"
 
 
-def lost(rank: int, at: float) -> Outcome:
+def lost(rank: int, at: float, checkpoint: str | None = None) -> Outcome:
     return Outcome(PEER_LOST_EXIT_CODE, f"octfw: error: the process of rank 9 stopped answering (seen by {rank})",
-                   cause=False, at=at, rank=rank)
+                   cause=False, checkpoint=checkpoint, at=at, rank=rank)
 
 
 def test_a_crash_is_the_jobs_outcome_over_the_ranks_that_lost_it():
-    reports = {0: lost(0, 3.0), 1: Outcome(CRASHED, "octfw: error: rank 1 crashed: RuntimeError: x", True, 2.0, 1),
+    reports = {0: lost(0, 3.0), 1: Outcome(CRASHED, "octfw: error: rank 1 crashed: RuntimeError: x", at=2.0, rank=1),
                2: lost(2, 2.5), 3: lost(3, 3.5)}
     outcome = job_outcome(reports, {0: 76, 1: 1, 2: 76, 3: 76}, {}, AGAIN)
     assert (outcome.code, outcome.rank) == (CRASHED, 1) and "rank 1 crashed" in outcome.line
 
 
 def test_the_first_cause_in_time_decides_the_code_and_the_lowest_rank_with_it_says_the_line():
-    refusal = Outcome(USER_ERROR, "octfw: error: checkpointer.dir is in use", True, 1.0, 2)
-    later_crash = Outcome(CRASHED, "octfw: error: rank 3 crashed", True, 5.0, 3)
-    shared = Outcome(USER_ERROR, "octfw: error: checkpointer.dir is in use (rank 0's line)", True, 1.2, 0)
+    refusal = Outcome(USER_ERROR, "octfw: error: checkpointer.dir is in use", at=1.0, rank=2)
+    later_crash = Outcome(CRASHED, "octfw: error: rank 3 crashed", at=5.0, rank=3)
+    shared = Outcome(USER_ERROR, "octfw: error: checkpointer.dir is in use (rank 0's line)", at=1.2, rank=0)
     outcome = job_outcome({0: shared, 2: refusal, 3: later_crash}, {}, {}, AGAIN)
     assert outcome == shared
 
 
-def test_a_process_killed_without_a_word_is_named_by_its_signal_exit_76():
-    outcome = job_outcome({0: lost(0, 1.0), 2: lost(2, 1.0)}, {0: 76, 1: -signal.SIGKILL, 2: 76}, {}, AGAIN)
-    assert outcome.code == PEER_LOST_EXIT_CODE
+def test_a_process_killed_without_a_word_is_named_by_its_signal_exit_76_with_the_newest_checkpoint():
+    reports = {0: lost(0, 1.0, "runs/r/checkpoints/step_00000008.pt"), 2: lost(2, 1.0, None)}
+    outcome = job_outcome(reports, {0: 76, 1: -signal.SIGKILL, 2: 76}, {}, AGAIN)
+    assert outcome.code == PEER_LOST_EXIT_CODE and outcome.checkpoint == "runs/r/checkpoints/step_00000008.pt"
     assert outcome.line.startswith("octfw: error: the process of rank 1 was killed by SIGKILL;")
+    assert "nothing after the newest checkpoint (runs/r/checkpoints/step_00000008.pt) is saved" in outcome.line
     assert outcome.line.endswith(f"Run again: {AGAIN}")
 
 
@@ -53,7 +55,8 @@ def test_ranks_that_only_lost_a_peer_give_76_in_the_lowest_ranks_words():
 
 
 def test_a_shared_stop_is_said_in_rank_0s_words_and_a_finished_job_in_none():
-    stops = {rank: Outcome(PREEMPTED_EXIT_CODE, f"octfw: stopped by SIGTERM (rank {rank})", True, 1.0 + rank / 10, rank)
+    stops = {rank: Outcome(PREEMPTED_EXIT_CODE, f"octfw: stopped by SIGTERM (rank {rank})", at=1.0 + rank / 10,
+                         rank=rank)
              for rank in (3, 1, 0, 2)}
     assert job_outcome(stops, {}, {}, AGAIN).rank == 0
     assert job_outcome({}, {0: 0, 1: 0}, {}, AGAIN) == Outcome(FINISHED, "")
@@ -112,3 +115,14 @@ def test_the_launcher_uses_no_private_name_of_torch_at_all():
     source = launcher.read_text(encoding="utf-8")
     for name in ("_pcontext", "_start_workers", "_monitor_workers", "_worker_group", "subprocess_handlers"):
         assert name not in source
+
+
+def test_silent_deaths_are_ordered_by_when_they_ended_and_the_launchers_own_kills_are_no_cause():
+    """Under NCCL's watchdog every survivor may end by SIGABRT: the first to end is the one named;
+    a process the launcher killed after the grace is a consequence, never the job's cause."""
+    codes = {0: -signal.SIGABRT, 1: -signal.SIGKILL, 2: -signal.SIGABRT}
+    outcome = job_outcome({}, codes, {}, AGAIN, ended_at={0: 5.0, 1: 9.0, 2: 4.0}, ended_by_launcher=frozenset({1}))
+    assert outcome.rank == 2 and "rank 2 was killed by SIGABRT" in outcome.line
+    only_killed = job_outcome({0: lost(0, 1.0)}, {0: 76, 1: -signal.SIGKILL}, {}, AGAIN,
+                              ended_by_launcher=frozenset({1}))
+    assert only_killed.code == PEER_LOST_EXIT_CODE and only_killed.rank == 0

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
-from octfw.engine.launcher import JOB_STATUS_ENV, job_command, report_outcome  # light: no torch
+from octfw.engine.launcher import JOB_STATUS_ENV, Outcome, job_command, report_outcome  # light: no torch
 from octfw.errors import UserError, one_line
 from octfw.exit_codes import (CRASHED, FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     with StopRequests(exit_before_training=True) as stop_requests:
         # A stop while starting ends the process from the handler: it says so first.
         stop_requests.abandon_hooks.append(
-            lambda stopped: report_outcome(PREEMPTED_EXIT_CODE, f"octfw: {stopped}", cause=True))
+            lambda stopped: report_outcome(Outcome(PREEMPTED_EXIT_CODE, f"octfw: {stopped}")))
         try:
             if args.nproc_per_node is not None:
                 return _launch_job(args, stop_requests)
@@ -104,24 +104,22 @@ def _run_this_process(args: argparse.Namespace, stop_requests) -> int:
         from octfw.logs import silence_console
 
         silence_console()  # one process of the job speaks: rank 0 (its final line goes to the launcher)
-    cause = True
     try:
-        code, line, cause = _train(args, stop_requests)
+        outcome = _train(args, stop_requests)
     except StoppedBeforeTraining as stopped:
-        code, line = PREEMPTED_EXIT_CODE, f"octfw: {stopped}"
+        outcome = Outcome(PREEMPTED_EXIT_CODE, f"octfw: {stopped}")
     except UserError as mistake:  # the same one line on every process: the launcher prints it once
         if args.debug:
             raise
-        code, line = mistake.exit_code, mistake.console_text()
+        outcome = Outcome(mistake.exit_code, mistake.console_text())
     except Exception as bug:  # noqa: BLE001 - a crash of one process of a job: said, not lost
         if not (launched or os.environ.get(TORCH_ERROR_FILE_ENV)):
             raise  # alone: the traceback, exit 1, as for any program
-        code, line = CRASHED, _crash(bug, again=_resume_command(args))
+        outcome = Outcome(CRASHED, _crash(bug, again=_resume_command(args)))
     finally:
         stop_requests.done()  # a launcher tearing down the job's last processes changes nothing now
-    if line:
-        report_outcome(code, line, cause=cause)
-    return code
+    report_outcome(outcome)
+    return outcome.code
 
 
 #: Where torch's launchers (torchrun, octfw's) ask a worker to write its failure.
@@ -145,9 +143,9 @@ def _crash(bug: Exception, again: str) -> str:
             f"retried: once fixed, continue with: {again}")
 
 
-def _train(args: argparse.Namespace, stop_requests) -> tuple[int, str | None, bool]:
-    """(exit code, the final line, whether this process's outcome is a cause of the job's end
-    rather than a lost peer's consequence)."""
+def _train(args: argparse.Namespace, stop_requests) -> Outcome:
+    """How this process ended: its code, its final line, whether it is a cause of the job's end
+    rather than a lost peer's consequence, and the newest checkpoint it knows."""
     recipe, registry = load_recipe_from_args(args)
     from octfw.engine.distributed import PeerLost
     from octfw.engine.launch import AlreadyFinished, launch  # imports torch: only when the command runs
@@ -157,25 +155,27 @@ def _train(args: argparse.Namespace, stop_requests) -> tuple[int, str | None, bo
         summary = launch(recipe, registry, resume=args.resume, stop_requests=stop_requests,
                          allow_recipe_change=args.allow_recipe_change)
     except AlreadyFinished as done:  # --resume auto: nothing left to train
-        return ((STOPPED_BY_GUARD if done.summary.get("stopped") else FINISHED), f"octfw: nothing to resume: {done}",
-                True)
+        return Outcome(STOPPED_BY_GUARD if done.summary.get("stopped") else FINISHED,
+                       f"octfw: nothing to resume: {done}")
     except PeerLost as lost:  # before the first update step: nothing of this attempt to save
-        return (PEER_LOST_EXIT_CODE, f"octfw: error: {lost}; nothing was trained in this attempt. Run again: {again}",
-                False)
+        return Outcome(PEER_LOST_EXIT_CODE,
+                       f"octfw: error: {lost}; nothing was trained in this attempt. Run again: {again}", cause=False)
+    newest = summary.checkpoint
     if summary.peer_lost:
-        return PEER_LOST_EXIT_CODE, (
+        return Outcome(PEER_LOST_EXIT_CODE, (
             f"octfw: error: {summary.peer_lost}; stopped after update step {summary.update_steps}; nothing after "
-            f"the newest checkpoint ({summary.checkpoint or 'none yet'}) is saved. Run again: {again}"), False
+            f"the newest checkpoint ({newest or 'none yet'}) is saved. Run again: {again}"), cause=False,
+            checkpoint=newest)
     if summary.final_save_failed:
         kept = (f"the final state is in {summary.fallback_checkpoint}" if summary.fallback_checkpoint
-                else f"the newest complete checkpoint is {summary.checkpoint or '(none)'}")
-        return SAVE_FAILED_EXIT_CODE, (
+                else f"the newest complete checkpoint is {newest or '(none)'}")
+        return Outcome(SAVE_FAILED_EXIT_CODE, (
             f"octfw: error: the final checkpoint could not be written ({summary.failed_saves[-1]}); {kept}. "
-            f"When the checkpoint location works again, resume with: {again}"), True
+            f"When the checkpoint location works again, resume with: {again}"), checkpoint=newest)
     if summary.preempted:
         code = INTERRUPTED_EXIT_CODE if summary.interrupted else PREEMPTED_EXIT_CODE
-        return code, (f"octfw: stopped by {summary.stopped}; checkpoint {summary.checkpoint or '(none written)'}. "
-                      f"Resume with: {again}"), True
+        return Outcome(code, f"octfw: stopped by {summary.stopped}; checkpoint {newest or '(none written)'}. "
+                             f"Resume with: {again}", checkpoint=newest)
     if summary.stopped:
-        return STOPPED_BY_GUARD, f"stopped early: {summary.stopped}", True
-    return FINISHED, None, True
+        return Outcome(STOPPED_BY_GUARD, f"stopped early: {summary.stopped}", checkpoint=newest)
+    return Outcome(FINISHED, "", checkpoint=newest)

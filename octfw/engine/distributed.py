@@ -374,6 +374,22 @@ class Peers:
         self._collective(lambda: dist.broadcast_object_list(box, src=0, group=self.group))
         return box[0]
 
+    def decide(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` on rank 0, its result on every process. A UserError it raises (a folder in
+        use, a lease held) is raised on every process: a refusal of the job, never a peer lost."""
+        value, refusal = None, None
+        if self.processes.is_main:
+            try:
+                value = decide()
+            except UserError as exc:
+                refusal = exc
+        value, refused = self.broadcast((value, None if refusal is None else str(refusal)))
+        if refusal is not None:
+            raise refusal
+        if refused is not None:
+            raise UserError(refused)
+        return value
+
     def max(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of every process's ``values`` (small counts and flags)."""
         if self.alone:

@@ -139,35 +139,32 @@ def launch(recipe: Recipe, registry: Registry, resume: str | None = None,
     if kind == "xla":
         require_torch_xla()
     processes, peers = join(kind, recipe.engine.collective_timeout_s)
-    run_dir, finished, owner, created, refusal = None, None, None, False, None
+    run_dir, owner, created = None, None, False
 
     def remove_failed_start(*_: Any) -> None:  # a refusal, a failure or a stop before the first update
         if created and run_dir is not None and _failed_start(run_dir):  # nothing --resume auto could take
             shutil.rmtree(run_dir, ignore_errors=True)
 
+    def decide() -> tuple[Path, dict[str, Any] | None]:  # rank 0: (the run folder, its summary if finished)
+        nonlocal run_dir, owner, created
+        for warning in cadence_warnings(recipe.engine):
+            logger.warning(warning)
+        finished = None
+        if resume == "auto":
+            run_dir, finished = _resumable_run(recipe, registry)
+        if run_dir is None:
+            # A new run folder; with "auto" the checkpointer is still asked for its newest
+            # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
+            run_dir, created = create_run_dir(recipe, registry), True
+        if finished is None:  # rank 0 writes the folder: it holds it until the run ends
+            owner = FolderOwner(run_dir, "run folder")
+            owner.acquire()
+        return run_dir, finished
+
     if stop_requests is not None:
         stop_requests.abandon_hooks.append(remove_failed_start)
     try:
-        if processes.is_main:
-            try:
-                for warning in cadence_warnings(recipe.engine):
-                    logger.warning(warning)
-                if resume == "auto":
-                    run_dir, finished = _resumable_run(recipe, registry)
-                if run_dir is None:
-                    # A new run folder; with "auto" the checkpointer is still asked for its newest
-                    # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
-                    run_dir, created = create_run_dir(recipe, registry), True
-                if finished is None:  # rank 0 writes the folder: it holds it until the run ends
-                    owner = FolderOwner(run_dir, "run folder")
-                    owner.acquire()
-            except UserError as exc:  # the others hear of it, and stop too
-                refusal = exc
-        run_dir, finished, refused = peers.broadcast((run_dir, finished, None if refusal is None else str(refusal)))
-        if refusal is not None:
-            raise refusal
-        if refused is not None:
-            raise UserError(refused)
+        run_dir, finished = peers.decide(decide)  # a refusal on rank 0 is every process's
         if finished is not None:
             raise AlreadyFinished(run_dir, finished)
         run_log = attach_run_log(run_dir) if processes.is_main else None

@@ -84,11 +84,13 @@ POLL_S = 0.1
 @attrs.frozen
 class Outcome:
     """How one process (or one node) ended: its exit code, its one line, whether it is a cause
-    of the job's end or a consequence of another's (a lost peer), and when it was reported."""
+    of the job's end or a consequence of another's (a lost peer), the newest complete checkpoint
+    it knows, when it was reported and by which rank."""
 
     code: int
     line: str
     cause: bool = True
+    checkpoint: str | None = None
     at: float = 0.0
     rank: int | None = None
 
@@ -100,19 +102,19 @@ class Outcome:
         return json.dumps(attrs.asdict(self))
 
 
-def report_outcome(code: int, line: str, *, cause: bool) -> None:
+def report_outcome(outcome: Outcome) -> None:
     """This worker's final line: written for the launcher under ``--nproc-per-node`` (which
-    prints one line for the job), else printed. ``cause``: False when the line only says that
-    another process was lost."""
+    prints one line for the job), else printed."""
     status_dir = os.environ.get(JOB_STATUS_ENV)
     if not status_dir:
-        if line:
-            print(line, file=sys.stderr)
+        if outcome.line:
+            print(outcome.line, file=sys.stderr)
         return
     rank = int(os.environ.get("RANK", "0"))
     path = Path(status_dir) / f"rank{rank:05d}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(Outcome(code, one_line(line), cause, time.time(), rank).to_json(), encoding="utf-8")
+    tmp.write_text(attrs.evolve(outcome, line=one_line(outcome.line), at=time.time(), rank=rank).to_json(),
+                   encoding="utf-8")
     tmp.replace(path)
 
 
@@ -125,41 +127,50 @@ def job_command(fallback: str) -> str:
 
 
 def job_outcome(reports: dict[int, Outcome], exit_codes: dict[int, int], messages: dict[int, str],
-                command: str) -> Outcome:
-    """The job's outcome from every process's report (rank -> :class:`Outcome`), exit code and
-    torch error-file message (a crash before octfw could report it):
+                command: str, ended_at: dict[int, float] | None = None, ended_by_launcher: frozenset = frozenset()
+                ) -> Outcome:
+    """The job's outcome from every process's report (rank -> :class:`Outcome`), exit code, torch
+    error-file message (a crash before octfw could report it), when each ended, and which ranks
+    the launcher itself ended (after the grace, or a second signal):
 
     1. a process that failed with no report: killed by a signal (named), or an exit code that
-       octfw did not choose; it is a cause, found when it ended;
-    2. the first *cause* in time decides the code (a crash, a refusal, a stop, a failed save);
-       the lowest rank with that code says the line (a shared decision: rank 0's, which knows
-       the checkpoint);
+       octfw did not choose; a cause, dated when it ended (one the launcher ended is not a cause);
+    2. the first *cause* in time decides: a silent death is named itself; otherwise its code
+       (a crash, a refusal, a stop, a failed save) is the job's, and the lowest rank that said
+       that code says the line (a shared decision: rank 0's, which knows the checkpoint);
     3. else the consequences (a peer that stopped answering: 76), the lowest rank's;
     4. else every process finished (0, or the lowest rank's line).
     """
-    reports = dict(reports)
+    said, reports = reports, dict(reports)
+    newest = max((r.checkpoint for r in reports.values() if r.checkpoint), default=None)  # step_N: sortable
     for rank, code in exit_codes.items():
         if code != 0 and rank not in reports:
-            reports[rank] = _silent_failure(rank, code, messages.get(rank, ""), command)
+            silent = _silent_failure(rank, code, messages.get(rank, ""), newest, command)
+            reports[rank] = attrs.evolve(silent, at=(ended_at or {}).get(rank, silent.at),
+                                         cause=rank not in ended_by_launcher)
     causes = sorted((r for r in reports.values() if r.cause and r.code != FINISHED), key=lambda r: r.at)
     if causes:
-        code = causes[0].code
-        return min((r for r in causes if r.code == code), key=lambda r: r.rank or 0)
+        first = causes[0]
+        if first.rank not in said:  # a silent death: the first to end is the one named
+            return first
+        return min((r for r in causes if r.code == first.code and r.rank in said), key=lambda r: r.rank or 0)
     failed = [r for r in reports.values() if r.code != FINISHED]
     if failed:
         return min(failed, key=lambda r: r.rank or 0)
     return reports[min(reports)] if reports else Outcome(FINISHED, "")
 
 
-def _silent_failure(rank: int, code: int, message: str, command: str) -> Outcome:
-    """A process that ended without a word from octfw: the job lost it (76)."""
+def _silent_failure(rank: int, code: int, message: str, newest: str | None, command: str) -> Outcome:
+    """A process that ended without a word from octfw: the job lost it (76). ``newest``: the
+    newest complete checkpoint the others know."""
     if code < 0:
         what = f"was {describe(code)}"  # "was killed by SIGKILL": an out-of-memory kill, a kill -9
     else:
         what = f"ended with exit code {code}" + (f" ({one_line(message)})" if message else "")
     return Outcome(PEER_LOST_EXIT_CODE,
-                   f"octfw: error: the process of rank {rank} {what}; the job stopped, and nothing after its "
-                   f"newest checkpoint is saved. Run again: {command}", True, time.time(), rank)
+                   f"octfw: error: the process of rank {rank} {what}; the job stopped, and nothing after the newest "
+                   f"checkpoint ({newest or 'none yet'}) is saved. Run again: {command}", checkpoint=newest, at=time.time(),
+                   rank=rank)
 
 
 def _read_reports(status_dir: Path) -> dict[int, Outcome]:
@@ -316,7 +327,7 @@ class _Node:
             outcomes[missing] = Outcome(
                 PEER_LOST_EXIT_CODE, f"octfw: error: node {missing} of the job never said how it ended (waited "
                 f"engine.collective_timeout_s = {timeout_s:g} s); nothing after the newest checkpoint is saved. "
-                f"Run again: {command}", True, time.time(), missing)
+                f"Run again: {command}", at=time.time(), rank=missing)
         return job_outcome(outcomes, {}, {}, command)
 
 
@@ -353,8 +364,10 @@ def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command:
     failures = result.failures if result is not None else {}
     exit_codes = {ranks[local]: code for local, code in watch.exit_codes.items()}
     messages = {ranks[local]: failure.message for local, failure in failures.items()
-                if failure.error_file_data}  # a crash before octfw could report it (torch's error file)
-    outcome = job_outcome(_read_reports(status_dir), exit_codes, messages, command)
+                if os.path.isfile(failure.error_file)}  # a crash before octfw could report it (torch's error file)
+    outcome = job_outcome(_read_reports(status_dir), exit_codes, messages, command,
+                          ended_at={ranks[local]: at for local, at in watch.ended_at.items()},
+                          ended_by_launcher=frozenset(ranks[local] for local in watch.killed))
     if watch.signals >= 2:  # stopped at once: whatever the workers managed to say
         return Outcome(INTERRUPTED_EXIT_CODE, outcome.line if outcome.code == INTERRUPTED_EXIT_CODE else
                        f"octfw: stopped at once by a second signal; the last complete checkpoint is kept. "
@@ -369,6 +382,8 @@ class _Watch:
     def __init__(self, pids: dict[int, int], grace_s: float):
         self.pids, self.grace_s = pids, grace_s
         self.exit_codes: dict[int, int] = {}
+        self.ended_at: dict[int, float] = {}  #: local rank -> when the launcher saw it end (time.time())
+        self.killed: set[int] = set()  #: local ranks the launcher itself killed
         self.signals = 0
         self._kill_at: float | None = None
         self._previous: dict[int, Any] = {}
@@ -383,15 +398,15 @@ class _Watch:
         for sig in self._previous:
             signal.signal(sig, signal.SIG_IGN)
 
-    def _running(self) -> list[int]:
-        return [pid for local, pid in self.pids.items() if local not in self.exit_codes]
+    def _running(self) -> dict[int, int]:
+        return {local: pid for local, pid in self.pids.items() if local not in self.exit_codes}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals += 1
         if self.signals >= 2:  # stop now: the workers stop where they are, what is left is killed
             deadline = time.monotonic() + (STOP_NOW_GRACE_S if self.signals == 2 else 0.0)
             self._kill_at = min(self._kill_at or deadline, deadline)
-        for pid in self._running():
+        for pid in self._running().values():
             _kill(pid, signum)
 
     def until_all_ended(self) -> None:
@@ -400,15 +415,16 @@ class _Watch:
                 if local not in self.exit_codes:
                     code = _ended(pid)
                     if code is not None:
-                        self.exit_codes[local] = code
+                        self.exit_codes[local], self.ended_at[local] = code, time.time()
             if self._kill_at is None and any(code != 0 for code in self.exit_codes.values()):
                 # A worker failed: the others get the time to notice and say why; a stopped one
                 # is continued, so that it finds its peer gone.
                 self._kill_at = time.monotonic() + self.grace_s
-                for pid in self._running():
+                for pid in self._running().values():
                     _kill(pid, signal.SIGCONT)
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
-                for pid in self._running():
+                for local, pid in self._running().items():
+                    self.killed.add(local)
                     _kill(pid, signal.SIGKILL)
             time.sleep(POLL_S)
 

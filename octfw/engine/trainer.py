@@ -43,7 +43,6 @@ from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, Ru
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import Throughput
 from octfw.engine.update import grad_norm, step_unless_vetoed
-from octfw.errors import UserError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.schedules import effective_lr
@@ -139,17 +138,8 @@ class Trainer:
         """Hold the checkpoint folder (rank 0), train, summarise."""
         checkpointer = self.parts.checkpointer
         claiming = isinstance(checkpointer, ClaimingCheckpointer)
-        refusal = None
-        if self.backend.is_main_process and claiming:  # before an hour is spent
-            try:
-                checkpointer.claim(checkpoint_nbytes(self.model, self.parameters))
-            except UserError as exc:  # a folder in use, a lease held, no room: every process hears it
-                refusal = exc
-        refused = self.peers.broadcast(None if refusal is None else str(refusal))
-        if refusal is not None:
-            raise refusal
-        if refused is not None:
-            raise UserError(refused)
+        if claiming:  # before an hour is spent; a refusal (a folder in use, no room) is every process's
+            self.peers.decide(lambda: checkpointer.claim(checkpoint_nbytes(self.model, self.parameters)))
         try:
             if self._own_stop_requests:
                 with self.stop_requests:
