@@ -63,7 +63,7 @@ class Counting:
         self.every_steps, self.path = config.every_steps, ctx.run_dir / f"evaluated_rank{ctx.rank}.txt"
     def evaluate(self, model, device, update_step):
         with open(self.path, "a") as f:
-            f.write(f"{update_step}\n")
+            f.write(f"{update_step}\\n")
         return {"calls": 1.0}
 
 @hookimpl

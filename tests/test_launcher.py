@@ -126,3 +126,40 @@ def test_silent_deaths_are_ordered_by_when_they_ended_and_the_launchers_own_kill
     only_killed = job_outcome({0: lost(0, 1.0)}, {0: 76, 1: -signal.SIGKILL}, {}, AGAIN,
                               ended_by_launcher=frozenset({1}))
     assert only_killed.code == PEER_LOST_EXIT_CODE and only_killed.rank == 0
+
+
+def test_each_worker_gets_torchruns_environment_with_its_global_rank_and_its_share_of_threads():
+    """Node 1 of 2, 4 processes each: global ranks 4-7, the job's store as MASTER_ADDR:PORT."""
+    import types
+
+    from torch.distributed import HashStore
+
+    from octfw.engine.launcher import _Node
+
+    store = HashStore()
+    for node in (0, 1):
+        store.set(f"octfw/nproc/{node}", "4")
+    rendezvous = types.SimpleNamespace(store=store, rank=1, world_size=2, bootstrap_store_info=types.SimpleNamespace(
+        master_addr="node0.cluster", master_port=29400))
+    node = _Node(rendezvous, 4, "job-7", use_agent_store=True)
+    env = node.environment(2, threads_per_process(4, {}))
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == \
+        ("6", "2", "8", "4", "1")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["TORCHELASTIC_RUN_ID"]) == ("node0.cluster", "29400", "job-7")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["OMP_NUM_THREADS"] == threads_per_process(4, {})
+
+
+def test_nodes_that_run_different_process_counts_are_refused_in_one_line():
+    import types
+
+    import pytest
+    from torch.distributed import HashStore
+
+    from octfw.engine.launcher import _Node
+    from octfw.errors import UserError
+
+    store = HashStore()
+    store.set("octfw/nproc/0", "8")
+    rendezvous = types.SimpleNamespace(store=store, rank=1, world_size=2, bootstrap_store_info=None)
+    with pytest.raises(UserError, match="--nproc-per-node differs between the nodes"):
+        _Node(rendezvous, 4, "job", use_agent_store=True)

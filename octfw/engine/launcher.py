@@ -251,7 +251,8 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
         log.info("job: %s on this node%s", _processes(nproc),
                  f", {node.nodes} nodes meeting at {rdzv_endpoint}" if node.nodes > 1 else "")
         local = _run_workers(node, worker_argv, status_dir, command, timeout_s)
-        outcome = node.agree(local, timeout_s, command)
+        # A node waits for the others as long as their workers may take to end (the grace included).
+        outcome = node.agree(local, timeout_s + LOST_PEER_REPORT_S, command)
     finally:
         # Close the rendezvous as torchrun does: its store thread left running at exit would end the
         # launcher in std::terminate ("terminate called without an active exception", SIGABRT).
@@ -308,14 +309,14 @@ class _Node:
                 "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": str(self.use_agent_store),
                 "OMP_NUM_THREADS": threads}
 
-    def agree(self, local: Outcome, timeout_s: float, command: str) -> Outcome:
+    def agree(self, local: Outcome, wait_s: float, command: str) -> Outcome:
         """The job's outcome, the same on every node: each node's own goes to the store, and
-        :func:`job_outcome` decides over them (a node that never reports was lost)."""
+        :func:`job_outcome` decides over them (a node that never reports within ``wait_s`` was lost)."""
         if self.nodes == 1:
             return local
         try:
             self.store.set(f"octfw/outcome/{self.index}", attrs.evolve(local, rank=self.index).to_json())
-            _count_up(self.store, "octfw/reported", self.nodes, timeout_s)
+            _count_up(self.store, "octfw/reported", self.nodes, wait_s)
             outcomes = {i: Outcome.from_json(self.store.get(f"octfw/outcome/{i}").decode())
                         for i in range(self.nodes) if self.store.check([f"octfw/outcome/{i}"])}
             # The first node hosts the store: it waits until every node has read (bounded).
@@ -326,7 +327,7 @@ class _Node:
         for missing in (i for i in range(self.nodes) if i not in outcomes):
             outcomes[missing] = Outcome(
                 PEER_LOST_EXIT_CODE, f"octfw: error: node {missing} of the job never said how it ended (waited "
-                f"engine.collective_timeout_s = {timeout_s:g} s); nothing after the newest checkpoint is saved. "
+                f"{wait_s:g} s); nothing after the newest checkpoint is saved. "
                 f"Run again: {command}", at=time.time(), rank=missing)
         return job_outcome(outcomes, {}, {}, command)
 
