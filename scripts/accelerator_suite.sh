@@ -1,2 +1,2 @@
 #!/bin/sh
-exec "$(dirname "$0")/../.venv/bin/python" "$(dirname "$0")/../benchmarks/accelerator_suite.py" "$@"
+exec "$(dirname "$0")/../.venv/bin/python" "$(dirname "$0")/../benchmarks/accelerators/accelerator_suite.py" "$@"

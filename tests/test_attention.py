@@ -82,15 +82,18 @@ def test_the_recorder_sees_a_fall_back_to_math():
 
 
 def _load_suite():
-    root = __import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(root))  # the suite imports its sibling _common, as every benchmark does
+    group = __import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks" / "accelerators"
+    paths = [str(group), str(group.parent)]  # its siblings (model_efficiency), and benchmarks/_common.py
+    sys.path[:0] = paths
     try:
-        spec = importlib.util.spec_from_file_location("accelerator_suite", root / "accelerator_suite.py")
+        spec = importlib.util.spec_from_file_location("accelerator_suite", group / "accelerator_suite.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     finally:
-        sys.path.remove(str(root))
+        for path in paths:
+            while path in sys.path:
+                sys.path.remove(path)
 
 
 def test_the_accelerator_suite_records_small_and_base_attention_at_9216_tokens_in_bf16():

@@ -184,14 +184,14 @@ def test_check_sizes_a_run_for_a_stated_device(tiny_recipe, capsys):
     assert "--device-memory 'lots' is not a memory size" in capsys.readouterr().err
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "accelerators"))
 from memory_estimate import CONFIGS, measure_in_fresh_process  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def measured_steps() -> dict:
     """The engine's real update step on the CPU, each configuration in a fresh
-    process (benchmarks/memory_estimate.py: tiny and small at two sizes)."""
+    process (benchmarks/accelerators/memory_estimate.py: tiny and small at two sizes)."""
     return {config: measure_in_fresh_process(*config) for config in CONFIGS}
 
 

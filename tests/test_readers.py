@@ -110,7 +110,7 @@ def test_on_the_held_out_phantom_cysts_a_random_encoders_tokens_beat_their_mean(
     """Issue #39 on real data: the cysts of the held-out phantom family sit in a few tokens. With
     a randomly initialised tiny encoder (the quickstart's, seed 0), the mean-pooled linear probe
     is near chance, while the linear probe on the tokens sees them (200 volumes, 100 patients, half
-    of them test; benchmarks/readers.py measures more)."""
+    of them test; benchmarks/learning/readers.py measures more)."""
     from octfw.recipe import build_component, load_recipe
 
     recipe = load_recipe("recipes/quickstart.toml", [f"run.cache_dir={str(tmp_path)!r}".replace("'", '"')],

@@ -6,7 +6,7 @@ The run happens in a subprocess (torch_xla patches torch process-wide): the
 hygiene configuration of octfw.diagnostics.xla_counters (gradient accumulation 2,
 three guards, EMA, bf16 autocast) on a one-block model, 12 tokens per
 volume, 2 samples per device. Figures at the seeds' size are in
-benchmarks/xla_update_cost.py and docs/performance.md.
+benchmarks/accelerators/xla_update_cost.py and docs/performance.md.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from _common import ROOT, compiled_graphs, forget_compiled, make_trainer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, compiled_graphs, forget_compiled, make_trainer  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 

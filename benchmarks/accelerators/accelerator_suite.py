@@ -53,7 +53,7 @@ Writes ``benchmarks/results/accelerator_suite.json`` (CUDA) or
 ``accelerator_suite_cpu.json`` and prints a table.
 
 ``--mode end-to-end`` measures what a user's run gets instead
-(``benchmarks/_end_to_end.py``): the CUDA tests, each SDPA kernel alone at
+(``benchmarks/accelerators/_end_to_end.py``): the CUDA tests, each SDPA kernel alone at
 the seeds' token count (time and largest difference against fp32 math), then
 ``octfw prepare`` writes a uint8 store and the real loader streams it with
 ``--workers`` workers into the update step, per preset with compile off and
@@ -75,12 +75,15 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from _common import ROOT, compiled_graphs, forget_compiled, machine, make_trainer, median, write_result
-from model_efficiency import matmul_peak
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, compiled_graphs, forget_compiled, machine, make_trainer, median, write_result  # noqa: E402
+from model_efficiency import matmul_peak  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 SEED_IMAGE = [64, 384, 384]  # the seeds' volume: 9,216 patches of [4, 16, 16]

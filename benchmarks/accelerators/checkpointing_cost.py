@@ -5,22 +5,26 @@ Both sides are the real Trainer (fed from batches built once in memory, see
 ``_common.make_trainer``) on the same batches; they run in alternating blocks
 of steps, so load from other work falls on both alike. Printed as the ratio
 of median step times (on / off). The memory side is in
-``benchmarks/memory_estimate.py``.
+``benchmarks/accelerators/memory_estimate.py``.
 
-    PJRT_DEVICE=CPU python benchmarks/checkpointing_cost.py [--device cpu|cuda] [--rounds 6]
+    PJRT_DEVICE=CPU python benchmarks/accelerators/checkpointing_cost.py [--device cpu|cuda] [--rounds 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
+from pathlib import Path
 
 import torch
 
-from _common import ROOT, alternate, machine, make_trainer, median, octfw_step, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, alternate, machine, make_trainer, median, octfw_step, write_result  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
-#: (preset, image size, per-device batch): the sizes of benchmarks/memory_estimate.py.
+#: (preset, image size, per-device batch): the sizes of benchmarks/accelerators/memory_estimate.py.
 CASES = [("tiny", [64, 192, 192], 2), ("small", [32, 192, 192], 1)]
 
 

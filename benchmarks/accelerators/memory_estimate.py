@@ -9,8 +9,8 @@ process started with ``MALLOC_MMAP_THRESHOLD_`` fixed, so that freed tensors
 leave the resident set at once. ``tests/test_memory.py`` asserts the 20 % bound
 on the same measurement.
 
-    python benchmarks/memory_estimate.py                      # the table, JSON in results/
-    python benchmarks/memory_estimate.py --one small 32,192,192 1 1   # one configuration
+    python benchmarks/accelerators/memory_estimate.py                      # the table, JSON in results/
+    python benchmarks/accelerators/memory_estimate.py --one small 32,192,192 1 1   # one configuration
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: (preset, image size D,H,W, per-device batch, activation checkpointing)
 CONFIGS = [
@@ -41,6 +41,7 @@ def measure_one(preset: str, size: str, batch: int, checkpointing: bool) -> dict
 
     from octfw.diagnostics.memory import estimate_memory, peak_rss_growth
     from octfw.engine.trainer import Trainer
+    from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
     from octfw.rundir import create_run_dir
@@ -51,7 +52,7 @@ def measure_one(preset: str, size: str, batch: int, checkpointing: bool) -> dict
         "dataset.n_volumes=6", f"model.preset={json.dumps(preset)}", f"transform.image_size=[{size}]",
         f"model.activation_checkpointing={str(checkpointing).lower()}",
         f"engine.per_device_batch={batch}", "engine.grad_accum_steps=1"], registry)
-    trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
+    trainer = Trainer(plan_for_folder(recipe, registry, create_run_dir(recipe, registry)), registry)
     first = next(trainer.batches)
     trainer.batches = iter([first] * 3)  # no loader work inside the measured step
     trainer.update(0)  # AdamW's moments come to life on the first update
@@ -86,7 +87,7 @@ def main() -> None:
         preset, size, batch, checkpointing = sys.argv[2:6]
         print(json.dumps(measure_one(preset, size, int(batch), checkpointing == "1")))
         return
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
     from _common import machine, write_result
 
     rows = [measure_in_fresh_process(*config) for config in CONFIGS]

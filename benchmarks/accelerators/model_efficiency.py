@@ -15,17 +15,21 @@ the seeds' full [64, 384, 384] (9,216 patches) takes minutes per step; the
 default here is [32, 128, 128] (512 patches), ``--small-full`` uses the full size.
 Prints one line per figure and writes ``benchmarks/results/model_efficiency.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/model_efficiency.py [--device cpu|cuda] [--small-full]
+    PJRT_DEVICE=CPU python benchmarks/accelerators/model_efficiency.py [--device cpu|cuda] [--small-full]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from _common import ROOT, machine, make_trainer, median, octfw_step, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, machine, make_trainer, median, octfw_step, write_result  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 

@@ -31,7 +31,7 @@ The machine is shared (2 cores, other agents): compile times are indicative;
 the load average is recorded. Prints a table and writes
 ``benchmarks/results/xla_update_cost.json``.
 
-    python benchmarks/xla_update_cost.py [--only steps|compile] [--presets tiny,small]
+    python benchmarks/accelerators/xla_update_cost.py [--only steps|compile] [--presets tiny,small]
 
 ``--presets tiny`` keeps the other presets' compile entries of the previous
 JSON, marked ``kept_from_earlier_run``; ``--only`` keeps the other part.
@@ -50,7 +50,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS, ROOT, machine, octfw_step, run_subprocess, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import RESULTS, ROOT, machine, octfw_step, run_subprocess, write_result  # noqa: E402
 
 from octfw.diagnostics.xla_hlo import compiled_modules, dump_flags, module_report, record_update_steps
 
@@ -70,6 +72,7 @@ def tokens(image: tuple[int, int, int]) -> int:
 def seeds_trainer(preset: str, image: tuple[int, int, int], accum: int, n_volumes: int, log_every: int, out: Path):
     """The real Trainer on the seeds' recipe, on xla, with synthetic volumes of ``image``."""
     from octfw.engine.trainer import Trainer
+    from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
     from octfw.rundir import create_run_dir
@@ -81,7 +84,7 @@ def seeds_trainer(preset: str, image: tuple[int, int, int], accum: int, n_volume
         f"engine.log_every_steps={log_every}", "engine.checkpoint_every_steps=100000",
         f"transform.image_size=[{image[0]},{image[1]},{image[2]}]", f"model.preset={preset}",
         f"dataset.n_volumes={n_volumes}", 'logger=[{name="jsonl"}]'], registry)
-    return Trainer(recipe, registry, create_run_dir(recipe, registry))
+    return Trainer(plan_for_folder(recipe, registry, create_run_dir(recipe, registry)), registry)
 
 
 def gradients(trainer) -> dict[str, Any]:

@@ -37,8 +37,8 @@ waits), one with 0 workers one core. Writes ``benchmarks/results/data_path.json`
 and the profile of octfw's stream (cProfile, the 25 costliest functions by
 their own time) to ``benchmarks/results/data_path_profile.txt``.
 
-    PJRT_DEVICE=CPU python benchmarks/data_path.py --volumes 6
-    PJRT_DEVICE=CPU python benchmarks/data_path.py --smoke
+    PJRT_DEVICE=CPU python benchmarks/data_path/data_path.py --volumes 6
+    PJRT_DEVICE=CPU python benchmarks/data_path/data_path.py --smoke
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from _common import ROOT, machine, write_result  # noqa: E402
 

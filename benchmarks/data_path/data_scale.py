@@ -30,8 +30,8 @@ Disk: the 240-volume cohort takes 11 GB of DICOM and 1.9 GB prepared
 ``benchmarks/results/data_scale.json``; ``--smoke`` runs every path
 on a few small volumes and writes ``data_scale_smoke.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/data_scale.py --volumes 240
-    PJRT_DEVICE=CPU python benchmarks/data_scale.py --smoke
+    PJRT_DEVICE=CPU python benchmarks/data_path/data_scale.py --volumes 240
+    PJRT_DEVICE=CPU python benchmarks/data_path/data_scale.py --smoke
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from _common import ROOT, machine, write_result  # noqa: E402
 

@@ -14,7 +14,7 @@ recipe's dataset and transform, ``SampleSource``, ``make_loader``):
 
 Prints one line per figure and writes ``benchmarks/results/data_throughput.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/data_throughput.py [--recipe recipes/quickstart.toml]
+    PJRT_DEVICE=CPU python benchmarks/data_path/data_throughput.py [--recipe recipes/quickstart.toml]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from octfw.errors import CorruptFile
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def raw_decode(dataset) -> float:

@@ -22,7 +22,7 @@ same cores (and the emulator is a Python server on them too); ``--threads 1``
 gives training one core (``OMP_NUM_THREADS=1``), as an accelerator host has
 cores to spare, to show what the overlap is worth there.
 
-Usage: ``PJRT_DEVICE=CPU .venv/bin/python benchmarks/checkpoint_overhead.py [--rounds 3] [--threads 1]``
+Usage: ``PJRT_DEVICE=CPU .venv/bin/python benchmarks/engine/checkpoint_overhead.py [--rounds 3] [--threads 1]``
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the GCS emulator helper
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the GCS emulator helper
 
 from _common import ROOT, machine, write_result  # noqa: E402
 from gcs_emulator import GCSEmulator  # noqa: E402

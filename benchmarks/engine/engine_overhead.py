@@ -23,14 +23,18 @@ Devices: the CPU (eager), and torch_xla on the CPU in a subprocess
 cycle through the same batches, built once and already on the device.
 Prints one line per figure and writes ``benchmarks/results/engine_overhead.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/engine_overhead.py [--rounds 15] [--block 10]
+    PJRT_DEVICE=CPU python benchmarks/engine/engine_overhead.py [--rounds 15] [--block 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from _common import ROOT, HandLoop, alternate, make_trainer, median, octfw_step, publish, xla_side
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, HandLoop, alternate, make_trainer, median, octfw_step, publish, xla_side  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 GUARDED = 'guard=[{name="nan-skip"},{name="grad-clip",max_norm=1.0}]'

@@ -19,15 +19,19 @@ the EMA update are written with out-of-place ops and one copy back.
 Prints one line per figure, ratios against ``torch-default``, and writes
 ``benchmarks/results/optimizer_step.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/optimizer_step.py [--device both|cpu|xla] [--rounds 20]
+    PJRT_DEVICE=CPU python benchmarks/engine/optimizer_step.py [--device both|cpu|xla] [--rounds 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from _common import ROOT, alternate, make_trainer, median, publish, xla_side
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, alternate, make_trainer, median, publish, xla_side  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 

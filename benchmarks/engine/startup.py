@@ -6,7 +6,7 @@ several repeats (interleaved, so machine noise hits all three alike).
 reference; ``check`` imports torch and builds and runs one batch.
 Prints one line per figure and writes ``benchmarks/results/startup.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/startup.py [--repeats 5]
+    PJRT_DEVICE=CPU python benchmarks/engine/startup.py [--repeats 5]
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from _common import ROOT, machine, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, machine, write_result  # noqa: E402
 
 COMMANDS = {
     "import torch": [sys.executable, "-c", "import torch"],

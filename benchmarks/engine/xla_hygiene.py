@@ -8,7 +8,7 @@ counting is octfw.diagnostics.xla_counters, shared with the hygiene test
 (tests/test_xla_engine.py), run in a subprocess (torch_xla patches torch).
 Prints one line per figure and writes ``benchmarks/results/xla_hygiene.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/xla_hygiene.py [--steps 200] [--log-every 10]
+    PJRT_DEVICE=CPU python benchmarks/engine/xla_hygiene.py [--steps 200] [--log-every 10]
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import ROOT, machine, run_subprocess, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, machine, run_subprocess, write_result  # noqa: E402
 
 from octfw.diagnostics.xla_counters import HYGIENE_OVERRIDES, summarize
 

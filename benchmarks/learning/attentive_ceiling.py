@@ -23,15 +23,19 @@ read five ways, with the evaluator's default grid (18 members):
 Prints balanced accuracy per split and writes
 ``benchmarks/results/attentive_ceiling.json``.
 
-    PJRT_DEVICE=CPU OMP_NUM_THREADS=1 python benchmarks/attentive_ceiling.py --splits 3
+    PJRT_DEVICE=CPU OMP_NUM_THREADS=1 python benchmarks/learning/attentive_ceiling.py --splits 3
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from _common import attentive_probe_parts, default_attentive_grid, machine, random_quickstart_encoder, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import attentive_probe_parts, default_attentive_grid, machine, random_quickstart_encoder, write_result  # noqa: E402
 
 DATASET = {"name": "phantom-oct", "family": "held-out", "n_volumes": 200, "labels": True, "seed": 1}
 

@@ -18,15 +18,19 @@ Prints balanced accuracy per cohort size and split and writes
 ``benchmarks/results/attentive_sample_need.json``. One torch thread; the
 2,000-volume cohort takes about 10 minutes per split on one core.
 
-    PJRT_DEVICE=CPU OMP_NUM_THREADS=1 python benchmarks/attentive_sample_need.py --volumes 200 500 1000 2000
+    PJRT_DEVICE=CPU OMP_NUM_THREADS=1 python benchmarks/learning/attentive_sample_need.py --volumes 200 500 1000 2000
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from _common import attentive_probe_parts, default_attentive_grid, machine, random_quickstart_encoder, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import attentive_probe_parts, default_attentive_grid, machine, random_quickstart_encoder, write_result  # noqa: E402
 
 
 def main() -> None:

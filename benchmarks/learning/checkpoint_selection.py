@@ -14,7 +14,7 @@ engine.base_lr=3e-5 --set 'transform.mask={generator="multiblock3d"}' --set
 engine.checkpoint_every_steps=3000 --set checkpointer.keep_last=10`` (the
 recipe's settings now), on the thinning and lesion tasks:
 
-    PJRT_DEVICE=CPU python benchmarks/checkpoint_selection.py \\
+    PJRT_DEVICE=CPU python benchmarks/learning/checkpoint_selection.py \\
         --runs RUN_DIR_SEED0 RUN_DIR_SEED1 --tasks thinning lesion
 
 ``--smoke`` pretrains two tiny runs itself (a few updates, a checkpoint every
@@ -27,13 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import machine, write_result
-from pretraining_gain import EVAL_VOLUMES, eval_recipe, pretrain, probe_options
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import machine, write_result  # noqa: E402
+from pretraining_gain import EVAL_VOLUMES, eval_recipe, pretrain, probe_options  # noqa: E402
 
 PROBE = "attentive-probe"
 METRIC = "balanced_accuracy"

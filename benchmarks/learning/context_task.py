@@ -42,7 +42,7 @@ No pretrained encoder is probed here. One torch thread. Each shape runs on
 its own cohort folder (``--work``); results of every shape run are merged
 into ``benchmarks/results/context_task.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/context_task.py --shapes reversal-AB [--n-volumes 200] [--splits 4] [--encoder-seeds 0 1 2]
+    PJRT_DEVICE=CPU python benchmarks/learning/context_task.py --shapes reversal-AB [--n-volumes 200] [--splits 4] [--encoder-seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -50,14 +50,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from _common import RESULTS, ROOT, machine, write_result
-from synthetic_tasks import GIVEN_AWAY, RECIPE, VISIBLE, Harness, probe, voxel_features
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import RESULTS, ROOT, machine, write_result  # noqa: E402
+from synthetic_tasks import GIVEN_AWAY, RECIPE, VISIBLE, Harness, probe, voxel_features  # noqa: E402
 
 L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 TOKEN_L2_GRID = (1e-2, 1.0, 100.0)

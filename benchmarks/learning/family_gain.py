@@ -3,7 +3,7 @@
 Every recipe choice of octfw was made on ``synthetic-oct`` (the cohort the
 recipes pretrain on) or on the ``phantom-oct`` tuning family; this measures
 on the ``held-out`` family, whose renderer shares nothing with either but the
-DICOM writer, and whose task was sized (``benchmarks/phantom_tasks.py``)
+DICOM writer, and whose task was sized (``benchmarks/learning/phantom_tasks.py``)
 before any pretrained encoder was probed on it.
 
 Two phases, so that pretraining can run where it is fast (a GPU) and probing
@@ -39,9 +39,9 @@ std over seeds x splits: pretrained, random init, paired gap) and writes one
 JSON per method, ``benchmarks/results/family_gain_<recipe>-<id>.json``,
 named after the recipe it measured (:func:`pretraining_gain.measured_recipe_id`).
 
-    python benchmarks/family_gain.py pretrain --out /tmp/fg --updates auto --jobs 8 --device cuda
-    PJRT_DEVICE=CPU python benchmarks/family_gain.py probe --out /tmp/fg
-    PJRT_DEVICE=CPU python benchmarks/family_gain.py smoke     # the whole path, small, in minutes
+    python benchmarks/learning/family_gain.py pretrain --out /tmp/fg --updates auto --jobs 8 --device cuda
+    PJRT_DEVICE=CPU python benchmarks/learning/family_gain.py probe --out /tmp/fg
+    PJRT_DEVICE=CPU python benchmarks/learning/family_gain.py smoke     # the whole path, small, in minutes
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, write_result
-from pretraining_gain import mean_std, measured_recipe_id
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, machine, write_result  # noqa: E402
+from pretraining_gain import mean_std, measured_recipe_id  # noqa: E402
 
 METHODS = {"vjepa3d": ROOT / "recipes" / "pretrain_cpu.toml", "mae3d": ROOT / "recipes" / "mae_cpu.toml",
            "vjepa3d-dense": ROOT / "recipes" / "pretrain_dense_cpu.toml",

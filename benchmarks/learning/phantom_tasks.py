@@ -19,17 +19,20 @@ its functions, on the families' cohorts:
 
 No pretrained encoder is probed here. Writes ``benchmarks/results/phantom_tasks.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/phantom_tasks.py [--families tuning held-out] [--scales 0.6 0.8 1.0]
+    PJRT_DEVICE=CPU python benchmarks/learning/phantom_tasks.py [--families tuning held-out] [--scales 0.6 0.8 1.0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from _common import RESULTS, ROOT, machine, write_result
-from synthetic_tasks import GIVEN_AWAY, KNN_K, RECIPE, VISIBLE, Harness, line, measure
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import RESULTS, ROOT, machine, write_result  # noqa: E402
+from synthetic_tasks import GIVEN_AWAY, KNN_K, RECIPE, VISIBLE, Harness, line, measure  # noqa: E402
 
 TASKS = {"tuning": "drusen", "held-out": "cysts"}  # octfw.plugins.datasets.phantom.config.FAMILY_TASKS
 GRID = (0.6, 0.8, 1.0, 1.2, 1.5)

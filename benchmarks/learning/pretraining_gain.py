@@ -32,8 +32,8 @@ on 2 CPUs); ``--smoke`` checks the whole path (about 3 minutes on a 2-CPU
 machine shared with other work, less alone) and says nothing about
 pretraining: 8-20 updates on 24 volumes.
 
-    PJRT_DEVICE=CPU python benchmarks/pretraining_gain.py --budget-minutes 10
-    PJRT_DEVICE=CPU python benchmarks/pretraining_gain.py --smoke
+    PJRT_DEVICE=CPU python benchmarks/learning/pretraining_gain.py --budget-minutes 10
+    PJRT_DEVICE=CPU python benchmarks/learning/pretraining_gain.py --smoke
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ import hashlib
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, machine, write_result  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "pretrain_cpu.toml"
 TASKS = ("lesion", "fluid", "thinning", "finding")

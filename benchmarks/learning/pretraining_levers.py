@@ -23,20 +23,23 @@ interrupted screen resumes where it stopped. Prints, per lever, the gap
 task and probe, and its change against the baseline's; writes
 ``benchmarks/results/pretraining_levers.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/pretraining_levers.py --work-dir /tmp/levers
-    PJRT_DEVICE=CPU python benchmarks/pretraining_levers.py --work-dir /tmp/levers --only baseline mse
+    PJRT_DEVICE=CPU python benchmarks/learning/pretraining_levers.py --work-dir /tmp/levers
+    PJRT_DEVICE=CPU python benchmarks/learning/pretraining_levers.py --work-dir /tmp/levers --only baseline mse
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, write_result
-from pretraining_gain import EVAL_VOLUMES, RECIPE, measure, probe_options, summarise
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, machine, write_result  # noqa: E402
+from pretraining_gain import EVAL_VOLUMES, RECIPE, measure, probe_options, summarise  # noqa: E402
 
 #: Every run starts from the recipe as it was when the levers were screened (it
 #: now sets the winner of the full-budget runs, multiblock masking at LR 3e-5).

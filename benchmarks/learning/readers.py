@@ -15,16 +15,20 @@ half the patients train) over ``--splits`` patient-level splits:
 Prints balanced accuracy and AUROC (mean ± std over splits) and writes
 ``benchmarks/results/readers.json``.
 
-    PJRT_DEVICE=CPU OMP_NUM_THREADS=1 python benchmarks/readers.py --splits 3
+    PJRT_DEVICE=CPU OMP_NUM_THREADS=1 python benchmarks/learning/readers.py --splits 3
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from _common import machine, random_quickstart_encoder, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import machine, random_quickstart_encoder, write_result  # noqa: E402
 
 DATASET = {"name": "phantom-oct", "family": "held-out", "n_volumes": 200, "labels": True, "seed": 1}
 READINGS = (("linear-probe", ""), ("linear-probe", "tokens_"), ("knn", ""), ("knn", "tokens_"),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,8 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import machine, write_result
-from family_gain import PRETRAIN_VOLUMES, PROBES, eval_recipe, format_table, score_encoder, summarise
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import machine, write_result  # noqa: E402
+from family_gain import PRETRAIN_VOLUMES, PROBES, eval_recipe, format_table, score_encoder, summarise  # noqa: E402
 
 FAMILY = "context"
 PRETRAIN_SEED = 0  # family_gain's pretraining cohort of every setting

@@ -41,17 +41,20 @@ vjepa3d ``tiny``, patches 4 x 16 x 16):
 
 Writes ``benchmarks/results/synthetic_tasks.json``.
 
-    PJRT_DEVICE=CPU python benchmarks/synthetic_tasks.py [--tasks fluid thinning] [--splits 10]
+    PJRT_DEVICE=CPU python benchmarks/learning/synthetic_tasks.py [--tasks fluid thinning] [--splits 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py, shared by every group
+
+from _common import ROOT, machine, write_result  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "quickstart_eval.toml"
 VISIBLE = 0.90

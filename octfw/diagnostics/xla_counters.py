@@ -2,7 +2,7 @@
 transfers counted before every update step.
 
 Used by ``tests/xla/engine_hygiene.py`` (the hygiene test) and
-``benchmarks/xla_hygiene.py``. It imports torch_xla, which patches torch for
+``benchmarks/engine/xla_hygiene.py``. It imports torch_xla, which patches torch for
 the whole process: call it only in a process of its own, e.g.
 ``PJRT_DEVICE=CPU python -m octfw.diagnostics.xla_counters RECIPE STEPS [LOG_EVERY]``,
 which prints the result as one JSON line.
@@ -34,6 +34,7 @@ def counted_run(recipe_path: Path, steps: int, log_every: int = 10, overrides: t
     import torch_xla.distributed.parallel_loader as pl
 
     from octfw.engine.trainer import Trainer
+    from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
     from octfw.rundir import create_run_dir
@@ -57,7 +58,7 @@ def counted_run(recipe_path: Path, steps: int, log_every: int = 10, overrides: t
 
     pl.MpDeviceLoader.__init__ = counting_init
     try:
-        trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
+        trainer = Trainer(plan_for_folder(recipe, registry, create_run_dir(recipe, registry)), registry)
         rows: list[dict[str, int]] = []
         update = trainer.update
 

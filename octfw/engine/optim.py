@@ -17,7 +17,7 @@ Why octfw has its own AdamW on xla and cuda:
   (``torch._foreach_*``), out-of-place ops and one copy back per tensor.
   torch's multi-tensor AdamW refuses ``capturable`` (device step counts) on
   xla, and its per-tensor path steps 3.4 times slower there
-  (``benchmarks/optimizer_step.py``). In eager mode (CUDA) the out-of-place
+  (``benchmarks/engine/optimizer_step.py``). In eager mode (CUDA) the out-of-place
   ops cost extra memory passes: on the CPU it steps 2.8 times slower than
   torch's AdamW, which is why the engine keeps torch's AdamW there.
 - Parameters of one group that have stepped together share one step-count
@@ -150,7 +150,7 @@ class GatedAdamW(torch.optim.Optimizer):
 
         # Out-of-place ops, then one copy per tensor: torch_xla traces addcmul_
         # or lerp_ in place 4 to 7 times slower than the same arithmetic out of
-        # place (benchmarks/optimizer_step.py); xla fuses the intermediates away.
+        # place (benchmarks/engine/optimizer_step.py); xla fuses the intermediates away.
         new_moments = torch._foreach_add(torch._foreach_mul(moments, keep1), grads, alpha=1.0 - beta1)
         new_squares = torch._foreach_add(torch._foreach_mul(squares, keep2), torch._foreach_mul(grads, grads),
                                          alpha=1.0 - beta2)

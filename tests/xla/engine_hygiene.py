@@ -2,7 +2,7 @@
 process-wide): the real engine on the XLA CPU device, with the compile and
 device-to-host transfer counters taken before every update step, printed as
 JSON. The counting lives in octfw.diagnostics.xla_counters, shared with
-benchmarks/xla_hygiene.py."""
+benchmarks/engine/xla_hygiene.py."""
 
 import json
 import sys

@@ -7,7 +7,7 @@ vendors and findings), so a lever can be checked on data it was not tuned
 on. ``tuning`` (drusen) and ``held-out`` (intraretinal cysts) differ from
 each other as much as from ``synthetic-oct``; ``context`` carries a finding
 that only the relation of the retina's regions defines (sized by
-``benchmarks/context_task.py``). Each patient has two eyes, so
+``benchmarks/learning/context_task.py``). Each patient has two eyes, so
 evaluation splits whole patients (the manifest's ``patient`` column).
 
 Registration and factory; the config lives in :mod:`octfw.plugins.datasets.phantom.config`,

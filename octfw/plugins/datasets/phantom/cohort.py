@@ -33,8 +33,8 @@ __all__ = ["GENERATOR_VERSION", "COHORT_FILE", "MANIFEST_FILE", "Vendor", "famil
            "cohort_options", "cohort_key", "write_phantom_cohort"]
 
 #: Bumped whenever a family's output changes, so cached cohorts are written again.
-GENERATOR_VERSION = 4  # 2: findings four times larger (sized by benchmarks/phantom_tasks.py); 3: finding masks;
-#                        4: the context family's reversal (benchmarks/context_task.py)
+GENERATOR_VERSION = 4  # 2: findings four times larger (sized by benchmarks/learning/phantom_tasks.py); 3: finding masks;
+#                        4: the context family's reversal (benchmarks/learning/context_task.py)
 COHORT_FILE = "cohort.json"
 MANIFEST_FILE = "manifest.jsonl"
 EYES = ("OD", "OS")

@@ -29,7 +29,7 @@ class PhantomOctConfig:
         "held-out (cysts: small dark pockets in the inner retina; vendors optopol, bioptigen, "
         "moptim) or context (reversal: a normal eye's inner retina is brighter below the fovea than "
         "above it, a positive eye's the other way round (the same reflectivities, halves swapped); vendors "
-        "tomey, visionix, thorlabs; sized by benchmarks/context_task.py). Drawn by code that shares "
+        "tomey, visionix, thorlabs; sized by benchmarks/learning/context_task.py). Drawn by code that shares "
         "nothing with synthetic-oct's renderer, so a lever tuned on one family can be checked on the others.",
         default="tuning",
         validator=choices(*FAMILY_TASKS),
@@ -47,12 +47,12 @@ class PhantomOctConfig:
     )
     task: str | None = doc(
         "The family's task (drusen, cysts or reversal); unset: the family's. Named only to make a recipe "
-        "say what it measures. Sizes and how they were chosen: benchmarks/phantom_tasks.py.",
+        "say what it measures. Sizes and how they were chosen: benchmarks/learning/phantom_tasks.py.",
         default=None,
         validator=_task,
     )
     finding_scale: float = doc(
-        "Multiplies the finding's size (1.0: as sized by benchmarks/phantom_tasks.py).",
+        "Multiplies the finding's size (1.0: as sized by benchmarks/learning/phantom_tasks.py).",
         default=1.0,
         validator=positive,
     )

@@ -20,7 +20,7 @@ rule) and a positive eye's the other way round, by 20-40 % either side.
 A positive eye holds a normal eye's two reflectivities with the halves
 swapped, so its brightness histogram is a normal eye's (up to the halves'
 sizes, which the fovea's place sets); only which half is which differs.
-Sizing (``benchmarks/context_task.py``, its ``HISTORY`` and
+Sizing (``benchmarks/learning/context_task.py``, its ``HISTORY`` and
 docs/evaluation.md "A task that needs learned features"): on 200 volumes
 the voxel probe sees the reversal (0.965) while no reader of a random-init
 encoder's tokens recovers more than half of that margin (at most 0.649),
@@ -68,7 +68,7 @@ class Shape:
     width: tuple[float, float]
 
 
-#: The finding of a positive eye. Sized by benchmarks/context_task.py; its HISTORY lists every shape tried.
+#: The finding of a positive eye. Sized by benchmarks/learning/context_task.py; its HISTORY lists every shape tried.
 FINDING = Shape("reversal", size=(0.2, 0.4), width=(0.3, 0.6))  # "reversal-AB", sized on 200 volumes
 
 

@@ -36,7 +36,7 @@ INNER_LAYERS = 5  # NFL to OPL: they thin away in the fovea
 INL = 3  # the inner nuclear layer, where the cysts form
 LOG_RANGE = 200.0  # the log compression's dynamic range (intensity 1 -> full scale)
 #: Cysts at finding_scale 1: lateral and axial radius ranges (mm), how many, and how far from
-#: the fovea. Sized by benchmarks/phantom_tasks.py (its HISTORY lists the shapes tried): cysts
+#: the fovea. Sized by benchmarks/learning/phantom_tasks.py (its HISTORY lists the shapes tried): cysts
 #: alone were read by an attentive probe on a random encoder before the voxels saw them; with
 #: the swelling of the layer they sit in, the voxels see the finding first.
 CYST_RADIUS = (0.15, 0.30)

@@ -33,7 +33,7 @@ KNOT_LEVEL = np.array([0.5, 0.9, 0.6, 0.3, 0.45, 0.12, 0.4, 0.06, 0.5, 0.25, 0.7
 RPE_THICKNESS = 0.03  # mm, the epithelium's band below its surface
 DEPOSIT_LEVEL = 0.45  # drusen material between the lifted epithelium and Bruch's membrane
 #: Drusen at finding_scale 1: radius and height ranges (mm), how many, and how far from the
-#: fovea. Sized by benchmarks/phantom_tasks.py (its HISTORY lists the shapes tried): a few large, soft
+#: fovea. Sized by benchmarks/learning/phantom_tasks.py (its HISTORY lists the shapes tried): a few large, soft
 #: drusen in the central macula; spread over the whole macula they were either invisible on
 #: the voxels or given away to random encoders.
 DRUSEN_RADIUS = (0.6, 1.05)

@@ -90,7 +90,7 @@ CHUNK = "c/0/0/0"
 #: Storage dtypes: ``auto`` picks uint8 for 8-bit sources, else float16.
 DTYPES = ("auto", "uint8", "float16")
 # zstd at a low level: most of its ratio at a small share of its time
-# (benchmarks/data_scale.py); bit shuffle groups the bits that change slowly.
+# (benchmarks/data_path/data_scale.py); bit shuffle groups the bits that change slowly.
 _COMPRESSOR = {"name": "blosc", "configuration": {"cname": "zstd", "clevel": 3, "shuffle": "bitshuffle"}}
 
 

@@ -26,7 +26,7 @@ classification task (see :data:`TASKS`): a bright lesion, sub-retinal fluid
 (a dark dome that lifts the retina off the pigment epithelium) or thinning
 of the outer nuclear layer over a region. Their sizes were fixed by
 measurement before any pretrained encoder was probed on them; see
-docs/evaluation.md and benchmarks/synthetic_tasks.py.
+docs/evaluation.md and benchmarks/learning/synthetic_tasks.py.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ _LOG_FLOOR = 100.0
 
 # Finding geometry at finding_scale 1, in the generator's units: z and x run
 # over [-1, 1] across the scan (6 mm), y over [0, 1] down the B-scan (about
-# 2 mm). Sized by benchmarks/synthetic_tasks.py (docs/evaluation.md).
+# 2 mm). Sized by benchmarks/learning/synthetic_tasks.py (docs/evaluation.md).
 _FLUID_RADII = (0.45, 0.3)  # (z, x) half-widths of the fluid dome's footprint
 _FLUID_HEIGHT = 0.21  # the dome's peak height, as a fraction of H (~0.4 mm)
 _THINNED_LAYER = 4  # the outer nuclear layer: photoreceptor nuclei, lost in atrophy

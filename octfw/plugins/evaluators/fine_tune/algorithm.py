@@ -21,7 +21,7 @@ network. The protocol, scaled to the CPU:
   competes with every fine-tuning epoch. A fresh head trained together with
   the encoder for 15 epochs of 3 steps answered one class on the reversal
   task even on an encoder trained with its labels (issue #39,
-  ``benchmarks/supervised_ceiling.py``);
+  ``benchmarks/learning/supervised_ceiling.py``);
 - ``blocks``: ``"all"`` trains the whole encoder, patch embedding included;
   an int ``k`` only the last ``k`` blocks, the final norm and the head. The
   frozen part (patch embedding, positions and the blocks before them) then
