@@ -1,19 +1,23 @@
 """The ``octfw`` command line: parse, dispatch to a command, report user mistakes.
 
-Each command is a module of :mod:`octfw.commands` with ``add_parser``; what a
-command does beyond parsing lives in the feature it serves (:mod:`octfw.engine`,
+octfw's own commands are the modules of :mod:`octfw.commands`, each with
+``add_parser``; plugins add theirs through ``octfw_register_commands``
+(:func:`octfw.registry.load_commands`: ``octfw prepare`` is the ``prepared``
+dataset's), and ``octfw --help`` lists both by name. What a command does beyond
+parsing lives in the feature it serves (:mod:`octfw.engine`,
 :mod:`octfw.diagnostics`, :mod:`octfw.evaluation`, :mod:`octfw.encoder`, a
 component's package). User mistakes (bad recipe, missing file, unknown
-component) print one readable message per problem and exit with code 2;
-``--debug`` shows the traceback. A reader of stdout that goes away
-(``octfw list | head -2``) ends the command quietly, exit 141. ``list``,
-``show`` and recipe validation never import torch.
+component, two commands of one name) print one readable message per problem and
+exit with code 2; ``--debug`` shows the traceback. A reader of stdout that goes
+away (``octfw list | head -2``) ends the command quietly, exit 141. ``--help``,
+``list``, ``show`` and recipe validation never import torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import pkgutil
 import sys
@@ -31,6 +35,15 @@ FIRST_COMMANDS = ("run", "check", "show", "list")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command, octfw's own and the installed plugins'."""
+    return _build_parser()[0]
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, set[str], list]:
+    """The parser, the names of its commands and the plugins that failed to load (reported where
+    they matter: by the commands that load the registry, and when the command asked for is unknown)."""
+    from octfw.registry import BUILTIN_DISTRIBUTION, load_commands
+
     parser = argparse.ArgumentParser(
         prog="octfw",
         description="Self-supervised pretraining of 3D OCT foundation models, composed from plugins.",
@@ -38,11 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"octfw {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    names = [m.name for m in pkgutil.iter_modules(octfw.commands.__path__) if not m.name.startswith("_")]
-    for name in sorted(names, key=lambda n: (FIRST_COMMANDS.index(n) if n in FIRST_COMMANDS
-                                             else len(FIRST_COMMANDS), n)):
-        importlib.import_module(f"octfw.commands.{name}").add_parser(sub)
-    return parser
+    own = [m.name for m in pkgutil.iter_modules(octfw.commands.__path__) if not m.name.startswith("_")]
+    plugin_commands, failures = load_commands(reserved=own)  # a clash is a PluginError
+    adders = {name: importlib.import_module(f"octfw.commands.{name}").add_parser for name in own}
+    for command in plugin_commands:
+        adders[command.name] = lambda subparsers, _command=command: _add_plugin_command(
+            subparsers, _command, third_party=_command.distribution != BUILTIN_DISTRIBUTION)
+    for name in sorted(adders, key=lambda n: (FIRST_COMMANDS.index(n) if n in FIRST_COMMANDS
+                                              else len(FIRST_COMMANDS), n)):
+        adders[name](sub)
+    return parser, set(adders), failures
+
+
+def _add_plugin_command(subparsers: argparse._SubParsersAction, command, *, third_party: bool) -> None:
+    from octfw.errors import PluginError
+
+    shown = f"{command.summary} ({command.distribution} {command.version})" if third_party else command.summary
+    # argparse %-formats a subcommand's help (for %(prog)s): a plugin's '%' is shown as written.
+    parser = subparsers.add_parser(command.name, help=shown.replace("%", "%%"), description=command.summary)
+    try:
+        command.add_arguments(parser)
+    except Exception as exc:  # noqa: BLE001 - named, in one line: the fix is in that plugin
+        if not third_party:
+            raise
+        raise PluginError(f"command {command.name!r} of {command.origin} failed to add its arguments: "
+                          f"{type(exc).__name__}: {exc}; block it with OCTFW_DISABLE_PLUGINS={command.plugin}") from exc
+    parser.set_defaults(func=command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,7 +96,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_command(argv: Sequence[str] | None) -> int:
     from octfw.logs import setup_console_logging
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        parser, commands, failures = _build_parser()
+    except UserError as exc:  # two commands of one name: nothing can be parsed
+        print(exc.console_text(), file=sys.stderr)
+        return exc.exit_code
+    command = next((word for word in argv if not word.startswith("-")), None)
+    if failures and command is not None and command not in commands:
+        # Perhaps the command of a plugin that failed to load: say so before argparse refuses the name.
+        setup_console_logging(debug="--debug" in argv)
+        for failure in failures:
+            logging.getLogger(__name__).warning(str(failure))
     args = parser.parse_args(argv)
     setup_console_logging(debug=args.debug)
     try:

@@ -54,6 +54,33 @@ and is announced in its distribution's ``pyproject.toml``::
 Keep the plugin module itself light (attrs only): ``octfw list`` and recipe
 validation import every plugin module but build nothing.
 
+Commands
+--------
+
+A plugin may also add subcommands to ``octfw`` (a dataset's own preparation
+step: the built-in ``prepared`` dataset adds ``octfw prepare``) through
+:meth:`OctfwSpecs.octfw_register_commands`::
+
+    import argparse
+    from octfw.hookspecs import RegisterCommand, hookimpl
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("folder", help="the folder to index")
+
+    def run(args: argparse.Namespace) -> int:
+        from my_package.index import write_index   # heavy imports go here
+        write_index(args.folder)
+        return 0
+
+    @hookimpl
+    def octfw_register_commands(register: RegisterCommand) -> None:
+        register("my-index", add_arguments, run, "Index a folder of scans for my-dataset.")
+
+``octfw --help`` lists it beside the built-in commands; ``octfw my-index
+FOLDER`` runs it. A command name is unique among octfw's commands and every
+installed plugin's: a clash is refused in one line naming both distributions
+(exit code 2).
+
 Hot path and syncs
 ------------------
 
@@ -65,11 +92,12 @@ components in the hot path must never force one.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Callable, Protocol
 
 import pluggy
 
-__all__ = ["hookspec", "hookimpl", "Register", "OctfwSpecs", "STAGES"]
+__all__ = ["hookspec", "hookimpl", "Register", "RegisterCommand", "OctfwSpecs", "STAGES", "COMMANDS_HOOK"]
 
 PROJECT = "octfw"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -84,6 +112,33 @@ class Register(Protocol):
         name: str,
         config: type,
         factory: Callable[[Any, Any], Any] | str,
+        summary: str,
+    ) -> None: ...
+
+
+class RegisterCommand(Protocol):
+    """The callback :meth:`OctfwSpecs.octfw_register_commands` receives: one call per command.
+
+    - ``name``: the subcommand (``octfw NAME``): lower-case letters, digits and
+      ``-``, starting with a letter. Unique among octfw's own commands and every
+      installed plugin's.
+    - ``add_arguments(parser)``: adds the command's arguments to its
+      ``argparse.ArgumentParser`` (octfw makes the parser, named and described);
+      called every time ``octfw`` starts, so it only declares arguments.
+    - ``run(args) -> int``: does the work with the parsed ``argparse.Namespace``
+      and returns the exit code (0: done). A callable or a ``"module:function"``
+      string imported only when the command runs. A
+      :class:`octfw.errors.UserError` it raises is printed as one line and exits
+      with its code (2); ``--debug`` shows the traceback.
+    - ``summary``: what ``octfw --help`` shows beside the name and
+      ``octfw NAME --help`` under the usage.
+    """
+
+    def __call__(
+        self,
+        name: str,
+        add_arguments: Callable[[argparse.ArgumentParser], None],
+        run: Callable[[argparse.Namespace], int] | str,
         summary: str,
     ) -> None: ...
 
@@ -254,6 +309,35 @@ class OctfwSpecs:
         :return: None; components are announced through ``register``.
         """
 
+    # --- commands ---------------------------------------------------------
+
+    @hookspec
+    def octfw_register_commands(self, register: RegisterCommand) -> None:
+        """Register subcommands of ``octfw`` (``octfw NAME ...``); see :class:`RegisterCommand`.
+
+        Called each time ``octfw`` starts, before the arguments are parsed, so
+        that ``octfw --help`` lists every command. The module that implements
+        it, and ``add_arguments``, import nothing heavy (argparse and octfw's
+        light modules): ``octfw --help`` and ``octfw list`` import every plugin
+        module. What the command needs (torch, Dask, a cloud client) is
+        imported in ``run``, or ``run`` is a ``"module:function"`` string.
+
+        A name taken by one of octfw's own commands or by another plugin's is
+        refused when ``octfw`` starts, in one line naming both distributions
+        (exit code 2); ``OCTFW_DISABLE_PLUGINS`` blocks a plugin. A plugin that
+        fails to import or whose registration raises is reported by the
+        commands that load the registry (and when its command is asked for),
+        and the other commands still work.
+
+        Hot path: no. Commands run outside training; nothing here touches a
+        device tensor.
+
+        :return: None; commands are announced through ``register``.
+        """
+
+
+#: The hook through which plugins add subcommands (the other hooks are :data:`STAGES`').
+COMMANDS_HOOK = "octfw_register_commands"
 
 #: Stage name -> (hook name, recipe table, whether the recipe takes several).
 STAGES: dict[str, tuple[str, str, bool]] = {

@@ -1,16 +1,19 @@
-"""Plugin manager factory and the component registry.
+"""Plugin manager factory, the component registry and the plugins' commands.
 
 No plugin manager exists at import time: :func:`make_plugin_manager` builds a
-fresh one (tests get their own), and :func:`load_registry` asks every plugin
-to register its components. Built-in components come from the modules in
+fresh one (tests get their own), :func:`load_registry` asks every plugin
+to register its components and :func:`load_commands` its subcommands of
+``octfw``. Built-in components come from the modules in
 :data:`BUILTIN_PLUGINS`; third-party ones from the entry-point group
 ``octfw``. Both go through the same hooks.
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib
+import re
 import importlib.metadata as metadata
 import logging
 import os
@@ -26,10 +29,12 @@ from octfw.types import STAGE_PROTOCOLS, missing_members, protocol_members
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Component",
+    "Command",
     "PluginFailure",
     "Registry",
     "make_plugin_manager",
     "load_registry",
+    "load_commands",
     "did_you_mean",
 ]
 
@@ -265,28 +270,118 @@ def load_registry(
         if dist != BUILTIN_DISTRIBUTION:
             registry.distributions[dist] = version
     for stage, (hook_name, _table, _many) in hookspecs.STAGES.items():
-        hook = getattr(pm.hook, hook_name)
-        for impl in reversed(hook.get_hookimpls()):  # registration order
-            dist, version = origins.get(impl.plugin_name, ("unknown distribution", "?"))
-            registered: list[Component] = []
 
-            def register(name, config, factory, summary, *, _stage=stage, _impl=impl,
-                         _dist=dist, _version=version, _out=registered):
-                if not attrs.has(config):
-                    raise TypeError(f"config for {_stage} {name!r} must be an attrs class")
-                if "name" in attrs.fields_dict(config):  # `name` selects the component in a recipe
-                    raise TypeError(f"config for {_stage} {name!r} has a field 'name', the key that selects "
-                                    "the component in a recipe table; call the option something else")
-                _out.append(Component(_stage, name, config, factory, summary.strip(),
-                                      _dist, _version, _impl.plugin_name))
+        def component(origin, name, config, factory, summary, *, _stage=stage):
+            if not attrs.has(config):
+                raise TypeError(f"config for {_stage} {name!r} must be an attrs class")
+            if "name" in attrs.fields_dict(config):  # `name` selects the component in a recipe
+                raise TypeError(f"config for {_stage} {name!r} has a field 'name', the key that selects "
+                                "the component in a recipe table; call the option something else")
+            dist, version, plugin = origin
+            return Component(_stage, name, config, factory, summary.strip(), dist, version, plugin)
 
-            try:
-                impl.function(register=register)
-            except Exception as exc:  # noqa: BLE001
-                if dist == BUILTIN_DISTRIBUTION:
-                    raise
-                failures.append(PluginFailure(dist, impl.plugin_name, f"{type(exc).__name__}: {exc}"))
-                continue
-            for component in registered:
-                registry.add(component)
+        for registered in _registrations(pm, hook_name, origins, failures, component):
+            for item in registered:
+                registry.add(item)
     return registry
+
+
+def _registrations(pm: pluggy.PluginManager, hook_name: str, origins: dict[str, tuple[str, str]],
+                   failures: list[PluginFailure], make: Callable[..., Any]) -> Iterable[list[Any]]:
+    """Call the registration hook ``hook_name`` of each plugin, in registration order, with a
+    ``register`` callback, and yield per plugin what it registered: ``make((distribution,
+    version, plugin), *args)`` for each call of ``register(*args)``, which raises for a call
+    it refuses. A third-party plugin whose registration raises is a failure and yields
+    nothing; a built-in one raises (that is octfw's bug)."""
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():  # registration order: built-ins first
+        dist, version = origins.get(impl.plugin_name, ("unknown distribution", "?"))
+        registered: list[Any] = []
+
+        def register(*args: Any, _origin=(dist, version, impl.plugin_name), _out=registered, **kwargs: Any) -> None:
+            _out.append(make(_origin, *args, **kwargs))
+
+        try:
+            impl.function(register=register)
+        except Exception as exc:  # noqa: BLE001
+            if dist == BUILTIN_DISTRIBUTION:
+                raise
+            failures.append(PluginFailure(dist, impl.plugin_name, f"{type(exc).__name__}: {exc}"))
+            continue
+        yield registered
+
+
+# --- commands ------------------------------------------------------------------------------
+
+#: What a command's name may be: what a shell passes as one word and argparse shows as given.
+_COMMAND_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
+
+
+@attrs.frozen
+class Command:
+    """A subcommand of ``octfw`` that a plugin registered (``octfw_register_commands``)."""
+
+    name: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int] | str  #: a callable or "module:function", imported to run
+    summary: str
+    distribution: str  #: the distribution that ships it ("octfw" for built-in plugins)
+    version: str
+    plugin: str  #: the plugin module (or entry-point name) that registered it
+
+    @property
+    def origin(self) -> str:
+        return f"{self.plugin} ({self.distribution} {self.version})"
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        """Run the command: what ``octfw NAME`` calls once its arguments are parsed."""
+        run = self.run
+        if isinstance(run, str):
+            module_name, _, attr = run.partition(":")
+            run = getattr(importlib.import_module(module_name), attr)
+        return run(args)
+
+
+def load_commands(
+    reserved: Iterable[str] = (),
+    builtins: Iterable[str] | None = None,
+    entry_points: Iterable[metadata.EntryPoint] | None = None,
+) -> tuple[list[Command], list[PluginFailure]]:
+    """The commands plugins register, in registration order, and the plugins that failed to load.
+
+    ``reserved`` are the names of octfw's own commands. A command named like one of them or
+    like another plugin's command is a :class:`~octfw.errors.PluginError` naming both
+    distributions. A third-party plugin that fails to import, registers a command with a
+    malformed name or whose registration raises is a failure (its commands dropped); the
+    caller decides when to report failures (the registry's commands report them already).
+    """
+    pm, failures, origins = make_plugin_manager(builtins, entry_points)
+
+    def command(origin, name, add_arguments, run, summary):
+        if not isinstance(name, str) or not _COMMAND_NAME.fullmatch(name):
+            raise TypeError(f"command name {name!r}: lower-case letters, digits and '-', starting with a letter")
+        if not callable(add_arguments):
+            raise TypeError(f"command {name!r}: add_arguments must be a callable taking the command's parser")
+        if not (callable(run) or (isinstance(run, str) and ":" in run)):
+            raise TypeError(f"command {name!r}: run must be a callable or a 'module:function' string")
+        dist, version, plugin = origin
+        return Command(name, add_arguments, run, summary.strip(), dist, version, plugin)
+
+    reserved = set(reserved)
+    commands: dict[str, Command] = {}
+    for registered in _registrations(pm, hookspecs.COMMANDS_HOOK, origins, failures, command):
+        for item in registered:
+            if item.name in reserved:
+                raise PluginError(
+                    f"command {item.name!r} is registered twice: by octfw {_octfw_version()} (one of its own "
+                    f"commands) and by {item.origin}; uninstall {item.distribution} or block it with "
+                    f"{DISABLE_ENV}={item.plugin}"
+                )
+            existing = commands.get(item.name)
+            if existing is not None:
+                remedy = (f"uninstall {item.distribution} or block it with {DISABLE_ENV}={item.plugin}"
+                          if existing.distribution == BUILTIN_DISTRIBUTION
+                          else f"uninstall one or block it with {DISABLE_ENV}")
+                raise PluginError(f"command {item.name!r} is registered twice: by {existing.origin} and by "
+                                  f"{item.origin}; {remedy}")
+            commands[item.name] = item
+    return list(commands.values()), failures

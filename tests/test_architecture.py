@@ -108,6 +108,14 @@ def _contracts() -> dict[str, dict]:
     return by_type
 
 
+def test_no_command_imports_a_plugin_not_even_by_exception():
+    """A component's own command (``octfw prepare``) comes through ``octfw_register_commands``:
+    the contract that keeps the core off the built-ins has no exception to read past."""
+    forbidden = _contracts()["forbidden"]
+    assert "octfw.commands" in forbidden["source_modules"] and forbidden["forbidden_modules"] == ["octfw.plugins"]
+    assert not forbidden.get("ignore_imports"), forbidden.get("ignore_imports")
+
+
 def test_the_import_contracts_name_every_builtin_and_nothing_else():
     contracts = _contracts()
     forbidden = contracts["forbidden"]["forbidden_modules"]

@@ -2,7 +2,8 @@
 
 After datasette's ``test_plugin_hooks_have_tests``: adding a hook to
 :class:`octfw.hookspecs.OctfwSpecs` fails here until it is documented, wired
-to a stage, given a built-in implementation and registered through below.
+to a stage (or is the commands hook), given a built-in implementation and
+registered through below.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ import attrs
 import pytest
 
 from octfw import hookspecs
-from octfw.hookspecs import STAGES, OctfwSpecs, hookimpl
-from octfw.registry import BUILTIN_PLUGINS, DISABLE_ENV, load_registry, make_plugin_manager
+from octfw.hookspecs import COMMANDS_HOOK, STAGES, OctfwSpecs, hookimpl
+from octfw.registry import BUILTIN_PLUGINS, DISABLE_ENV, load_commands, load_registry, make_plugin_manager
 
 HOOKS = sorted(name for name, value in vars(OctfwSpecs).items()
                if hasattr(value, f"{hookspecs.PROJECT}_spec"))
 
 
-def test_there_are_hooks_and_each_is_a_stage():
+def test_there_are_hooks_and_each_is_a_stage_or_the_commands_hook():
     assert HOOKS, "no hook specification found on OctfwSpecs"
     assert all(name.startswith("octfw_") for name in HOOKS)
-    # load_registry calls the hooks listed in STAGES: a hook missing there is never called.
-    assert sorted(hook for hook, _table, _many in STAGES.values()) == HOOKS
+    # load_registry calls the hooks listed in STAGES, load_commands the commands hook:
+    # a hook missing from both is never called.
+    assert sorted([*(hook for hook, _table, _many in STAGES.values()), COMMANDS_HOOK]) == HOOKS
 
 
 @pytest.mark.parametrize("hook", HOOKS)
@@ -88,6 +90,10 @@ def test_every_hook_registers_a_component_under_its_stage(monkeypatch):
         def octfw_register_evaluators(self, register):
             register("probe-evaluator", ProbeConfig, "math:sqrt", "evaluator probe")
 
+        @hookimpl
+        def octfw_register_commands(self, register):
+            register("probe-command", lambda parser: None, "math:sqrt", "command probe")
+
     implemented = sorted(name for name in vars(Probe) if name.startswith("octfw_"))
     assert implemented == HOOKS, "the probe plugin must register through every hook"
 
@@ -104,6 +110,9 @@ def test_every_hook_registers_a_component_under_its_stage(monkeypatch):
         component = registry.get(stage, f"probe-{stage}")
         assert (component.stage, component.plugin, component.config) == (stage, "plug_probe", ProbeConfig)
         assert component.summary == f"{stage} probe"
+    [command], failures = load_commands(builtins=[], entry_points=[entry_point])
+    assert failures == []
+    assert (command.name, command.plugin, command.summary) == ("probe-command", "plug_probe", "command probe")
 
 
 def test_every_built_in_registration_hook_types_its_register_callback():
@@ -111,13 +120,17 @@ def test_every_built_in_registration_hook_types_its_register_callback():
     import importlib
     import typing
 
+    declared = {hook: typing.get_type_hints(getattr(OctfwSpecs, hook))["register"] for hook in HOOKS}
+    assert declared[COMMANDS_HOOK] is hookspecs.RegisterCommand
+    assert {declared[hook] for hook, _table, _many in STAGES.values()} == {hookspecs.Register}
+
     for module_name in BUILTIN_PLUGINS:
         module = importlib.import_module(module_name)
         hooks = [getattr(module, name) for name in dir(module) if name.startswith("octfw_register_")]
         assert hooks, module_name
         for hook in hooks:
             hints = typing.get_type_hints(hook)
-            assert hints.get("register") is hookspecs.Register, f"{module_name}.{hook.__name__}"
+            assert hints.get("register") is declared[hook.__name__], f"{module_name}.{hook.__name__}"
             assert hints.get("return") is type(None), f"{module_name}.{hook.__name__}"
 
 

@@ -1,13 +1,17 @@
 """The ``prepared`` dataset: volumes stored by ``octfw prepare``, streamed from a folder or bucket.
 
-Registration and factory; the config lives in :mod:`octfw.plugins.datasets.prepared.config`
-and the reader in :mod:`octfw.plugins.datasets.prepared.dataset`.
+Registration and factory of the dataset, and of its command ``octfw prepare``; the config
+lives in :mod:`octfw.plugins.datasets.prepared.config`, the reader in
+:mod:`octfw.plugins.datasets.prepared.dataset`, the command's arguments in
+:mod:`octfw.plugins.datasets.prepared.command` and the writer in
+:mod:`octfw.plugins.datasets.prepared.prepare`.
 """
 
 from __future__ import annotations
 
+from octfw.hookspecs import Register, RegisterCommand, hookimpl
+from octfw.plugins.datasets.prepared import command
 from octfw.plugins.datasets.prepared.config import PreparedConfig
-from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Dataset
 
 __all__ = ["PreparedConfig", "build"]
@@ -35,3 +39,8 @@ def octfw_register_datasets(register: Register) -> None:
         "Volumes stored by `octfw prepare` (zarr, local or gs://), streamed with a bounded "
         "cache.",
     )
+
+
+@hookimpl
+def octfw_register_commands(register: RegisterCommand) -> None:
+    register(command.NAME, command.add_arguments, command.run, command.HELP)

@@ -1,15 +1,20 @@
-"""``octfw prepare RECIPE --out LOCATION``: prepare a recipe's dataset once, for streaming."""
+"""``octfw prepare RECIPE --out LOCATION``: prepare a recipe's dataset once, for streaming.
+
+The ``prepared`` dataset's own command, registered by its plugin
+(:mod:`octfw.plugins.datasets.prepared`) through ``octfw_register_commands`` as a third
+party's would be. Light at import (argparse and :mod:`octfw.arguments`): ``octfw --help``
+imports it; the work (:mod:`.prepare`, Dask, zarr) is imported when the command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
-from octfw.progress import progress_bar
-from octfw.storage.failures import format_bytes
-from octfw.tables import counted
+from octfw.arguments import add_recipe_arguments, load_recipe_from_args
 
-__all__ = ["add_parser"]
+__all__ = ["NAME", "HELP", "add_arguments", "run"]
+
+NAME = "prepare"
 
 HELP = ("Decode, resample, normalise and fit every volume of the recipe's dataset once, on a Dask "
         "cluster, into compressed zarr arrays at a local folder or gs:// URL; train from it with "
@@ -22,8 +27,7 @@ HELP = ("Decode, resample, normalise and fit every volume of the recipe's datase
 _NAMED = 5  # removed sources named on the console; the rest are counted
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("prepare", help=HELP, description=HELP)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--out", required=True, metavar="LOCATION",
                         help="where the prepared dataset goes: a local folder or URL (gs://bucket/prefix)")
@@ -47,13 +51,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="once the new snapshot is written, delete the volumes it no longer lists "
                              "(files removed from the dataset or rewritten); without it they are kept, "
                              "for trainers still reading the previous snapshot, and counted as stale")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     recipe, registry = load_recipe_from_args(args)
-    from octfw.plugins.datasets.prepared.prepare import prepare_dataset
     from octfw.errors import UserError
+    from octfw.plugins.datasets.prepared.prepare import prepare_dataset
+    from octfw.progress import progress_bar
+    from octfw.storage.failures import format_bytes
+    from octfw.tables import counted
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers}: must be at least 1")
