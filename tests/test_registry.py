@@ -161,6 +161,19 @@ def test_example_plugin_package_installs_and_its_component_runs(tmp_path, tiny_r
     listed = subprocess.run([sys.executable, "-m", "octfw.cli", "list", "--name", "npy-folder"],
                             capture_output=True, text=True, env=env, check=True)
     assert "Folder of .npy volumes" in listed.stdout
+
+    # Its command, the dataset's own step, as the plugin guide writes one: listed, then run.
+    helped = subprocess.run([sys.executable, "-m", "octfw.cli", "--help"],
+                            capture_output=True, text=True, env=env, check=True)
+    assert "npy-check" in helped.stdout and "(octfw-example-plugin 0.1.0)" in " ".join(helped.stdout.split())
+    checked = subprocess.run([sys.executable, "-m", "octfw.cli", "npy-check", str(volumes)],
+                             capture_output=True, text=True, env=env)
+    assert checked.returncode == 1, checked.stderr
+    assert checked.stdout.splitlines()[0] == "6 of 7 volumes usable"
+    assert "not usable: broken.npy: not a numpy volume" in checked.stdout
+    missing = subprocess.run([sys.executable, "-m", "octfw.cli", "npy-check", str(tmp_path / "nowhere")],
+                             capture_output=True, text=True, env=env)
+    assert (missing.returncode, missing.stderr.strip()) == (2, f"octfw: error: {tmp_path / 'nowhere'} is not a folder")
     run = subprocess.run([sys.executable, "-m", "octfw.cli", "run", str(npy), "--set", "run.max_steps=8",
                           "--set", "engine.per_device_batch=4"],  # 2 steps read all 7 files
                          capture_output=True, text=True, env=env, cwd=tmp_path)
