@@ -217,6 +217,93 @@ def test_a_stage_package_docstring_that_lists_its_builtins_lists_them_all():
     assert not problems, "\n".join(problems)
 
 
+# --- no import circle -----------------------------------------------------------------------
+
+
+def _import_circles(package: str) -> list[str]:
+    """Each import circle among the modules of ``package``: a strongly connected component of
+    its import graph (grimp's, as import-linter builds it) of more than one module, shown as
+    the shortest chain from one of its modules to another and back.
+
+    Every import that runs counts, at module level or inside a function: a function-local
+    import hides a circle at import time but does not untie it (each module still needs the
+    other to be read or to work; the phantom families' knot ran through one). An import under
+    ``if TYPE_CHECKING:`` does not count: it never runs, and only names a type."""
+    import grimp
+
+    graph = grimp.build_graph(package, exclude_type_checking_imports=True, cache_dir=None)
+    # Tarjan's strongly connected components, iteratively (the graph is hundreds of modules).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, edges = work[-1]
+            for imported in edges:
+                if imported not in index:
+                    index[imported] = low[imported] = len(index)
+                    stack.append(imported)
+                    on_stack.add(imported)
+                    work.append((imported, iter(sorted(graph.find_modules_directly_imported_by(imported)))))
+                    break
+                if imported in on_stack:
+                    low[module] = min(low[module], index[imported])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[module])
+                if low[module] == index[module]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == module:
+                            break
+                    if len(component) > 1:
+                        components.append(sorted(component))
+    circles = []
+    for component in components:
+        first, second = component[0], component[1]
+        there = graph.find_shortest_chain(importer=first, imported=second)
+        back = graph.find_shortest_chain(importer=second, imported=first)
+        circles.append(f"{' -> '.join(there)} -> {' -> '.join(back[1:])} "
+                       f"(all {len(component)} modules of the circle: {', '.join(component)})")
+    return circles
+
+
+def test_no_import_circle_anywhere_in_octfw():
+    """No two modules of octfw need each other, through however many others: each can be read
+    (and moved, or tested) knowing only what it imports. Function-local imports count
+    (:func:`_import_circles` says why)."""
+    circles = _import_circles("octfw")
+    assert not circles, "import circles (break each by moving what both need into a module of its own):\n" + \
+        "\n".join(circles)
+
+
+def test_an_import_circle_through_a_function_local_import_is_found(tmp_path, monkeypatch):
+    """The check above sees a circle hidden in a function, and not one that only a type checker follows."""
+    package = tmp_path / "knotted"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "cohort.py").write_text("def family():\n    from knotted import family\n    return family\n")
+    (package / "family.py").write_text("from knotted.cohort import family as _f\n")
+    (package / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from knotted import hinted\n")
+    (package / "hinted.py").write_text("import knotted.typed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    [circle] = _import_circles("knotted")
+    assert circle.startswith("knotted.cohort -> knotted.family -> knotted.cohort "), circle
+
+
 def test_the_trainer_reads_in_one_sitting():
     """octfw/engine/trainer.py stays short enough to read top to bottom (nanoGPT's train.py is
     the model): resuming, the run's end, throughput and the optimizer live in modules of their

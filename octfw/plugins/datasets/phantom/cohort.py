@@ -1,8 +1,9 @@
 """Writing a phantom cohort: patients, two eyes each, as DICOM plus a manifest.
 
-The families (:mod:`.tuning`, :mod:`.held_out`) draw a patient's anatomy and
-render one eye; this module only assigns vendors, labels and patients, and
-writes. Layout of a cohort folder::
+The families (:mod:`.tuning`, :mod:`.held_out`, :mod:`.context`) draw a patient's
+anatomy and render one eye on their devices (:class:`.devices.Vendor`); this module
+only assigns vendors, labels and patients, and writes, importing a family by name
+when it writes it (:func:`family_module`), so no family imports it. Layout of a cohort folder::
 
     <folder>/<vendor>/<index>.dcm       one Ophthalmic Tomography file per eye
     <folder>/<vendor>/<index>.mask.npy  its finding mask, bool [D, H, W] (all False without the finding)
@@ -22,14 +23,13 @@ import os
 from types import ModuleType
 from typing import Any
 
-import attrs
 import numpy as np
 
 from octfw.plugins.datasets.dicom.manifest import ManifestRow, write_manifest
 from octfw.plugins.datasets.dicom.reader import encode_oct_dicom, open_file, write_bytes
 from octfw.storage.files import open_filesystem
 
-__all__ = ["GENERATOR_VERSION", "COHORT_FILE", "MANIFEST_FILE", "Vendor", "family_module",
+__all__ = ["GENERATOR_VERSION", "COHORT_FILE", "MANIFEST_FILE", "family_module",
            "cohort_options", "cohort_key", "write_phantom_cohort"]
 
 #: Bumped whenever a family's output changes, so cached cohorts are written again.
@@ -38,26 +38,6 @@ GENERATOR_VERSION = 4  # 2: findings four times larger (sized by benchmarks/lear
 COHORT_FILE = "cohort.json"
 MANIFEST_FILE = "manifest.jsonl"
 EYES = ("OD", "OS")
-
-
-@attrs.frozen
-class Vendor:
-    """One device of a family: what its files look like."""
-
-    name: str  #: the DICOM Manufacturer, and so the domain
-    model_name: str
-    shape: tuple[int, int, int]  #: [D, H, W] voxels
-    spacing: tuple[float, float, float]  #: (dz, dy, dx) mm; about 6 x 2 x 6 mm in all
-    gain: float  #: 16-bit level of a reflectivity of 1
-    speckle: float  #: the family's speckle parameter (its meaning is the family's)
-
-    def grid(self, shift: "np.ndarray") -> tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
-        """Physical coordinates of the voxels in mm, broadcastable: z ``[D, 1, 1]`` and x ``[1, 1, W]``
-        centred on the scan and moved by ``shift`` (z, x), y ``[1, H, 1]`` from the top."""
-        (d, h, w), (dz, dy, dx) = self.shape, self.spacing
-        z = (np.arange(d) - (d - 1) / 2) * dz + shift[0]
-        x = (np.arange(w) - (w - 1) / 2) * dx + shift[1]
-        return z[:, None, None], (np.arange(h) * dy)[None, :, None], x[None, None, :]
 
 
 def family_module(family: str) -> ModuleType:

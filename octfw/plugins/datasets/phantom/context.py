@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from octfw.plugins.datasets.phantom.cohort import Vendor
+from octfw.plugins.datasets.phantom.devices import Vendor
 
 __all__ = ["TASK", "VENDORS", "Shape", "FINDING", "draw_patient", "render"]
 

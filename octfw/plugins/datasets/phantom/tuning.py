@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from octfw.plugins.datasets.phantom.cohort import Vendor
+from octfw.plugins.datasets.phantom.devices import Vendor
 
 __all__ = ["TASK", "VENDORS", "draw_patient", "render"]
 
