@@ -119,6 +119,7 @@ def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int | None 
     """The real Trainer, its loader replaced by ``n_batches`` pre-built device batches in a cycle
     (None: the engine's own loader kept, batches and all)."""
     from octfw.engine.trainer import Trainer
+    from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
     from octfw.rundir import create_run_dir
@@ -127,7 +128,7 @@ def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int | None 
     run_root = Path(tempfile.mkdtemp(prefix="octfw-bench-"))
     recipe = load_recipe(recipe_path, [f"run.output_dir={json.dumps(str(run_root))}", 'logger=[{name="jsonl"}]',
                                        "run.max_steps=100000", *overrides], registry)
-    trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
+    trainer = Trainer(plan_for_folder(recipe, registry, create_run_dir(recipe, registry)), registry)
     for logger in trainer.parts.loggers:  # as Trainer.run does before its loop
         logger.start(trainer.total, trainer.run_dir, trainer.parts.ctx.recipe)
     if n_batches is None:

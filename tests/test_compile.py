@@ -105,6 +105,7 @@ def test_two_update_steps_of_a_compiled_trainer_do_not_recompile(tiny_recipe, mo
     from torch._dynamo.utils import counters
 
     from octfw.engine.trainer import Trainer
+    from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
     from octfw.rundir import create_run_dir
@@ -113,7 +114,7 @@ def test_two_update_steps_of_a_compiled_trainer_do_not_recompile(tiny_recipe, mo
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     registry = load_registry()
     recipe = load_recipe(tiny_recipe, ["engine.compile=true", "run.max_steps=4"], registry)
-    trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
+    trainer = Trainer(plan_for_folder(recipe, registry, create_run_dir(recipe, registry)), registry)
     counters.clear()
     trainer.update(0)
     compiled = counters["stats"]["unique_graphs"]

@@ -22,6 +22,7 @@ import torch
 from octfw.diagnostics.attention import record_attention
 from octfw.engine.optim import GatedAdamW
 from octfw.engine.trainer import Trainer
+from octfw.engine.plan import plan_for_folder
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 from octfw.rundir import create_run_dir
@@ -43,7 +44,7 @@ def make_trainer(recipe_path: Path, device: str, *overrides: str, resume: str | 
     """The real Trainer on ``device`` for the tiny test recipe."""
     registry = load_registry()
     recipe = load_recipe(recipe_path, [f"run.device={device}", "run.max_steps=50", *overrides], registry)
-    return Trainer(recipe, registry, create_run_dir(recipe, registry), resume=resume)
+    return Trainer(plan_for_folder(recipe, registry, create_run_dir(recipe, registry), resume), registry)
 
 
 def fixed_batches(trainer: Trainer, poisoned_at: set[int] = frozenset()):

@@ -268,11 +268,12 @@ def test_a_weight_decay_schedule_rising_from_zero_reaches_the_decaying_groups_on
     """engine.weight_decay = 0 with weight_decay_end > 0: the groups that decay are
     known from the model, not from their current value (which is 0 for all of them)."""
     from octfw.engine.trainer import Trainer
+    from octfw.engine.plan import plan_for_folder
 
     registry = load_registry()
     recipe = load_recipe(tiny_recipe, ["engine.weight_decay=0.0", "scheduler.weight_decay_end=0.2",
                                        "run.max_steps=4"], registry)
-    trainer = Trainer(recipe, registry, create_run_dir(recipe, registry))
+    trainer = Trainer(plan_for_folder(recipe, registry, create_run_dir(recipe, registry)), registry)
     groups = {group["name"]: group for group in trainer.optimizer.param_groups}
     assert groups["decay"]["weight_decay"] == groups["no_decay"]["weight_decay"] == 0.0
     for step in range(3):

@@ -75,6 +75,7 @@ def _tensor_row(micro_step: int, name: str, t: torch.Tensor) -> list[str]:
 
 def replay(run_dir: Path, step: int, registry: Registry, report: Callable[[str], None] = print) -> dict[str, Any]:
     from octfw.engine.trainer import Trainer
+    from octfw.engine.plan import plan_for_folder
 
     recipe_file = run_dir / "recipe.toml"
     if not recipe_file.exists():
@@ -82,7 +83,7 @@ def replay(run_dir: Path, step: int, registry: Registry, report: Callable[[str],
     recipe = load_recipe(recipe_file, REPLAY_OVERRIDES, registry)
     start, location = _nearest_checkpoint(recipe, registry, run_dir, step)
     with tempfile.TemporaryDirectory(prefix="octfw-replay-") as scratch:
-        trainer = Trainer(recipe, registry, Path(scratch), resume=location, compare_recipe=False)
+        trainer = Trainer(plan_for_folder(recipe, registry, Path(scratch), location), registry, compare_recipe=False)
         if step > trainer.total:
             raise UserError(f"--step {step}: the run has {trainer.total} update steps")
         report(f"replay of update step {step} on the CPU, from "

@@ -255,6 +255,11 @@ def select_backend(processes: Processes, precision: str, compile: bool = False) 
 
 def single_process_backend(requested: str, precision: str, compile: bool = False) -> Backend:
     """A backend for work outside a training job (evaluation, replay): this process alone."""
+    return select_backend(this_process(requested), precision, compile)
+
+
+def this_process(requested: str) -> Processes:
+    """This process alone on the ``run.device`` asked for (no job, no peers)."""
     kind = resolve_device(requested)
     if kind == "xla":
         require_torch_xla()
@@ -263,9 +268,8 @@ def single_process_backend(requested: str, precision: str, compile: bool = False
     if kind == "xla":  # the host's place in the runtime, as torch_xla reports it; no peers to agree with
         from octfw.engine.distributed import xla_processes
 
-        return select_backend(xla_processes(), precision, compile)
-    device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", 0)}[kind]
-    return select_backend(Processes(kind, device), precision, compile)
+        return xla_processes()
+    return Processes(kind, {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", 0)}[kind])
 
 
 def training_forward(model: torch.nn.Module, *, compile: bool, ddp: bool) -> torch.nn.Module:

@@ -74,6 +74,8 @@ JOB_COMMAND_ENV = "OCTFW_JOB_COMMAND"
 LOST_PEER_REPORT_S = 20.0
 #: After a second stop signal, seconds the workers get to stop where they are before they are killed.
 STOP_NOW_GRACE_S = 5.0
+#: Seconds the nodes wait for one another to have read the job's outcome (the store's host leaves last).
+READ_WAIT_S = 10.0
 #: How often the launcher looks at its workers.
 POLL_S = 0.1
 
@@ -319,16 +321,18 @@ class _Node:
             _count_up(self.store, "octfw/reported", self.nodes, wait_s)
             outcomes = {i: Outcome.from_json(self.store.get(f"octfw/outcome/{i}").decode())
                         for i in range(self.nodes) if self.store.check([f"octfw/outcome/{i}"])}
-            # The first node hosts the store: it waits until every node has read (bounded).
-            _count_up(self.store, "octfw/read", self.nodes if self.index == 0 else 1, 10.0)
         except Exception as exc:  # noqa: BLE001 - the store's node is gone: this node's own view
             log.debug("the nodes' outcomes could not be exchanged", exc_info=exc)
             return local
         for missing in (i for i in range(self.nodes) if i not in outcomes):
             outcomes[missing] = Outcome(
                 PEER_LOST_EXIT_CODE, f"octfw: error: node {missing} of the job never said how it ended (waited "
-                f"{wait_s:g} s); nothing after the newest checkpoint is saved. "
-                f"Run again: {command}", at=time.time(), rank=missing)
+                f"{wait_s:g} s); nothing after the newest checkpoint is saved. Run again: {command}",
+                at=time.time(), rank=missing)
+        try:  # the node that hosts the store (whichever bound the endpoint) keeps it up until all have read
+            _count_up(self.store, "octfw/read", self.nodes, READ_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - read already: the decision stands
+            log.debug("the store closed after this node read the outcomes", exc_info=exc)
         return job_outcome(outcomes, {}, {}, command)
 
 

@@ -1,10 +1,8 @@
-"""Resuming a run: which checkpoint it continues, and whether its recipe may have changed.
+"""Resuming a run: whether its recipe may have changed since the checkpoint it continues.
 
-``--resume auto`` continues the fallback copy of the final state where the
-checkpointer could not take it (``RUN/fallback``), else the checkpointer's
-newest complete checkpoint; ``--resume PATH`` continues PATH. A resumed run
-is the run that was started: :func:`check_recipe_change` compares the
-recipe with the one that trained the checkpoint.
+Which checkpoint that is, the run plan decides (:mod:`octfw.engine.plan`). A
+resumed run is the run that was started: :func:`check_recipe_change`
+compares the recipe with the one that trained the checkpoint.
 """
 
 from __future__ import annotations
@@ -16,38 +14,16 @@ from typing import Any
 import attrs
 
 from octfw.engine.build import Components
-from octfw.engine.distributed import BatchLayout, Peers
+from octfw.engine.distributed import BatchLayout
 from octfw.errors import RecipeError, UserError
 from octfw.recipe import Recipe, to_toml
 from octfw.recipe.changes import recipe_changes
 from octfw.registry import Registry
-from octfw.storage.checkpoints import CheckpointStorage
-from octfw.types import Checkpointer, WarmupSchedule
+from octfw.types import WarmupSchedule
 
-__all__ = ["check_recipe_change", "resume_location"]
+__all__ = ["check_recipe_change"]
 
 log = logging.getLogger(__name__)
-
-
-def resume_location(resume: str | None, *, is_main_process: bool, peers: Peers, fallback: CheckpointStorage,
-                    checkpointer: Checkpointer) -> tuple[str | None, str | None]:
-    """(the fallback copy to continue, or None; the checkpoint to load, or None), decided by
-    rank 0 (its disk holds the run folder) and the same on every process. Every process must
-    be able to read it, or the run is refused before anyone loads anything."""
-    found = location = None
-    if is_main_process:
-        found = fallback.latest() if resume == "auto" else None
-        location = found or (checkpointer.latest() if resume == "auto" else resume)
-    found, location = peers.broadcast((found, location))
-    if location is not None and not peers.all_agree(_readable(location)):
-        raise UserError(f"the checkpoint to resume, {location}, cannot be read by every process of the job; "
-                        "put checkpointer.dir on storage that every node reads (gs://, a shared file system)")
-    if found is not None:
-        log.warning("--resume auto: continuing from %s, the final state the checkpointer could not take; "
-                    "it is written to the checkpointer at the end of this run", found)
-    if resume == "auto" and location is None:  # a new run, or one killed before its first save
-        log.info("--resume auto: no complete checkpoint yet; training from the start")
-    return found, location
 
 
 def check_recipe_change(trained_with: dict[str, Any] | None, recipe: Recipe, registry: Registry, allow: bool, *,
@@ -132,12 +108,3 @@ def _changed_schedule_problem(trained_with: dict[str, Any], recipe: Recipe, regi
             f"{'; '.join(problems)}")
 
 
-def _readable(location: str) -> bool:
-    """Whether this process sees the checkpoint file ``location`` (a path or an fsspec URL)."""
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(location)
-        return bool(fs.exists(path))
-    except Exception:  # noqa: BLE001 - unreachable counts as unreadable; the refusal says where
-        return False

@@ -27,18 +27,19 @@ from typing import Any
 import torch
 
 from octfw.engine.attention import record_attention
-from octfw.engine.backend import select_backend, single_process_backend, training_forward
+from octfw.engine.backend import select_backend, training_forward
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
 from octfw.engine.data import (Quarantine, SampleSource, domain_report, loader_workers, make_loader,
                                stating_shared_memory)
-from octfw.engine.distributed import Peers, PeerLost, Processes, all_reduce_, min_across_ranks
+from octfw.engine.distributed import Peers, PeerLost, all_reduce_, min_across_ranks
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics
 from octfw.engine.optim import apply_schedule, make_optimizer, seed_everything
 from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
 from octfw.engine.records import DeviceTotals, GuardLog, device_metrics, model_metrics
-from octfw.engine.resume import check_recipe_change, resume_location
+from octfw.engine.plan import RunPlan, plan_for_folder
+from octfw.engine.resume import check_recipe_change
 from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, RunEnd, RunSummary, fallback_storage
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import Throughput
@@ -57,21 +58,20 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """``processes`` and ``peers``: who this process is and the job's other processes, from
-    :func:`octfw.engine.distributed.join` (default: this process alone, on ``run.device``).
-    ``stop_requests``: the signal handling of the command (default: one for the training loop).
-    ``compare_recipe``: False for a replay, which changes the device and precision on purpose."""
+    """Trains the run ``plan`` describes (:mod:`octfw.engine.plan`: its folder, the checkpoint
+    it continues, this process among the job's). ``peers``: the job's other processes (default:
+    this process alone). ``stop_requests``: the signal handling of the command (default: one for
+    the training loop). ``compare_recipe``: False for a replay, which changes the device and
+    precision on purpose."""
 
-    def __init__(self, recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None, *,
-                 processes: Processes | None = None, peers: Peers | None = None,
-                 stop_requests: StopRequests | None = None, allow_recipe_change: bool = False,
-                 compare_recipe: bool = True):
+    def __init__(self, plan: RunPlan, registry: Registry, *, peers: Peers | None = None,
+                 stop_requests: StopRequests | None = None, compare_recipe: bool = True):
+        recipe, run_dir = plan.recipe, plan.run_dir
         seed_everything(recipe.run.seed)
         self.recipe, self.run_dir = recipe, run_dir
         engine = recipe.engine
-        self.backend = backend = (select_backend(processes, engine.precision, engine.compile) if processes
-                                  else single_process_backend(recipe.run.device, engine.precision, engine.compile))
-        self.peers = peers or Peers(Processes(backend.kind, backend.device))
+        self.backend = backend = select_backend(plan.processes, engine.precision, engine.compile)
+        self.peers = peers or Peers(plan.processes)
         #: the global batch arithmetic, worked out once: build, resume, data position, throughput
         self.layout = layout = backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps,
                                                     engine.global_batch)
@@ -88,15 +88,13 @@ class Trainer:
         self.local_samples_per_update = layout.process_batch
         self.fingerprint = dataset_fingerprint(parts.dataset)
 
-        fallback = fallback_storage(run_dir)
-        found, self.resumed_from = resume_location(resume, is_main_process=backend.is_main_process, peers=self.peers,
-                                                   fallback=fallback, checkpointer=parts.checkpointer)
+        self.resumed_from = plan.resume_from
         self.start_step, run_record = 0, {}
         if self.resumed_from is not None:
             self.start_step, run_record = restore(self.resumed_from, parts, self.model, self.optimizer,
                                                   layout=layout, fingerprint=self.fingerprint)
             if compare_recipe:
-                check_recipe_change(run_record.get("recipe"), recipe, registry, allow_recipe_change,
+                check_recipe_change(run_record.get("recipe"), recipe, registry, plan.allow_recipe_change,
                                     resumed_from=self.resumed_from, start_step=self.start_step, parts=parts,
                                     layout=layout, run_dir=run_dir, writes=backend.is_main_process)
         self.throughput = Throughput(backend, layout, engine, self.start_step)
@@ -122,7 +120,8 @@ class Trainer:
         self.stop_requests, self._own_stop_requests = ((stop_requests, False) if stop_requests
                                                        else (StopRequests(), True))
         self.run_end = RunEnd(recipe, parts, self.model, backend, peers=self.peers, saver=self.saver,
-                              fallback=fallback, upload_fallback=found is not None, capture=self._capture,
+                              fallback=fallback_storage(run_dir), upload_fallback=plan.from_fallback,
+                              capture=self._capture,
                               stop_requests=self.stop_requests, heartbeat=self.heartbeat,
                               quarantine=self.quarantine, run_dir=run_dir, start_step=self.start_step)
         #: a guard's or logger's StopTraining/TrainingDone on this process, acted on once every
@@ -389,7 +388,8 @@ class Trainer:
 
 
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,
-          processes: Processes | None = None, peers: Peers | None = None,
           stop_requests: StopRequests | None = None, allow_recipe_change: bool = False) -> RunSummary:
-    return Trainer(recipe, registry, run_dir, resume, processes=processes, peers=peers,
-                   stop_requests=stop_requests, allow_recipe_change=allow_recipe_change).run()
+    """Train ``recipe`` in ``run_dir``, a folder already made, as this process alone (tests,
+    notebooks with their own folders; ``octfw run`` and ``octfw.train`` plan the folder too)."""
+    plan = plan_for_folder(recipe, registry, run_dir, resume, allow_recipe_change=allow_recipe_change)
+    return Trainer(plan, registry, stop_requests=stop_requests).run()

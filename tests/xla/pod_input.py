@@ -33,6 +33,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 import octfw.engine.trainer as trainer_module
+from octfw.engine.plan import plan_for_folder
 from octfw.engine.backend import Backend
 from octfw.types import BatchKey
 from octfw.recipe import load_recipe
@@ -62,7 +63,7 @@ def pod_host(recipe, registry, rank: int, run_dir: Path) -> dict:
             mock.patch.object(xr, "global_runtime_device_count", return_value=HOSTS * LOCAL), \
             mock.patch.object(xr, "addressable_runtime_device_count", return_value=LOCAL), \
             mock.patch.object(trainer_module, "make_loader", recording_make_loader):
-        trainer = trainer_module.Trainer(recipe, registry, run_dir)
+        trainer = trainer_module.Trainer(plan_for_folder(recipe, registry, run_dir), registry)
         backend = trainer.backend
         sharding = backend.input_sharding(trainer.parts.transform.batch_spec())
         layout = backend.batch_layout(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps)
