@@ -1,0 +1,70 @@
+"""One place decides the run (engine/plan.py): the trainer receives a RunPlan and decides nothing
+about folders or checkpoints; parsed command lines stay with the commands."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from conftest import TINY_RECIPE
+
+OCTFW = Path(__file__).resolve().parents[1] / "octfw"
+
+
+def _imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def test_the_trainer_decides_nothing_about_folders_or_which_checkpoint():
+    imported = _imported_names(OCTFW / "engine" / "trainer.py")
+    deciding = {name for name in imported if name.startswith(("octfw.rundir", "octfw.storage.owner"))
+                or name.endswith((".create_run_dir", ".run_dirs", ".planned_run", ".resume_location"))}
+    assert deciding == set()
+    source = (OCTFW / "engine" / "trainer.py").read_text(encoding="utf-8")
+    assert ".latest()" not in source  # which checkpoint to continue is the plan's
+
+
+def test_parsed_command_lines_never_reach_the_engine_or_below():
+    """argparse lives with the commands (octfw/commands, the CLI, the helpers plugin commands
+    share); the engine, recipes, storage, models and evaluation take values, never a namespace."""
+    for package in ("engine", "recipe", "storage", "models", "evaluation", "diagnostics"):
+        for path in (OCTFW / package).rglob("*.py"):
+            assert "argparse" not in {n.split(".")[0] for n in _imported_names(path)}, path
+
+
+def test_a_plan_for_a_folder_continues_its_fallback_copy_before_the_checkpointers_newest(tmp_path):
+    """--resume auto in a folder with both: the fallback copy (the final state the checkpointer
+    could not take) is newer by construction, and the plan says it must be uploaded."""
+    import pytest
+    import torch
+
+    from octfw.engine.plan import plan_for_folder
+    from octfw.engine.run_end import fallback_storage
+    from octfw.errors import UserError
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
+
+    (tmp_path / "tiny.toml").write_text(TINY_RECIPE)
+    registry = load_registry()
+    recipe = load_recipe(tmp_path / "tiny.toml", [f"run.output_dir={tmp_path / 'runs'}"], registry)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan = plan_for_folder(recipe, registry, run_dir, "auto")
+    assert (plan.resume_from, plan.from_fallback, plan.processes.world_size) == (None, False, 1)
+    saved = fallback_storage(run_dir).save(7, {"update_step": 7, "model": {}, "note": json.dumps("x")})
+    plan = plan_for_folder(recipe, registry, run_dir, "auto", allow_recipe_change=True)
+    assert (plan.resume_from, plan.from_fallback, plan.allow_recipe_change) == (saved, True, True)
+    (tmp_path / "given.pt").write_bytes(b"a checkpoint the user names")
+    explicit = plan_for_folder(recipe, registry, run_dir, str(tmp_path / "given.pt"))
+    assert (explicit.resume_from, explicit.from_fallback) == (str(tmp_path / "given.pt"), False)
+    assert isinstance(plan.processes.device, torch.device)
+    (tmp_path / "given.pt").unlink()  # a checkpoint no process can read: refused before anything loads
+    with pytest.raises(UserError, match="cannot be read by every process"):
+        plan_for_folder(recipe, registry, run_dir, str(tmp_path / "given.pt"))
