@@ -24,8 +24,8 @@ continues it. What octfw decides itself:
   and end by themselves; a stopped (SIGSTOP) one is continued so that it
   finds its peer gone; what is left is killed.
 - **Signals forwarded once.** SIGTERM and SIGINT received by the launcher go
-  to every worker as they came (Kubernetes stops a pod with a SIGTERM to its
-  first process only); a worker counts a repeat that the process group had
+  to every worker as they came, SIGHUP (a closed terminal) as SIGTERM
+  (Kubernetes stops a pod with a SIGTERM to its first process only); a worker counts a repeat that the process group had
   already delivered once (:data:`octfw.engine.preemption.DUPLICATE_WINDOW_S`).
   A second signal stops the job at once: the workers stop where they are and
   whatever still runs after :data:`STOP_NOW_GRACE_S` is killed; exit 130, the
@@ -35,8 +35,9 @@ continues it. What octfw decides itself:
   of a job exits with the same code and line.
 - **The machine shared fairly.** ``OMP_NUM_THREADS`` is the process's share
   of this node's cores unless the user set it (torchrun sets 1).
-- **No unbounded wait.** The rendezvous of the nodes, the nodes' exchange of
-  outcomes and the grace above each wait at most ``engine.collective_timeout_s``.
+- **No unbounded wait.** The rendezvous of the nodes waits at most
+  ``engine.collective_timeout_s``; the grace above and the nodes' exchange of
+  outcomes at most that plus :data:`LOST_PEER_REPORT_S`.
 """
 
 from __future__ import annotations
@@ -275,8 +276,7 @@ def _processes(n: int) -> str:
 def _quiet_torch_logs() -> None:
     """torch's elastic lines (rendezvous rounds, "Sending process ... closing signal") are not
     the user's business: the job's one line says how it ended."""
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
 
 class _Node:
@@ -394,7 +394,7 @@ class _Watch:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "_Watch":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
@@ -411,8 +411,9 @@ class _Watch:
         if self.signals >= 2:  # stop now: the workers stop where they are, what is left is killed
             deadline = time.monotonic() + (STOP_NOW_GRACE_S if self.signals == 2 else 0.0)
             self._kill_at = min(self._kill_at or deadline, deadline)
+        forwarded = signal.SIGTERM if signum == signal.SIGHUP else signum  # a closed terminal: a stop request
         for pid in self._running().values():
-            _kill(pid, signum)
+            _kill(pid, forwarded)
 
     def until_all_ended(self) -> None:
         while len(self.exit_codes) < len(self.pids):
