@@ -4,7 +4,7 @@
 break splits the step into several compiled graphs with Python in between,
 and code resumed after a break can recompile on every update step (it did,
 after a break in ``effective_rank``: 69 s for the first step of ``tiny``,
-3.8 s for each of the next nine; docs/performance.md). Both are cheap to see
+3.8 s for each of the next nine; benchmarks/accelerators/README.md). Both are cheap to see
 here and costly to find on an accelerator.
 
 Dynamo only, no Inductor: graphs are captured (``torch._dynamo.explain``) and

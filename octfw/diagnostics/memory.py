@@ -424,7 +424,7 @@ def flash_attention_line(model: torch.nn.Module, batch: Mapping[str, Any], estim
 
 #: Share of a device's memory the advised batch may fill: on an H100 the eager bf16 step of
 #: ``small`` at the seeds' size peaked 1.15x the estimate (the CUDA caching allocator and
-#: backward's transient gradients; the compiled step 1.00x), docs/performance.md.
+#: backward's transient gradients; the compiled step 1.00x), benchmarks/accelerators/README.md.
 ADVISED_SHARE = 0.85
 
 

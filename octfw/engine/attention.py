@@ -125,7 +125,7 @@ def record_attention() -> Iterator[AttentionRecord]:
 #: The SDPA kernels octfw tries first on each CUDA architecture (major compute
 #: capability), then the rest in torch's order. On Hopper (9) cuDNN's attention
 #: is the FlashAttention-3-style kernel; torch's own default order puts it last.
-#: Measured on a lent H100 by benchmarks/accelerators/accelerator_suite.py (docs/performance.md).
+#: Measured on a lent H100 by benchmarks/accelerators/accelerator_suite.py (benchmarks/accelerators/README.md).
 CUDA_PRIORITY: dict[int, tuple[str, ...]] = {9: ("cudnn", "flash", "efficient", "math"),
                                              10: ("cudnn", "flash", "efficient", "math")}
 _BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",

@@ -288,7 +288,7 @@ class Trainer:
                 # One XLA graph per micro-step, so that a graph holds one
                 # micro-batch's activations, as accumulation intends: with the
                 # whole update in one graph XLA:CPU planned twice the memory
-                # for `small` at the seeds' size (docs/performance.md).
+                # for `small` at the seeds' size (benchmarks/accelerators/README.md).
                 backend.step_boundary()
         self.guard_log.remember(update_step + 1, provenance)
         if backend.ddp:  # every rank's guards see the same (mean) loss; SPMD's is global already

@@ -21,7 +21,7 @@ A positive eye holds a normal eye's two reflectivities with the halves
 swapped, so its brightness histogram is a normal eye's (up to the halves'
 sizes, which the fovea's place sets); only which half is which differs.
 Sizing (``benchmarks/learning/context_task.py``, its ``HISTORY`` and
-docs/evaluation.md "A task that needs learned features"): on 200 volumes
+docs/tasks.md "A task that needs learned features"): on 200 volumes
 the voxel probe sees the reversal (0.965) while no reader of a random-init
 encoder's tokens recovers more than half of that margin (at most 0.649),
 the widest room of the forms tried.

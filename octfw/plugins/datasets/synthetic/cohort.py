@@ -26,7 +26,7 @@ classification task (see :data:`TASKS`): a bright lesion, sub-retinal fluid
 (a dark dome that lifts the retina off the pigment epithelium) or thinning
 of the outer nuclear layer over a region. Their sizes were fixed by
 measurement before any pretrained encoder was probed on them; see
-docs/evaluation.md and benchmarks/learning/synthetic_tasks.py.
+docs/tasks.md and benchmarks/learning/synthetic_tasks.py.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ _LOG_FLOOR = 100.0
 
 # Finding geometry at finding_scale 1, in the generator's units: z and x run
 # over [-1, 1] across the scan (6 mm), y over [0, 1] down the B-scan (about
-# 2 mm). Sized by benchmarks/learning/synthetic_tasks.py (docs/evaluation.md).
+# 2 mm). Sized by benchmarks/learning/synthetic_tasks.py (docs/tasks.md).
 _FLUID_RADII = (0.45, 0.3)  # (z, x) half-widths of the fluid dome's footprint
 _FLUID_HEIGHT = 0.21  # the dome's peak height, as a fraction of H (~0.4 mm)
 _THINNED_LAYER = 4  # the outer nuclear layer: photoreceptor nuclei, lost in atrophy
@@ -324,7 +324,7 @@ def synthetic_volume(
 
     Their sizes were chosen so that a linear probe on the voxels at the
     quickstart's 16 x 64 x 64 input sees them while a randomly initialised
-    encoder's mean-pooled features mostly do not (docs/evaluation.md).
+    encoder's mean-pooled features mostly do not (docs/tasks.md).
     Geometry is in units of the scan, so they are the same at any volume size.
     ``finding_scale`` multiplies the finding's size: the lesion's radii,
     the fluid's height (its footprint stays) and the thinned region's

@@ -73,12 +73,12 @@ class SyntheticOctConfig:
         "With labels: lesion (a bright lesion, 1, or none, 0), fluid (sub-retinal fluid, "
         "1, or none), thinning (outer nuclear layer thinned over a region, 1, or none), "
         "or finding (multi-class: 0 none, 1 lesion, 2 fluid, 3 thinning). "
-        "Sizes and how they were chosen: docs/evaluation.md.",
+        "Sizes and how they were chosen: docs/tasks.md.",
         default="lesion",
         validator=_task,
     )
     finding_scale: float = doc(
-        "With labels: multiplies the finding's size (1.0: as sized in docs/evaluation.md).",
+        "With labels: multiplies the finding's size (1.0: as sized in docs/tasks.md).",
         default=1.0,
         validator=_finding_scale,
     )
