@@ -239,9 +239,9 @@ def test_a_plugin_model_that_is_no_module_is_refused_naming_every_missing_method
 
 
 def _guide_table() -> dict[str, tuple[str, list[str], dict[str, list[str]]]]:
-    """stage -> (required protocol, its members, {optional protocol: members}) from README's table."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("### What each stage's component has", 1)[1].split("\n#", 1)[0]
+    """stage -> (required protocol, its members, {optional protocol: members}) from the plugin guide's table."""
+    text = (REPO / "docs" / "plugins.md").read_text(encoding="utf-8")
+    section = text.split("## What each stage's component has", 1)[1].split("\n#", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
