@@ -12,6 +12,7 @@ docstrings.
 
 from __future__ import annotations
 
+import importlib
 import logging.config
 import re
 from pathlib import Path
@@ -302,6 +303,29 @@ def test_an_import_circle_through_a_function_local_import_is_found(tmp_path, mon
     monkeypatch.syspath_prepend(str(tmp_path))
     [circle] = _import_circles("knotted")
     assert circle.startswith("knotted.cohort -> knotted.family -> knotted.cohort "), circle
+
+
+def test_each_stages_contract_reads_alone():
+    """``octfw/types/``: one module per stage's contract, each importing only the shared modules
+    (the sample, the batch, what every component shares, the capability check), never another
+    stage's; every stage has its module and every name is imported from ``octfw.types``."""
+    import grimp
+
+    import octfw.types
+    from octfw.hookspecs import STAGES
+
+    shared = {"octfw.types.sample", "octfw.types.batch", "octfw.types.component", "octfw.types.capability"}
+    stage_modules = {f"octfw.types.{stage}" for stage in STAGES}
+    graph = grimp.build_graph("octfw", exclude_type_checking_imports=True, cache_dir=None)
+    assert stage_modules <= graph.modules, sorted(stage_modules - graph.modules)
+    problems = []
+    for module in sorted(stage_modules | shared):
+        imported = {m for m in graph.find_modules_directly_imported_by(module) if m.startswith("octfw.")}
+        problems += [f"{module} imports {other}, not a shared module" for other in sorted(imported - shared)]
+        loaded = importlib.import_module(module)
+        problems += [f"{module}.{name} is not importable from octfw.types" for name in loaded.__all__
+                     if getattr(octfw.types, name, None) is not getattr(loaded, name)]
+    assert not problems, "\n".join(problems)
 
 
 def test_the_trainer_reads_in_one_sitting():
