@@ -362,7 +362,7 @@ def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command:
     pids = context.pids()
     ranks = {local: node.index * node.nproc + local for local in pids}
     watch = _Watch(pids, grace_s=timeout_s + LOST_PEER_REPORT_S)
-    with watch:  # our SIGTERM/SIGINT handlers over torch's, from the workers' first instant
+    with watch:  # our signal handlers over torch's, from the workers' first instant
         watch.until_all_ended()
     result = context.wait(0)  # every worker has ended: their exit codes and error files
     context.close()
@@ -382,7 +382,10 @@ def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command:
 
 class _Watch:
     """The workers, watched without reaping them (``waitid`` with ``WNOWAIT``: torch's process
-    context reads their exit codes after), and the launcher's SIGTERM/SIGINT handler."""
+    context reads their exit codes after), and the launcher's handler of the stop signals."""
+
+    #: What the launcher forwards to the workers (over torch's handlers, which would raise).
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, pids: dict[int, int], grace_s: float):
         self.pids, self.grace_s = pids, grace_s
@@ -391,16 +394,15 @@ class _Watch:
         self.killed: set[int] = set()  #: local ranks the launcher itself killed
         self.signals = 0
         self._kill_at: float | None = None
-        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "_Watch":
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
         # The job is over: the launcher ignores signals while it says how it ended.
-        for sig in self._previous:
+        for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 
     def _running(self) -> dict[int, int]:
