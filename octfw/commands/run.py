@@ -6,11 +6,10 @@ import argparse
 import os
 import shlex
 import sys
-from pathlib import Path
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
 from octfw.engine.launcher import JOB_STATUS_ENV, Outcome, job_command, report_outcome  # light: no torch
-from octfw.errors import UserError, one_line
+from octfw.errors import UserError
 from octfw.exit_codes import (CRASHED, FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
 
@@ -37,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "every change is listed, and the whole schedule must still pass the pre-flight "
                              "check from the resumed step; without it such a resume is refused")
     job = parser.add_argument_group(
-        "several processes (DDP through torch.distributed's elastic agent, as torchrun; docs/distributed.md)")
+        "several processes (DDP, started on torch.distributed.elastic's rendezvous as torchrun starts them; "
+        "docs/distributed.md)")
     job.add_argument("--nproc-per-node", metavar="N|auto",
                      help="start N training processes on this node (auto: one per visible GPU) and wait for "
                           "them; the job prints one status line and exits with the codes below")
