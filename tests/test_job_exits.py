@@ -17,7 +17,8 @@ import time
 import pytest
 
 from conftest import make_dist
-from test_multiprocess_faults import SLOW_PLUGIN, Job, checkpoint_steps, job  # noqa: F401 - the job fixture
+from test_multiprocess_faults import (SLOW_PLUGIN, Job, checkpoint_steps, ctrl_c_twice_in_the_slow_step,  # noqa: F401
+                                     job)
 from octfw.engine.launcher import STOP_NOW_GRACE_S
 from octfw.exit_codes import (CRASHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, RETRY_CODES,
                               SAVE_FAILED_EXIT_CODE, USER_ERROR)
@@ -199,16 +200,7 @@ def test_a_second_ctrl_c_ends_every_rank_at_once_exit_130_keeping_the_last_check
     mark = job.root / "in-the-step"
     process = job.start("twice", "--set=model.name=slow", "--set=engine.checkpoint_every_steps=1", nproc=2,
                         env={"SLOW_MARK": str(mark)})
-    deadline = time.monotonic() + 180
-    while not mark.exists():  # the second, minute-long update step has begun
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
-    time.sleep(1)
-    os.killpg(process.pid, signal.SIGINT)
-    time.sleep(1.5)  # more than a forwarded repeat's window: a second Ctrl-C
-    second = time.monotonic()
-    os.killpg(process.pid, signal.SIGINT)
-    out, err = process.communicate(timeout=60)
+    second, out, err = ctrl_c_twice_in_the_slow_step(process, mark, kill=os.killpg, timeout_s=180)  # to the group
     assert time.monotonic() - second < 10 + STOP_NOW_GRACE_S
     assert process.returncode == INTERRUPTED_EXIT_CODE, err[-3000:]
     [line] = status_lines(err)

@@ -407,20 +407,28 @@ def octfw_register_models(register):
 '''
 
 
+def ctrl_c_twice_in_the_slow_step(process: subprocess.Popen, mark: Path, kill=os.kill, timeout_s: float = 120
+                                  ) -> tuple[float, str, str]:
+    """Once the slow model's minute-long step has begun (``mark`` exists), Ctrl-C, then Ctrl-C again
+    1.5 s later (more than a forwarded repeat's window); (when the second came, stdout, stderr)."""
+    deadline = time.monotonic() + timeout_s
+    while not mark.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    time.sleep(1)
+    kill(process.pid, signal.SIGINT)
+    time.sleep(1.5)
+    second = time.monotonic()
+    kill(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    return second, out, err
+
+
 def test_a_second_ctrl_c_stops_within_seconds_in_the_middle_of_a_long_cpu_step(job):
     make_dist(job.root / "site", "octfw-slow", "plug_slow", SLOW_PLUGIN)
     mark = job.root / "in-the-step"
     process = job.start("slow", "--set=model.name=slow", nproc=None, env={"SLOW_MARK": str(mark)})
-    deadline = time.monotonic() + 120
-    while not mark.exists():  # the second, minute-long update step has begun
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
-    time.sleep(1)
-    os.kill(process.pid, signal.SIGINT)
-    time.sleep(1.5)
-    second = time.monotonic()
-    os.kill(process.pid, signal.SIGINT)
-    _out, err = process.communicate(timeout=60)
+    second, _out, err = ctrl_c_twice_in_the_slow_step(process, mark)
     assert time.monotonic() - second < 10
     assert process.returncode == INTERRUPTED_EXIT_CODE, err[-3000:]
     assert "received again: stopping now" in err and "Traceback" not in err
