@@ -378,7 +378,7 @@ class Peers:
         """``decide()`` on rank 0, its result on every process. A UserError it raises (a folder in
         use, a lease held) is raised on every process: a refusal of the job, never a peer lost."""
         value, refusal = None, None
-        if self.processes.is_main:
+        if self.processes.is_main or self.alone:  # alone: no rank 0 to hear it from (a host tried on its own)
             try:
                 value = decide()
             except UserError as exc:
