@@ -193,8 +193,18 @@ def test_a_grid_where_every_member_predicts_one_class_is_flagged_and_warned_abou
     assert "every member of the grid predicts one class for all 16 validation volumes" in caplog.text
 
 
+#: Issue #39 measured the attentive probe's sample need (benchmarks/learning/README.md, "the attentive
+#: probe's sample need"): from a few dozen labelled volumes it memorises before it reads a small
+#: finding. On the lesion task, from 60 training volumes, it reads 0.42 (interval up to 0.57) on an
+#: AVX2 CPU against the token linear probe's 0.76; on AVX-512 CPUs the same seed's rounding happened
+#: to clear the rule. Kept, not skipped: an XPASS says when the probe no longer needs more volumes.
+SAMPLE_NEED = pytest.mark.xfail(strict=False, reason="the attentive probe's measured sample need (#39): 60 "
+                                "labelled volumes are too few for it on the lesion task; the token linear probe "
+                                "reads it (0.76)")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["lesion", "fluid"])
+@pytest.mark.parametrize("task", [pytest.param("lesion", marks=SAMPLE_NEED), "fluid"])
 def test_where_the_linear_probe_beats_chance_the_attentive_probe_is_not_worse_beyond_the_intervals(
         task, tmp_path, capsys):
     """Issue #29's rule, on the synthetic tasks and the tiny encoder `octfw eval` compares against

@@ -181,14 +181,15 @@ def test_a_final_save_on_a_full_disk_exits_74_with_one_line_and_no_rank_tracebac
 
 
 def test_a_resume_on_another_number_of_processes_is_refused_naming_both(job):
-    first = job.run("resize", nproc=2)
+    first = job.run("resize", nproc=None)  # one process: global batch 1
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = job.run_dir("resize")
     newest = sorted(checkpoint_steps(run_dir))[-1]
     again = job.run("resize", "--resume", str(run_dir / "checkpoints" / newest), nproc=NPROC)
     assert again.returncode == USER_ERROR, again.stderr[-3000:]
     [line] = status_lines(again.stderr)
-    assert "trained on 2 devices" in line and "this run has 4 devices" in line and "engine.global_batch" in line
+    assert "trained on 1 device (global batch 1)" in line and "this run has 4 devices (global batch 4)" in line
+    assert "--nproc-per-node" in line and "engine.global_batch = 1" in line
 
 
 def test_a_second_ctrl_c_ends_every_rank_at_once_exit_130_keeping_the_last_checkpoint(job):
