@@ -312,6 +312,10 @@ def test_an_unreachable_gcs_out_is_one_line_within_seconds(cohorts, write_recipe
 # --- faults --------------------------------------------------------------------------------------
 
 
+#: How long the disk-backed emulator may take to open its port (a start, not a measured speed).
+START_WAIT_S = 90
+
+
 class DiskEmulator(GCSEmulator):
     """The GCS emulator keeping its objects in a folder, so it can stop and start again on its port."""
 
@@ -326,14 +330,16 @@ class DiskEmulator(GCSEmulator):
             [str(exe), "start", "--host", "127.0.0.1", "--port", str(self.port)], cwd=self.folder,
             env={**os.environ, "STORAGE_BASE": str(self.folder)},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 30
+        # Restarted mid-prepare, it starts beside a driver and its Dask workers retrying at full
+        # speed: on 2 loaded cores its start once took over 30 s (a fresh-clone CI run).
+        deadline = time.monotonic() + START_WAIT_S
         while time.monotonic() < deadline:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
                 return self
             except OSError:
                 time.sleep(0.1)
-        raise RuntimeError("gcp-storage-emulator did not open its port within 30 s")
+        raise RuntimeError(f"gcp-storage-emulator did not open its port within {START_WAIT_S} s")
 
 
 def _prepare_until_the_store_stops(write_recipe, tmp_path, monkeypatch, bucket: str):
