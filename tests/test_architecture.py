@@ -345,3 +345,20 @@ def test_the_trainer_reads_in_one_sitting():
         length = node.end_lineno - node.lineno + 1
         assert length <= 80, (f"Trainer.{method} has {length} lines (at most 80): the loop must read in one "
                               "sitting; give what is not a step of it a method or a module of its own")
+
+
+def test_the_start_path_stays_short():
+    """Issue #49: from `octfw run`'s parsed arguments to the first update step, a new run and a
+    `--resume auto` each move through at most 30 stays and climb back at most 3 times
+    (scripts/start_path.py says how they are counted, on a real run)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "start_path.py")], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    counts = re.findall(r"^(\d+) stays in \d+ files, (\d+) climbs back", out.stdout, re.MULTILINE)
+    assert len(counts) == 2, out.stdout + out.stderr
+    for stays, climbs in counts:
+        assert int(stays) <= 30 and int(climbs) <= 3, out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr
