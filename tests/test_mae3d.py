@@ -85,7 +85,7 @@ def test_mae3d_is_registered_with_its_config():
 def test_presets_share_vjepa3d_encoders_and_fields_override_them():
     from octfw.plugins.models.vjepa3d import VJEPA3DConfig
 
-    for preset in ("tiny", "small", "base"):
+    for preset in ("tiny", "small", "base", "large", "giant"):
         mae, vjepa = MAE3DConfig(preset=preset).architecture(), VJEPA3DConfig(preset=preset).architecture()
         assert (mae.embed_dim, mae.depth, mae.num_heads, mae.mlp_ratio) == (
             vjepa.embed_dim, vjepa.depth, vjepa.num_heads, vjepa.mlp_ratio)
@@ -100,7 +100,8 @@ def test_the_preset_sizes_octfw_list_shows_are_the_models_parameter_counts():
     from octfw.plugins.models.mae3d.model import MAE3D
 
     for name, sizes in PRESETS.items():
-        model = MAE3D(image_size=(16, 64, 64), patch_size=(4, 16, 16), in_channels=1, **sizes)
+        with torch.device("meta"):  # shapes only: 'giant' is a billion parameters
+            model = MAE3D(image_size=(16, 64, 64), patch_size=(4, 16, 16), in_channels=1, **sizes)
         encoder = sum(p.numel() for p in model.encoder.parameters())
         assert (model.count_parameters()["trainable"], encoder) == PRESET_PARAMETERS[name], name
         assert model.count_parameters()["ema"] == 0

@@ -25,11 +25,17 @@ __all__ = ["ENCODER_PRESETS", "EncoderArchitecture", "PresetSized", "model_prese
            "network_arguments", "standardise_field"]
 
 #: Encoder sizes by preset name: 'tiny' for the CPU quickstart, 'small' the
-#: seeds' encoder (ViT-S width), 'base' ViT-B.
+#: seeds' encoder (ViT-S width), 'base' ViT-B, 'large' ViT-L (V-JEPA 2's ViT-L/16,
+#: MAE's and RETFound's ViT-L), 'giant' V-JEPA 2's ViT-g (facebookresearch/vjepa2
+#: ``vit_giant_xformers``, the published ViT-g/16: 22 heads of 64 channels, an MLP
+#: 48/11 as wide, 6,144 channels). Published weights load into the preset of
+#: their width, depth and heads (docs/published-weights.md).
 ENCODER_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(embed_dim=96, depth=4, num_heads=3, mlp_ratio=4.0),
     "small": dict(embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
     "base": dict(embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0),
+    "large": dict(embed_dim=1024, depth=24, num_heads=16, mlp_ratio=4.0),
+    "giant": dict(embed_dim=1408, depth=40, num_heads=22, mlp_ratio=48 / 11),
 }
 
 

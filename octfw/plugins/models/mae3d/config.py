@@ -20,13 +20,16 @@ __all__ = ["PRESETS", "PRESET_PARAMETERS", "Architecture", "MAE3DConfig"]
 
 #: Decoder sizes by preset name, beside the shared encoder sizes
 #: (:data:`octfw.models.presets.ENCODER_PRESETS`): 'tiny' as narrow as the
-#: vjepa3d tiny predictor; 'small' and 'base' MAE's light decoders (MAE's
-#: default is 512 wide and 8 deep; its ablation found a narrower, shallower
-#: decoder costs little linear-probe accuracy and much less compute).
+#: vjepa3d tiny predictor; 'small' MAE's light decoder (MAE's default is 512
+#: wide and 8 deep; its ablation found a narrower, shallower decoder costs
+#: little linear-probe accuracy and much less compute); 'base', 'large' and
+#: 'giant' MAE's default decoder (ViT-L MAE and RETFound ship it).
 DECODER_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(decoder_embed_dim=64, decoder_depth=2, decoder_num_heads=2),
     "small": dict(decoder_embed_dim=256, decoder_depth=4, decoder_num_heads=8),
     "base": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+    "large": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+    "giant": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
 }
 
 #: Network sizes by preset name: the encoder of the same vjepa3d preset and a decoder.
@@ -39,6 +42,8 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
     "tiny": (718_880, 545_952),
     "small": (25_209_472, 21_687_936),
     "base": (111_982_848, 85_843_200),
+    "large": (329_631_744, 303_361_024),
+    "giant": (1_039_445_584, 1_011_453_056),
 }
 
 
@@ -61,7 +66,8 @@ class MAE3DConfig(PresetSized):
     WIDTH_HEADS: ClassVar = (("embed_dim", "num_heads"), ("decoder_embed_dim", "decoder_num_heads"))
 
     preset: str = doc(
-        "network size; the encoder is vjepa3d's of the same name: 'tiny' (CPU), 'small', 'base'. "
+        "network size; the encoder is vjepa3d's of the same name: 'tiny' (CPU), 'small', 'base', "
+        "'large' (ViT-L, MAE's and RETFound's), 'giant' (V-JEPA 2's ViT-g). "
         f"{describe_presets(PRESETS, PRESET_PARAMETERS, 'decoder')} (patch 4x16x16, one channel)",
         default="small", validator=choices(*PRESETS),
     )

@@ -24,6 +24,10 @@ PREDICTOR_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(predictor_embed_dim=64, predictor_depth=2, predictor_num_heads=2),
     "small": dict(predictor_embed_dim=320, predictor_depth=6, predictor_num_heads=5),
     "base": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
+    # V-JEPA 2's predictor for its ViT-L and ViT-g (facebookresearch/vjepa2 configs/train and
+    # src/hub/backbones.py: pred_embed_dim 384, pred_depth 12, pred_num_heads 12).
+    "large": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
+    "giant": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
 }
 
 #: Network sizes by preset name. ``small`` is the seeds' V-JEPA3D: with one
@@ -38,6 +42,8 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
     "tiny": (658_560, 545_952),
     "small": (29_333_120, 21_687_936),
     "base": (107_728_896, 85_843_200),
+    "large": (325_443_584, 303_361_024),
+    "giant": (1_035_113_604, 1_011_453_056),
 }
 
 
@@ -62,7 +68,8 @@ class VJEPA3DConfig(PresetSized):
     WIDTH_HEADS: ClassVar = (("embed_dim", "num_heads"), ("predictor_embed_dim", "predictor_num_heads"))
 
     preset: str = doc(
-        "network size: 'tiny' (CPU quickstart), 'small' (the seeds' 29.4M model), 'base'. "
+        "network size: 'tiny' (CPU quickstart), 'small' (the seeds' 29.4M model), 'base', 'large' "
+        "(V-JEPA 2's ViT-L), 'giant' (V-JEPA 2's ViT-g). "
         f"{describe_presets(PRESETS, PRESET_PARAMETERS)} (patch 4x16x16, one channel)",
         default="small", validator=choices(*PRESETS),
     )
