@@ -80,6 +80,13 @@ class EmaWdOptions:
         default=None,
         validator=non_negative,
     )
+    horizon_scale: float | None = doc(
+        "V-JEPA's ipe_scale. Leave out for octfw's counting (the end values at the last update "
+        "step); a number >= 1 counts as V-JEPA's code does, over a horizon of horizon_scale x the "
+        "run's update steps that the run stops short of (docs/reference-parity.md)",
+        default=None,
+        validator=in_range(1.0, math.inf),
+    )
 
 
 def progress(update_step: int, total_update_steps: int) -> float:
@@ -103,6 +110,12 @@ class EmaWdSchedule:
     - weight decay: ``ctx.weight_decay`` when ``weight_decay_end`` is None, else
       ``wd_end + (wd_start - wd_end) * (1 + cos(pi * p)) / 2``.
 
+    With ``horizon_scale`` set (V-JEPA's counting, ``H = horizon_scale * total``):
+    linear EMA ``ema_start + s * (ema_end - ema_start) / H``, cosine EMA at
+    ``p = s / H``, and the weight decay's cosine at ``p = (s + 1) / int(H)``:
+    the operations in the order V-JEPA's code does them, so the values are
+    the same floats (docs/reference-parity.md).
+
     The engine should write a scheduled weight decay only into the parameter
     groups that decay at all (biases and norms keep 0).
     """
@@ -111,19 +124,36 @@ class EmaWdSchedule:
         self.total_update_steps = int(ctx.total_update_steps)
         self.options = options
         self.weight_decay_start = float(ctx.weight_decay)
+        #: V-JEPA's schedule length (``ipe * epochs * ipe_scale``), None for octfw's counting
+        self.horizon = None if options.horizon_scale is None else options.horizon_scale * self.total_update_steps
+        #: the same length as V-JEPA's cosines take it, ``int(ipe_scale * epochs * ipe)``
+        self.horizon_steps = None if self.horizon is None else int(self.horizon)
 
     def ema_momentum(self, update_step: int) -> float:
         o = self.options
-        p = progress(update_step, self.total_update_steps)
         if o.ema_shape == "constant":
             return o.ema_start
-        if o.ema_shape == "linear":
-            return o.ema_start + (o.ema_end - o.ema_start) * p
+        if self.horizon is not None:
+            if update_step < 0:
+                raise ValueError(f"update_step must be >= 0, got {update_step}")
+            step = min(update_step, self.horizon)
+            if o.ema_shape == "linear":
+                return o.ema_start + step * (o.ema_end - o.ema_start) / self.horizon
+            p = step / self.horizon
+        else:
+            p = progress(update_step, self.total_update_steps)
+            if o.ema_shape == "linear":
+                return o.ema_start + (o.ema_end - o.ema_start) * p
         return o.ema_end - (o.ema_end - o.ema_start) * 0.5 * (1.0 + math.cos(math.pi * p))
 
     def weight_decay(self, update_step: int) -> float:
         end = self.options.weight_decay_end
-        p = progress(update_step, self.total_update_steps)
+        if self.horizon_steps is not None:
+            if update_step < 0:
+                raise ValueError(f"update_step must be >= 0, got {update_step}")
+            p = min(1.0, (update_step + 1) / max(1, self.horizon_steps))
+        else:
+            p = progress(update_step, self.total_update_steps)
         if end is None:
             return self.weight_decay_start
         return end + (self.weight_decay_start - end) * 0.5 * (1.0 + math.cos(math.pi * p))

@@ -4,9 +4,10 @@ With ``W`` warmup steps, ``T`` total update steps, ``r = warmup_start_ratio``
 and ``k = update_step + 1`` (the number of updates done once this one is
 applied), the LR of 0-based update step ``s`` is::
 
-    k < W:   base_lr * (r + (1 - r) * k / W)
+    k < W:   start + (k / W) * (base_lr - start),     start = r * base_lr
     k >= W:  min_lr + (base_lr - min_lr) * (1 + cos(pi * p)) / 2,
              p = min(1, (k - W) / max(1, T - W))
+    decay = "linear":  base_lr + p * (min_lr - base_lr)   (V-JEPA 2's cooldown)
 
 With ``r = 0`` this is transformers' ``get_cosine_with_min_lr_schedule_with_warmup``
 (``num_cycles = 0.5``) evaluated at ``k``, which is also how V-JEPA's
@@ -14,6 +15,11 @@ With ``r = 0`` this is transformers' ``get_cosine_with_min_lr_schedule_with_warm
 LR). Evaluating at ``k`` rather than ``s`` means the first update already has
 ``base_lr / W`` instead of 0, the last warmup step (``s = W - 1``) has exactly
 ``base_lr`` and the last update (``s = T - 1``) has exactly ``min_lr``.
+With ``warmup_start_lr`` (V-JEPA's ``start_lr``), ``start`` is that value; with
+``horizon_scale`` (V-JEPA's ``ipe_scale``), ``T = int(horizon_scale * T_run)``, so
+the run ends before the floor. Each expression is evaluated in the order of
+V-JEPA's ``WarmupCosineSchedule`` and ``LinearDecaySchedule``, so a run
+configured like a V-JEPA one gets the same floats (tests/test_reference_schedules.py).
 Clamping ``p`` at 1 is octfw's: past the end the LR stays at ``min_lr``,
 where ``cos`` would rise again. There is no cycle option, so no restart can
 be configured.
@@ -27,7 +33,7 @@ from typing import Any
 import attrs
 
 from octfw.errors import UserError
-from octfw.fields import doc, in_range, non_negative
+from octfw.fields import choices, doc, in_range, non_negative
 from octfw.hookspecs import Register, hookimpl
 from octfw.schedules import EmaWdOptions, EmaWdSchedule
 from octfw.types import BuildContext
@@ -73,6 +79,18 @@ class CosineConfig(EmaWdOptions):
         default=0.0,
         validator=in_range(0.0, 1.0, high_open=True),
     )
+    warmup_start_lr: float | None = doc(
+        "absolute LR the warmup starts from (V-JEPA's start_lr); when given it replaces "
+        "warmup_start_ratio",
+        default=None,
+        validator=non_negative,
+    )
+    decay: str = doc(
+        "shape of the decay after warmup: 'cosine' or 'linear' (V-JEPA 2's cooldown, "
+        "LinearDecaySchedule: base_lr straight down to min_lr)",
+        default="cosine",
+        validator=choices("cosine", "linear"),
+    )
 
 
 def warmup_steps(warmup: float | int, total_update_steps: int) -> int:
@@ -106,16 +124,29 @@ class CosineSchedule(EmaWdSchedule):
                 f"scheduler.warmup = {config.warmup!r} update steps is longer than the run "
                 f"({total} update steps)"
             )
-        self.warmup_start = self.base_lr * config.warmup_start_ratio
+        if config.warmup_start_lr is not None:
+            if config.warmup_start_lr > self.base_lr:
+                raise UserError(
+                    f"scheduler.warmup_start_lr = {config.warmup_start_lr!r} is above the optimizer's "
+                    f"base_lr = {self.base_lr!r}; a warmup rises to base_lr"
+                )
+            self.warmup_start = float(config.warmup_start_lr)
+        else:
+            self.warmup_start = self.base_lr * config.warmup_start_ratio
+        self.decay = config.decay
+        # V-JEPA's ipe_scale: the decay is laid out over a horizon longer than the run.
+        self.decay_end = self.total_update_steps if self.horizon_steps is None else self.horizon_steps
 
     def lr(self, update_step: int) -> float:
         if update_step < 0:
             raise ValueError(f"update_step must be >= 0, got {update_step}")
         done = update_step + 1  # updates done once this one is applied
         if done < self.warmup_steps:
-            return self.warmup_start + (self.base_lr - self.warmup_start) * done / self.warmup_steps
-        decay_steps = max(1, self.total_update_steps - self.warmup_steps)
+            return self.warmup_start + done / self.warmup_steps * (self.base_lr - self.warmup_start)
+        decay_steps = max(1, self.decay_end - self.warmup_steps)
         p = min(1.0, (done - self.warmup_steps) / decay_steps)
+        if self.decay == "linear":
+            return self.base_lr + p * (self.min_lr - self.base_lr)
         return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
@@ -129,5 +160,5 @@ def octfw_register_schedulers(register: Register) -> None:
         "cosine-no-restart",
         CosineConfig,
         build,
-        "Linear warmup, one cosine decay to min_lr, then flat; cannot restart.",
+        "Linear warmup, one cosine (or linear) decay to min_lr, then flat; cannot restart.",
     )
