@@ -37,7 +37,7 @@ from octfw.errors import CorruptFile, UserError
 from octfw.formats import (BUNDLE_METADATA, BUNDLE_WEIGHTS, CONFIG_FILE, DEFAULT_LICENSE, EXPORT_FORMATS,
                            FOLDER_FORMATS, FORMAT, FORMAT_VERSION, WEIGHTS_FILE, dataset_label, encoder_info,
                            is_export_folder, is_new_or_empty, write_export)
-from octfw.models.vit3d import ViT3DEncoder
+from octfw.models.vit3d import NORM_EPS, ViT3DEncoder
 from octfw.recipe import Recipe, build_component
 from octfw.registry import DISABLE_ENV, Registry
 from octfw.storage.files import write_atomically
@@ -565,6 +565,9 @@ def encoder_from_config(config: Mapping[str, Any]) -> ViT3DEncoder:
         config["embed_dim"], config["depth"], config["num_heads"], config["mlp_ratio"],
         # Encoders exported before the option existed were trained on unstandardised inputs.
         standardise_input=config.get("standardise_input", False),
+        # Recorded only where they differ from the defaults (published weights: V-JEPA 2's RoPE).
+        position=config.get("position", "sincos"),
+        norm_eps=config.get("norm_eps", NORM_EPS),
     )
 
 
@@ -625,8 +628,10 @@ def _read_torchscript(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: its {CONFIG_FILE} cannot be read ({exc})") from None
     if not isinstance(info, dict):
         return {}
-    # The position embedding is derived from the geometry, kept out of octfw's state dict.
-    state_dict = {k: v for k, v in module.state_dict().items() if k != "pos_embed"}
+    # A sin-cos position embedding is derived from the geometry, kept out of octfw's state
+    # dict; a learned one is a weight.
+    learned = isinstance(info.get("config"), dict) and info["config"].get("position") == "learned"
+    state_dict = {k: v for k, v in module.state_dict().items() if k != "pos_embed" or learned}
     return {**info, "state_dict": state_dict}
 
 

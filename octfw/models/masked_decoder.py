@@ -21,10 +21,13 @@ import torch
 from torch import nn
 
 from octfw.models.vit3d import (
+    NORM_EPS,
+    POSITIONS,
     Block,
     LayerNorm,
     gather_tokens,
     init_weights,
+    rope_tables,
     rescale_residual_branches,
     set_activation_checkpointing,
     sincos_pos_embed_3d,
@@ -40,7 +43,8 @@ class MaskedTokenDecoder(nn.Module):
     ``forward(context_tokens [B, Nc, in_dim], context_idx [B, Nc], target_idx [B, Nt])``
     returns ``[B, Nt, out_dim]``. The submodules (and so the state-dict keys)
     are ``embed_in``, ``mask_token``, ``blocks``, ``norm`` and ``embed_out``;
-    the sin-cos ``pos_embed`` is a buffer that is not saved.
+    the sin-cos ``pos_embed`` is a buffer that is not saved (``position="learned"``: a
+    saved parameter; ``"rope"``: no table, the blocks rotate queries and keys, V-JEPA 2).
     """
 
     def __init__(
@@ -53,17 +57,28 @@ class MaskedTokenDecoder(nn.Module):
         mlp_ratio: float,
         out_dim: int,
         activation_checkpointing: bool = False,
+        position: str = "sincos",
+        norm_eps: float = NORM_EPS,
     ):
         super().__init__()
+        if position not in POSITIONS:
+            raise ValueError(f"unknown position {position!r}; choose one of {', '.join(POSITIONS)}")
+        self.position = position
+        self.grid_size = tuple(grid_size)
+        self.head_dim = width // num_heads
         self.embed_in = nn.Linear(in_dim, width)
         # 1-D on purpose: param_groups then leaves it out of weight decay, like
         # the other non-matrix parameters.
         self.mask_token = nn.Parameter(torch.zeros(width))
-        self.register_buffer(
-            "pos_embed", sincos_pos_embed_3d(grid_size, width)[None], persistent=False
-        )
-        self.blocks = nn.ModuleList(Block(width, num_heads, mlp_ratio) for _ in range(depth))
-        self.norm = LayerNorm(width)
+        if position == "sincos":
+            self.register_buffer(
+                "pos_embed", sincos_pos_embed_3d(grid_size, width)[None], persistent=False
+            )
+        elif position == "learned":
+            self.pos_embed = nn.Parameter(sincos_pos_embed_3d(grid_size, width)[None])
+        # "rope": each block rotates queries and keys by the tokens' grid positions.
+        self.blocks = nn.ModuleList(Block(width, num_heads, mlp_ratio, norm_eps) for _ in range(depth))
+        self.norm = LayerNorm(width, eps=norm_eps)
         self.embed_out = nn.Linear(width, out_dim)
         # Built in this order, then initialised: the draws from the RNG (and
         # so a seeded vjepa3d predictor) are those of the original Predictor.
@@ -79,12 +94,17 @@ class MaskedTokenDecoder(nn.Module):
         ``context_idx`` ``[B, Nc, out_dim]`` (V-JEPA 2.1's dense loss predicts every token)."""
         batch = context_tokens.shape[0]
         context = self.embed_in(context_tokens)
-        pos = self.pos_embed.to(context.dtype).expand(batch, -1, -1)
-        context = context + gather_tokens(pos, context_idx)
-        queries = self.mask_token.to(context.dtype) + gather_tokens(pos, target_idx)
+        rope = None
+        if self.position == "rope":  # structural choices, not branches on tensor values
+            queries = self.mask_token.to(context.dtype).expand(batch, target_idx.shape[1], -1)
+            rope = rope_tables(self.grid_size, self.head_dim, torch.cat([context_idx, target_idx], dim=1))
+        else:
+            pos = self.pos_embed.to(context.dtype).expand(batch, -1, -1)
+            context = context + gather_tokens(pos, context_idx)
+            queries = self.mask_token.to(context.dtype) + gather_tokens(pos, target_idx)
         tokens = torch.cat([context, queries], dim=1)
         for block in self.blocks:
-            tokens = block(tokens)
+            tokens = block(tokens, rope)
         # The masked positions are the last Nt tokens, a static slice.
         if with_context:
             predicted = self.embed_out(self.norm(tokens))

@@ -1,5 +1,6 @@
-"""Building blocks of a 3D Vision Transformer: patch embedding, fixed sin-cos
-positions, pre-norm blocks, and an encoder that can run on a subset of tokens.
+"""Building blocks of a 3D Vision Transformer: patch embedding, positions (fixed
+sin-cos by default, a learned table, or V-JEPA 2's 3D rotary embedding), pre-norm
+blocks, and an encoder that can run on a subset of tokens.
 
 Shapes: volumes are ``[B, C, D, H, W]``; tokens are ``[B, N, E]`` with the N
 patches in row-major order over the patch grid ``(D/pd, H/ph, W/pw)``.
@@ -16,6 +17,7 @@ build the encoder without octfw (``tests/test_embed.py`` checks it).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Iterable
 
 import torch
@@ -26,6 +28,10 @@ from torch import nn
 __all__ = [
     "grid_shape",
     "sincos_pos_embed_3d",
+    "POSITIONS",
+    "rope_tables",
+    "apply_rope",
+    "dim_rotated",
     "gather_tokens",
     "PatchEmbed3D",
     "standardise_volume",
@@ -46,6 +52,17 @@ __all__ = [
 
 #: Standard deviation of the truncated-normal initialisation of weights.
 INIT_STD = 0.02
+
+#: How tokens know their place (``position`` of :class:`ViT3DEncoder`): ``"sincos"`` a fixed
+#: 3D sin-cos table added to the patch tokens (octfw's default); ``"rope"`` V-JEPA 2's 3D
+#: rotary embedding of queries and keys in every attention layer (:func:`apply_rope`; nothing
+#: is added to the tokens and nothing is saved); ``"learned"`` a trained table added to the
+#: tokens, initialised as the sin-cos one and saved (MAE-family and timm weights carry one).
+POSITIONS = ("sincos", "rope", "learned")
+
+#: LayerNorm epsilon of octfw's networks; V-JEPA 2 and MAE build theirs with 1e-6
+#: (``norm_eps`` of :class:`ViT3DEncoder`).
+NORM_EPS = 1e-5
 
 
 def grid_shape(
@@ -101,6 +118,53 @@ def gather_tokens(tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """
     index = idx.unsqueeze(-1).expand(-1, -1, tokens.shape[-1])
     return torch.gather(tokens, 1, index)
+
+
+def rope_tables(grid: tuple[int, int, int], head_dim: int, idx: torch.Tensor | None = None,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of V-JEPA 2's 3D rotary embedding for the tokens at ``idx``
+    (``[B, K]`` patch indices; None: all ``N`` patches in order): float32
+    ``[B or 1, 1, K or N, 3 * r]``, ``r = 2 * ((head_dim // 3) // 2)``, the channels of each
+    head rotated by the depth, height and width position in turn (the rest of a head is
+    left as it is).
+
+    Facts of the reference (facebookresearch/vjepa2 ``src/models/utils/modules.py``,
+    ``rotate_queries_or_keys``), kept so that its weights mean the same here: positions are
+    patch-grid coordinates (0, 1, 2, ...); an axis of ``r`` channels has ``r / 2``
+    frequencies ``10000 ** -(j / (r / 2))``; the table is the ``r / 2`` angles written twice
+    one after the other (not interleaved), while the rotation pairs neighbouring channels
+    (:func:`apply_rope`). The reference notes this pairing as a known quirk that its
+    published weights were trained with.
+    """
+    gd, gh, gw = grid
+    if idx is None:
+        idx = torch.arange(gd * gh * gw, device=device)[None]
+    rotated = 2 * ((head_dim // 3) // 2)
+    omega = torch.arange(rotated // 2, dtype=torch.float32, device=idx.device)
+    omega = 1.0 / 10000 ** (omega / (rotated / 2.0))
+    coordinates = (idx // (gh * gw), (idx // gw) % gh, idx % gw)  # depth, height, width
+    angles = [coordinate.float()[..., None] * omega for coordinate in coordinates]  # each [B, K, r/2]
+    angles = torch.cat([torch.cat([a, a], dim=-1) for a in angles], dim=-1)[:, None]  # [B, 1, K, 3r]
+    return angles.cos(), angles.sin()
+
+
+def dim_rotated(embed_dim: int, num_heads: int) -> int:
+    """Channels of each head that :func:`apply_rope` rotates: ``3 * 2 * ((head_dim // 3) // 2)``."""
+    return 3 * 2 * ((embed_dim // num_heads // 3) // 2)
+
+
+def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Queries or keys ``x`` ``[B, heads, K, head_dim]`` rotated by :func:`rope_tables`:
+    the first ``3 * r`` channels of each head become ``x * cos + x' * sin`` with ``x'`` the
+    pairs ``(x0, x1), (x2, x3), ...`` turned to ``(-x1, x0), (-x3, x2), ...`` (the
+    reference's arithmetic, in its order); the others are kept."""
+    cos, sin = tables
+    width = cos.shape[-1]
+    head, rest = x[..., :width], x[..., width:]
+    pairs = head.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    rotated = head * cos.to(x.dtype) + turned * sin.to(x.dtype)
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
 
 
 #: Floor of a volume's standard deviation in :func:`standardise_volume`: a constant volume
@@ -184,10 +248,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention over ``x`` ``[B, N, E]``; with ``rope`` (:func:`rope_tables` of the tokens'
+        positions) queries and keys are rotated first (V-JEPA 2)."""
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, N, head_dim]
+        if rope is not None:  # a structural choice, not a branch on tensor values
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
 
@@ -283,20 +351,23 @@ class Block(nn.Module):
 
     checkpoint_activations: bool = False
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, norm_eps: float = NORM_EPS):
         super().__init__()
-        self.norm1 = LayerNorm(dim)
+        self.norm1 = LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads)
-        self.norm2 = LayerNorm(dim)
+        self.norm2 = LayerNorm(dim, eps=norm_eps)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The block over ``x`` ``[B, N, E]``; ``rope``: the tokens' rotary tables
+        (:func:`rope_tables`), None without rotary positions."""
+        function = self._residual_branches if rope is None else partial(self._residual_branches, rope=rope)
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpointed(self._residual_branches, x)
-        return self._residual_branches(x)
+            return checkpointed(function, x)
+        return function(x)
 
-    def _residual_branches(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def _residual_branches(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope)
         return x + self.mlp(self.norm2(x))
 
 
@@ -358,7 +429,10 @@ class ViT3DEncoder(nn.Module):
     :class:`Block`); a training-time choice, not part of :meth:`architecture`.
     ``standardise_input`` standardises each volume (:func:`standardise_volume`)
     before the patch projection; part of :meth:`architecture`, so an exported
-    encoder does the same wherever it is loaded.
+    encoder does the same wherever it is loaded. ``position`` (one of
+    :data:`POSITIONS`) and ``norm_eps`` (the LayerNorms' epsilon) let published
+    weights run as they were trained (V-JEPA 2: ``"rope"`` and 1e-6); they are in
+    :meth:`architecture` when they differ from the defaults.
     """
 
     def __init__(
@@ -372,8 +446,16 @@ class ViT3DEncoder(nn.Module):
         mlp_ratio: float,
         activation_checkpointing: bool = False,
         standardise_input: bool = False,
+        position: str = "sincos",
+        norm_eps: float = NORM_EPS,
     ):
         super().__init__()
+        if position not in POSITIONS:
+            raise ValueError(f"unknown position {position!r}; choose one of {', '.join(POSITIONS)}")
+        if dim_rotated(embed_dim, num_heads) == 0 and position == "rope":
+            raise ValueError(f"rotary positions need heads of at least 6 channels, got {embed_dim // num_heads}")
+        self.position = position
+        self.norm_eps = float(norm_eps)
         self.standardise_input = bool(standardise_input)
         self.image_size = tuple(image_size)
         self.patch_size = tuple(patch_size)
@@ -385,13 +467,17 @@ class ViT3DEncoder(nn.Module):
         self.num_patches = math.prod(self.grid_size)
         self.embed_dim = embed_dim
         self.patch_embed = PatchEmbed3D(self.patch_size, in_channels, embed_dim)
-        # Not persistent: derived from the geometry, so a checkpoint holds only
-        # learned weights and never carries a stale grid.
-        self.register_buffer(
-            "pos_embed", sincos_pos_embed_3d(self.grid_size, embed_dim)[None], persistent=False
-        )
-        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio) for _ in range(depth))
-        self.norm = LayerNorm(embed_dim)
+        if position == "sincos":
+            # Not persistent: derived from the geometry, so a checkpoint holds only
+            # learned weights and never carries a stale grid.
+            self.register_buffer(
+                "pos_embed", sincos_pos_embed_3d(self.grid_size, embed_dim)[None], persistent=False
+            )
+        elif position == "learned":
+            self.pos_embed = nn.Parameter(sincos_pos_embed_3d(self.grid_size, embed_dim)[None])
+        # "rope": no table; every attention layer rotates its queries and keys (rope_tables).
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, norm_eps) for _ in range(depth))
+        self.norm = LayerNorm(embed_dim, eps=norm_eps)
         self.apply(init_weights)
         self.patch_embed.reset_parameters()  # init_weights gave it the ViT default
         rescale_residual_branches(self.blocks)
@@ -409,6 +495,9 @@ class ViT3DEncoder(nn.Module):
             "num_heads": self.num_heads,
             "mlp_ratio": self.mlp_ratio,
             "standardise_input": self.standardise_input,
+            # Only where they differ from the defaults: exports of default encoders stay as they were.
+            **({"position": self.position} if self.position != "sincos" else {}),
+            **({"norm_eps": self.norm_eps} if self.norm_eps != NORM_EPS else {}),
         }
 
     def forward(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -423,12 +512,16 @@ class ViT3DEncoder(nn.Module):
         if self.standardise_input:  # a structural choice, not a branch on tensor values
             statistics = volume_statistics(volume, self.patch_size, keep_idx)
         tokens = self.patch_embed(volume, statistics)
-        tokens = tokens + self.pos_embed.to(tokens.dtype)
-        if keep_idx is not None:  # a structural choice, not a branch on tensor values
+        rope = None
+        if self.position == "rope":  # structural choices, not branches on tensor values
+            rope = rope_tables(self.grid_size, self.embed_dim // self.num_heads, keep_idx, tokens.device)
+        else:
+            tokens = tokens + self.pos_embed.to(tokens.dtype)
+        if keep_idx is not None:
             tokens = gather_tokens(tokens, keep_idx)
         outputs = []
         for depth, block in enumerate(self.blocks, start=1):
-            tokens = block(tokens)
+            tokens = block(tokens, rope)
             if depth in depths:
                 outputs.append(self.norm(tokens) if depth == self.depth else tokens)
         return outputs

@@ -25,7 +25,7 @@ from torch import nn
 
 from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
-from octfw.models.vit3d import ViT3DEncoder, gather_tokens, weight_decay_groups
+from octfw.models.vit3d import NORM_EPS, ViT3DEncoder, gather_tokens, weight_decay_groups
 from octfw.types import BATCH_KEYS, ModelOutput, mask_keys
 
 __all__ = ["NORM_PIX_EPS", "MAE3D", "patchify", "masked_pixel_loss"]
@@ -105,6 +105,8 @@ class MAE3D(nn.Module):
         activation_checkpointing: bool = False,
         mask_pairs: tuple[str, ...] = ("",),
         standardise_input: bool = False,
+        position: str = "sincos",
+        norm_eps: float = NORM_EPS,
     ):
         super().__init__()
         self.norm_pix_loss = norm_pix_loss
@@ -113,11 +115,13 @@ class MAE3D(nn.Module):
         self.encoder = ViT3DEncoder(
             image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio,
             activation_checkpointing=activation_checkpointing, standardise_input=standardise_input,
+            position=position, norm_eps=norm_eps,
         )
         patch_voxels = patch_size[0] * patch_size[1] * patch_size[2] * in_channels
         self.decoder = MaskedTokenDecoder(
             self.encoder.grid_size, embed_dim, decoder_embed_dim, decoder_depth, decoder_num_heads,
             mlp_ratio, out_dim=patch_voxels, activation_checkpointing=activation_checkpointing,
+            position=position, norm_eps=norm_eps,
         )
 
     # --- geometry -----------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import nn
 from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import (
+    NORM_EPS,
     ViT3DEncoder,
     gather_tokens,
     layer_norm,
@@ -62,9 +63,12 @@ class Predictor(MaskedTokenDecoder):
         mlp_ratio: float,
         activation_checkpointing: bool = False,
         out_dim: int | None = None,
+        position: str = "sincos",
+        norm_eps: float = NORM_EPS,
     ):
         super().__init__(grid_size, embed_dim, predictor_embed_dim, depth, num_heads, mlp_ratio,
-                         out_dim=out_dim or embed_dim, activation_checkpointing=activation_checkpointing)
+                         out_dim=out_dim or embed_dim, activation_checkpointing=activation_checkpointing,
+                         position=position, norm_eps=norm_eps)
 
 
 def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
@@ -168,6 +172,8 @@ class VJEPA3D(nn.Module):
         standardise_input: bool = False,
         dense_levels: int = 0,
         context_loss_weight: float = 0.5,
+        position: str = "sincos",
+        norm_eps: float = NORM_EPS,
     ):
         super().__init__()
         if loss not in LOSSES:
@@ -184,6 +190,7 @@ class VJEPA3D(nn.Module):
         self.context_encoder = ViT3DEncoder(
             image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio,
             activation_checkpointing=activation_checkpointing, standardise_input=standardise_input,
+            position=position, norm_eps=norm_eps,
         )
         self.predictor = Predictor(
             self.context_encoder.grid_size,
@@ -194,6 +201,8 @@ class VJEPA3D(nn.Module):
             mlp_ratio,
             activation_checkpointing=activation_checkpointing,
             out_dim=embed_dim * max(1, dense_levels),
+            position=position,
+            norm_eps=norm_eps,
         )
         self.target_encoder = copy.deepcopy(self.context_encoder)
         self.target_encoder.requires_grad_(False)
