@@ -212,3 +212,48 @@ def test_validate_indices_accepts_lists_and_int32():
         validate_indices([0, 2], np.array([2, 3], dtype=np.int32), 4)
     with pytest.raises(ContractError, match=r"\[0, 3\]"):
         validate_indices([0, 4], [1], 4)
+
+
+def test_block_area_is_floored_to_whole_patches_as_vjepa_does():
+    # V-JEPA: int(16 * 0.15) = 2 patches, so 1 x 1 at ratio 1 (an unfloored 2.4 gave 2 x 2);
+    # int(64 * 0.15) = 9: 4 x 2 at ratio 1.5 (9.6 gave 4 x 3). tests/test_reference_masks.py
+    # compares the shapes' frequencies with the reference's.
+    from octfw.models.masks import _block_size
+
+    assert _block_size(0.15, 1.0, 4, 4) == (1, 1)
+    assert _block_size(0.15, 1.5, 8, 8) == (4, 2)
+    assert _block_size(0.01, 1.0, 4, 4) == (1, 1)  # octfw's floor of one patch (V-JEPA's would be empty)
+
+
+def _rectangles(plane: np.ndarray) -> list[tuple[int, int]]:
+    """(height, width) of the bounding box of each 4-connected region of ``plane``."""
+    seen = np.zeros_like(plane, dtype=bool)
+    boxes = []
+    for start in zip(*np.nonzero(plane)):
+        if seen[start]:
+            continue
+        stack, cells = [start], []
+        seen[start] = True
+        while stack:
+            r, c = stack.pop()
+            cells.append((r, c))
+            for nr, nc in ((r + 1, c), (r - 1, c), (r, c + 1), (r, c - 1)):
+                if 0 <= nr < plane.shape[0] and 0 <= nc < plane.shape[1] and plane[nr, nc] and not seen[nr, nc]:
+                    seen[nr, nc] = True
+                    stack.append((nr, nc))
+        rows, cols = zip(*cells)
+        boxes.append((max(rows) - min(rows) + 1, max(cols) - min(cols) + 1))
+    return boxes
+
+
+def test_the_blocks_of_one_draw_share_one_shape_as_vjepas_do():
+    generator = MultiBlock3DMask(short_blocks=2, short_scale=0.01, long_blocks=0, aspect_ratio=(0.5, 2.0))
+    shapes_seen, separate = set(), 0
+    for seed in range(60):
+        boxes = _rectangles(generator.block_mask((1, 64, 64), "short", np.random.default_rng(seed))[0])
+        if len(boxes) != 2:
+            continue  # the two blocks touch: their shapes cannot be told apart
+        separate += 1
+        assert boxes[0] == boxes[1], seed
+        shapes_seen.add(boxes[0])
+    assert separate > 40 and len(shapes_seen) > 3  # the shape does vary from draw to draw

@@ -130,8 +130,13 @@ class RandomMask:
 
 
 def _block_size(scale: float, ratio: float, gh: int, gw: int) -> tuple[int, int]:
-    """Height and width in patches of a block of ``scale`` x plane area and ``ratio`` = h / w."""
-    area = scale * gh * gw
+    """Height and width in patches of a block of ``scale`` x plane area and ``ratio`` = h / w.
+
+    As V-JEPA's ``_sample_block_size``: the area is floored to whole patches
+    (``int(gh * gw * scale)``) before the square roots are rounded. Unlike it,
+    each side is at least 1 patch, so a small grid never draws an empty block.
+    """
+    area = int(gh * gw * scale)
     height = min(max(int(round(math.sqrt(area * ratio))), 1), gh)
     width = min(max(int(round(math.sqrt(area / ratio))), 1), gw)
     return height, width
@@ -150,32 +155,37 @@ def _line_cover(n: int, size: int) -> np.ndarray:
 def _expected_union_fraction(
     scales: tuple[float, ...], aspect_ratio: tuple[float, float], gh: int, gw: int
 ) -> float:
-    """Expected share of the H x W plane covered by the union of independent blocks.
+    """Expected share of the H x W plane covered by the union of a configuration's blocks.
 
     Exact for the sampling in :meth:`MultiBlock3DMask.block_mask` up to the
-    quadrature over the aspect ratio: a cell stays uncovered only if every
-    block misses it, and blocks are drawn independently.
+    quadrature over the aspect ratio: one ratio is drawn per draw and shared by
+    the blocks of a scale, and given it the blocks' places are independent, so
+    a cell stays uncovered only if every block misses it.
     """
     low, high = aspect_ratio
     steps = 2048
     ratios = low + (np.arange(steps) + 0.5) / steps * (high - low)
-    uncovered = np.ones((gh, gw))
-    for scale, blocks in collections.Counter(scales).items():
-        hit = np.zeros((gh, gw))  # probability that one block of this scale covers a cell
-        for (height, width), times in collections.Counter(
-            _block_size(scale, float(r), gh, gw) for r in ratios
-        ).items():
-            hit += times / steps * np.outer(_line_cover(gh, height), _line_cover(gw, width))
-        uncovered *= (1.0 - hit) ** blocks
-    return float(1.0 - uncovered.mean())
+    counts = collections.Counter(scales)
+    covered = 0.0
+    for ratio in ratios:
+        uncovered = np.ones((gh, gw))
+        for scale, blocks in counts.items():
+            height, width = _block_size(scale, float(ratio), gh, gw)
+            hit = np.outer(_line_cover(gh, height), _line_cover(gw, width))
+            uncovered *= (1.0 - hit) ** blocks
+        covered += 1.0 - uncovered.mean()
+    return float(covered / steps)
 
 
 class MultiBlock3DMask:
     """V-JEPA's multi-block masking on the patch grid, one context/target pair per configuration.
 
     Each block covers a rectangle of the H x W patch plane whose area is
-    ``scale`` of the plane, with an aspect ratio (height / width) drawn from
-    ``aspect_ratio``, placed uniformly at random, and spans the full depth.
+    ``scale`` of the plane (floored to whole patches), placed uniformly at
+    random, and spans the full depth. As in V-JEPA, the aspect ratio (height /
+    width) is drawn once per draw from ``aspect_ratio`` and every block of the
+    configuration has that shape (V-JEPA draws it once per batch;
+    docs/reference-parity.md).
     The ``short`` configuration is ``short_blocks`` blocks of ``short_scale``,
     the ``long`` configuration ``long_blocks`` blocks of ``long_scale``. As in
     V-JEPA, each configuration is its own pair: its target is the union of its
@@ -238,8 +248,9 @@ class MultiBlock3DMask:
         _num_patches(grid)
         gd, gh, gw = (int(g) for g in grid)
         mask = np.zeros((gd, gh, gw), dtype=bool)
+        ratio = rng.uniform(*self.aspect_ratio)  # one shape per draw, shared by the blocks
         for scale in self.configurations[configuration]:
-            height, width = _block_size(scale, rng.uniform(*self.aspect_ratio), gh, gw)
+            height, width = _block_size(scale, ratio, gh, gw)
             top = int(rng.integers(0, gh - height + 1))
             left = int(rng.integers(0, gw - width + 1))
             # V-JEPA blocks are tubes: every depth slice of the block is masked.
