@@ -84,6 +84,9 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
                         processes=processes, devices_per_process=devices_per_process)
     parts = build_components(recipe, registry, run_dir=None, layout=layout, with_loggers=False)
     ctx = parts.ctx
+    init = getattr(parts.model, "init_report", None)  # [model] init: what the published weights became
+    for line in (init.lines() if init is not None else ()):
+        report(line)
     counts = domain_counts(parts.dataset)
     report(f"dataset   {recipe.dataset.name}: {listed(parts.dataset)}; domains "
            + ", ".join(f"{d} {n}" for d, n in counts.items()))

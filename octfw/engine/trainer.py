@@ -75,7 +75,9 @@ class Trainer:
         #: the global batch arithmetic, worked out once: build, resume, data position, throughput
         self.layout = layout = backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps,
                                                     engine.global_batch)
-        self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank, layout=layout)
+        # A resumed run's checkpoint restores the weights: [model] init is not read again.
+        self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank, layout=layout,
+                                              resuming=plan.resume_from is not None)
         check_schedule(recipe, parts)
         self.model = parts.model.to(backend.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]

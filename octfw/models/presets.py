@@ -18,11 +18,17 @@ from typing import Any, ClassVar, Mapping
 import attrs
 
 from octfw.errors import UserError
-from octfw.fields import doc, length, positive
+from octfw.fields import choices, doc, length, positive
 
 __all__ = ["ENCODER_PRESETS", "EncoderArchitecture", "PresetSized", "model_presets", "describe_presets",
            "resolve_sizes", "size_field", "patch_size_field", "positive_each", "patch_geometry",
-           "network_arguments", "standardise_field"]
+           "network_arguments", "standardise_field", "position_field", "norm_eps_field", "init_field",
+           "POSITION_CHOICES", "DEFAULT_NORM_EPS"]
+
+#: ``position`` choices (:data:`octfw.models.vit3d.POSITIONS`, repeated here: this module imports no torch).
+POSITION_CHOICES = ("sincos", "rope", "learned")
+#: LayerNorm epsilon of octfw's networks (:data:`octfw.models.vit3d.NORM_EPS`).
+DEFAULT_NORM_EPS = 1e-5
 
 #: Encoder sizes by preset name: 'tiny' for the CPU quickstart, 'small' the
 #: seeds' encoder (ViT-S width), 'base' ViT-B, 'large' ViT-L (V-JEPA 2's ViT-L/16,
@@ -138,6 +144,36 @@ def standardise_field() -> Any:
                default=True)
 
 
+def position_field() -> Any:
+    """The ``position`` config field: how tokens know their place, recorded in the export."""
+    return doc("how tokens know their place: 'sincos' a fixed 3D sin-cos table added to the tokens; 'rope' "
+               "V-JEPA 2's 3D rotary embedding of queries and keys (needed for V-JEPA 2 weights); 'learned' "
+               "a trained table (MAE-family weights carry one). Part of the encoder, so an export does the same",
+               default="sincos", validator=choices(*POSITION_CHOICES))
+
+
+def norm_eps_field() -> Any:
+    """The ``norm_eps`` config field: the LayerNorms' epsilon."""
+    return doc("epsilon of every LayerNorm; V-JEPA 2 and MAE train with 1e-6, so a recipe that starts from "
+               "their weights computes what they compute with it", default=DEFAULT_NORM_EPS, validator=positive)
+
+
+def init_field(extra: str = "") -> Any:
+    """The ``init`` config field: published weights to start from (read when the model is built)."""
+    return doc("start from published weights: a checkpoint file (relative to the recipe's folder) or a Hugging "
+               "Face Hub id org/name[:file] (offline from the local cache with HF_HUB_OFFLINE=1). Its format is "
+               "recognised (V-JEPA 2 checkpoints) and adapted to the recipe's input: RGB to one channel, the "
+               "tubelet inflated to patch_size, a position table resampled; `octfw check` lists the keys "
+               "loaded, adapted and left new, and refuses weights of another width or depth. A resumed run "
+               f"takes its own checkpoint instead{extra}. Unset: random initialisation",
+               default=None, validator=_init_value)
+
+
+def _init_value(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and not str(value).strip():
+        raise ValueError("must name a file or a Hub id (leave the key out for random initialisation)")
+
+
 def positive_each(instance: Any, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     """attrs validator: every item of a sequence (a patch size) is > 0."""
     if any(v <= 0 for v in value):
@@ -172,10 +208,10 @@ def patch_geometry(model: str, patch_size: tuple[int, int, int],
 
 def network_arguments(model: str, config: Any, ctx: Any) -> dict[str, Any]:
     """The constructor arguments every network on the encoder takes: ``image_size``, ``patch_size``
-    (checked by :func:`patch_geometry`), ``in_channels``, ``activation_checkpointing`` and the
-    resolved sizes of ``config`` (a :class:`PresetSized`); the model adds its own."""
+    (checked by :func:`patch_geometry`), ``in_channels``, ``activation_checkpointing``,
+    ``standardise_input``, ``position``, ``norm_eps`` and the resolved sizes of ``config`` (a :class:`PresetSized`); the model adds its own."""
     image_size, patch_size = patch_geometry(model, config.patch_size, ctx)
     return dict(image_size=image_size, patch_size=patch_size, in_channels=ctx.in_channels,
                 activation_checkpointing=config.activation_checkpointing,
-                standardise_input=config.standardise_input,
-                **attrs.asdict(config.architecture()))
+                standardise_input=config.standardise_input, position=config.position,
+                norm_eps=config.norm_eps, **attrs.asdict(config.architecture()))

@@ -43,6 +43,9 @@ class BuildContext:
     #: The command's :class:`octfw.registry.Registry`, for components that
     #: build components of their own (an evaluator's labelled dataset).
     registry: Any = None
+    #: Whether the run resumes from its own checkpoint: what the checkpoint restores (the
+    #: weights) is not initialised again, so a model skips its ``init`` weights.
+    resuming: bool = False
 
     @property
     def is_main_process(self) -> bool:

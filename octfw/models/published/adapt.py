@@ -38,7 +38,7 @@ def adapt_channels(weight: torch.Tensor, in_channels: int) -> tuple[torch.Tensor
     if source == 1:
         return (weight.repeat(1, in_channels, *[1] * (weight.ndim - 2)) / in_channels,
                 f"1 input channel spread over {in_channels}, divided by {in_channels}")
-    raise UserError(f"the checkpoint's patch projection takes {source} input channels and the recipe's "
+    raise UserError(f"model.init: the checkpoint's patch projection takes {source} input channels and the recipe's "
                     f"data has {in_channels}: only 3 -> 1 and 1 -> C are adapted")
 
 
@@ -105,7 +105,7 @@ def refuse_misfit(what: str, source: Mapping[str, Any], width: int, depth: int, 
     """UserError in one line when a checkpoint's network is not the recipe's: both named."""
     if (source["width"], source["depth"], source["mlp"]) == (width, depth, mlp):
         return
-    raise UserError(f"{what} is {source['width']} wide, {source['depth']} blocks deep (MLP {source['mlp']}) but "
+    raise UserError(f"model.init: {what} is {source['width']} wide, {source['depth']} blocks deep (MLP {source['mlp']}) but "
                     f"{recipe} is {width} wide, {depth} blocks deep (MLP {mlp}): choose the preset of the "
                     "checkpoint's size (large: ViT-L 1024/24, giant: ViT-g 1408/40) or set the sizes to match")
 
@@ -115,9 +115,9 @@ def load_into(module: torch.nn.Module, state: Mapping[str, torch.Tensor], name: 
     own = module.state_dict()
     for key, tensor in state.items():
         if key not in own:
-            raise UserError(f"{name}: the checkpoint's {key!r} has no place in octfw's network")
+            raise UserError(f"model.init: {name}'s {key!r} has no place in octfw's network")
         if tuple(own[key].shape) != tuple(tensor.shape):
-            raise UserError(f"{name}: the checkpoint's {key!r} is {list(tensor.shape)} where octfw's network "
+            raise UserError(f"model.init: {name}'s {key!r} is {list(tensor.shape)} where octfw's network "
                             f"has {list(own[key].shape)}")
     with torch.no_grad():
         for key, tensor in state.items():

@@ -102,7 +102,7 @@ def _encoder(network: Any, source: Mapping[str, torch.Tensor], name: str, prefix
     refuse_misfit(f"the checkpoint's {name}", shape, network.embed_dim, network.depth,
                   network.blocks[0].mlp.fc1.out_features, recipe)
     if network.position == "sincos":
-        raise UserError("model.position = 'sincos' but V-JEPA 2 weights are trained with rotary positions: "
+        raise UserError("model.init: model.position = 'sincos' but V-JEPA 2 weights are trained with rotary positions: "
                         "set model.position = \"rope\" (or \"learned\" for a checkpoint with a trained table)")
     state: dict[str, torch.Tensor] = {}
     for key, tensor in source.items():
@@ -139,7 +139,7 @@ def _table_grid(table: torch.Tensor, grid: tuple[int, int, int], name: str) -> t
         side = round((tokens / depth) ** 0.5)
         if depth * side * side == tokens:
             return depth, side, side
-    raise UserError(f"the checkpoint's {name}.pos_embed has {tokens} rows: not a grid octfw can tell "
+    raise UserError(f"model.init: the checkpoint's {name}.pos_embed has {tokens} rows: not a grid octfw can tell "
                     f"(8 x g x g or g x g); use model.position = \"rope\"")
 
 

@@ -7,6 +7,8 @@ and torch is imported when :func:`build` runs. The config lives in
 
 from __future__ import annotations
 
+import logging
+
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Model
 from octfw.plugins.models.mae3d.config import PRESETS, Architecture, MAE3DConfig
@@ -21,7 +23,17 @@ def build(config: MAE3DConfig, ctx: BuildContext) -> Model:
 
     from octfw.plugins.models.mae3d.model import MAE3D
 
-    return MAE3D(norm_pix_loss=config.norm_pix_loss, mask_pairs=ctx.mask_pairs, **arguments)
+    model = MAE3D(norm_pix_loss=config.norm_pix_loss, mask_pairs=ctx.mask_pairs, **arguments)
+    if config.init is not None and not ctx.resuming:  # a resumed run restores its own weights
+        from octfw.models.published import InitTargets, initialise
+
+        targets = InitTargets(online=model.encoder, prefixes={"online": "encoder."},
+                              recipe=f"[model] mae3d preset {config.preset!r}",
+                              predictor_note="mae3d has a pixel decoder, no predictor")
+        model.init_report = initialise(config.init, targets, ctx.recipe_dir)
+        if ctx.run_dir is not None:  # a run logs what it started from; `octfw check` prints it all
+            logging.getLogger(__name__).info("%s", model.init_report.lines()[0])
+    return model
 
 
 @hookimpl

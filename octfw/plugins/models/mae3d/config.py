@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import attrs
 
 from octfw.fields import choices, doc, positive
-from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, model_presets,
-                                  patch_size_field, size_field,
-                                  standardise_field)
+from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_field,
+                                  model_presets, norm_eps_field, patch_size_field, position_field,
+                                  size_field, standardise_field)
 
 __all__ = ["PRESETS", "PRESET_PARAMETERS", "Architecture", "MAE3DConfig"]
 
@@ -73,6 +73,10 @@ class MAE3DConfig(PresetSized):
     )
     patch_size: tuple[int, int, int] = patch_size_field()
     standardise_input: bool = standardise_field()
+    position: str = position_field()
+    norm_eps: float = norm_eps_field()
+    init: str | None = init_field("; a V-JEPA checkpoint's target_encoder (the one it evaluates) becomes the "
+                                  "encoder")
     norm_pix_loss: bool = doc(
         "reconstruct each masked patch normalised by its own voxels' mean and std (MAE's "
         "norm_pix_loss, as RETFound, OCTCube and nnssl train): the loss then rewards texture and "

@@ -8,6 +8,8 @@ Registration and factory; the config lives in :mod:`octfw.plugins.models.vjepa3d
 
 from __future__ import annotations
 
+import logging
+
 from octfw.errors import UserError
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Model
@@ -18,7 +20,9 @@ __all__ = ["PRESETS", "LOSS_CHOICES", "Architecture", "VJEPA3DConfig", "build"]
 
 
 def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
-    """Make a :class:`octfw.plugins.models.vjepa3d.model.VJEPA3D` for ``ctx.image_size`` and ``ctx.in_channels``."""
+    """Make a :class:`octfw.plugins.models.vjepa3d.model.VJEPA3D` for ``ctx.image_size`` and ``ctx.in_channels``,
+    started from ``config.init``'s weights when set (its :class:`~octfw.models.published.InitReport`
+    is the model's ``init_report``)."""
     arguments = network_arguments("vjepa3d", config, ctx)  # checks the sizes before torch is imported
 
     from octfw.plugins.models.vjepa3d.model import VJEPA3D
@@ -26,8 +30,20 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
     if config.dense_levels > arguments["depth"]:
         raise UserError(f"model.dense_levels = {config.dense_levels} exceeds the encoder's depth "
                         f"({arguments['depth']} blocks): each level is the output of one block")
-    return VJEPA3D(loss=config.loss, mask_pairs=ctx.mask_pairs, dense_levels=config.dense_levels,
-                   context_loss_weight=config.context_loss_weight, **arguments)
+    model = VJEPA3D(loss=config.loss, mask_pairs=ctx.mask_pairs, dense_levels=config.dense_levels,
+                    context_loss_weight=config.context_loss_weight, **arguments)
+    if config.init is not None and not ctx.resuming:  # a resumed run restores its own weights
+        from octfw.models.published import InitTargets, initialise
+
+        targets = InitTargets(
+            online=model.context_encoder, ema=model.target_encoder,
+            predictor=model.predictor if config.init_predictor else None,
+            prefixes={"online": "context_encoder.", "ema": "target_encoder.", "predictor": "predictor."},
+            recipe=f"[model] vjepa3d preset {config.preset!r}", predictor_note="model.init_predictor = false")
+        model.init_report = initialise(config.init, targets, ctx.recipe_dir)
+        if ctx.run_dir is not None:  # a run logs what it started from; `octfw check` prints it all
+            logging.getLogger(__name__).info("%s", model.init_report.lines()[0])
+    return model
 
 
 @hookimpl

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import attrs
 
 from octfw.fields import choices, doc, non_negative, positive
-from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, model_presets,
-                                  patch_size_field, size_field,
-                                  standardise_field)
+from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_field,
+                                  model_presets, norm_eps_field, patch_size_field, position_field,
+                                  size_field, standardise_field)
 
 __all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
 
@@ -75,6 +75,15 @@ class VJEPA3DConfig(PresetSized):
     )
     patch_size: tuple[int, int, int] = patch_size_field()
     standardise_input: bool = standardise_field()
+    position: str = position_field()
+    norm_eps: float = norm_eps_field()
+    init: str | None = init_field("; the EMA target encoder starts from the checkpoint's target_encoder, the "
+                                  "predictor from its predictor where the sizes match (init_predictor)")
+    init_predictor: bool = doc(
+        "with init: continue the checkpoint's predictor too (V-JEPA pretraining continued) where its width, "
+        "depth and output match the recipe's; false: a fresh predictor",
+        default=True,
+    )
     loss: str = doc(
         "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
         default="l1", validator=choices(*LOSS_CHOICES),
