@@ -568,6 +568,7 @@ def encoder_from_config(config: Mapping[str, Any]) -> ViT3DEncoder:
         # Recorded only where they differ from the defaults (published weights: V-JEPA 2's RoPE).
         position=config.get("position", "sincos"),
         norm_eps=config.get("norm_eps", NORM_EPS),
+        rope_span=config.get("rope_span"),
     )
 
 

@@ -200,8 +200,9 @@ def test_a_learned_table_in_the_checkpoint_goes_into_a_learned_position_encoder(
     model = vjepa(init=str(path), position="learned")
     assert torch.equal(model.target_encoder.pos_embed.detach(), table)
     assert "target_encoder.pos_embed" in model.init_report.loaded
-    # The reference's predictor has no table (RoPE): octfw's learned one starts new.
-    assert model.init_report.new == {"predictor.pos_embed": "not in the checkpoint's predictor"}
+    # The checkpoint's predictor was trained with RoPE: octfw's, with a table, starts new.
+    assert set(model.init_report.new) == {f"predictor.{key}" for key in model.predictor.state_dict()}
+    assert set(model.init_report.new.values()) == {"the recipe's predictor uses 'learned' positions, V-JEPA 2's are 'rope'"}
 
 
 def test_the_rgb_channels_cannot_become_two():
@@ -223,7 +224,7 @@ def test_a_checkpoint_of_another_width_is_refused_naming_both_sizes():
 
 
 def test_sin_cos_positions_are_refused_for_rotary_weights():
-    with pytest.raises(UserError, match="model.position = 'sincos' but V-JEPA 2 weights are trained with rotary"):
+    with pytest.raises(UserError, match="model.position = 'sincos' but V-JEPA 2 weights are trained with its rotary"):
         vjepa(position="sincos")
 
 
@@ -400,3 +401,52 @@ def test_a_resumed_run_takes_its_checkpoint_and_needs_the_init_file_no_more(tiny
     (checkpoints / "latest").write_text("step_00000002.pt")
     weights.unlink()
     assert train(recipe, registry, run_dir, resume="auto").update_steps == 4
+
+
+# --- V-JEPA 2.1 ---------------------------------------------------------------------------
+
+FIXTURE_21 = REPO / "tests" / "fixtures" / "reference" / "vjepa2_1"
+META_21 = json.loads((FIXTURE_21 / "meta.json").read_text())
+
+
+def vjepa21(**fields):
+    s = META_21["sizes"]
+    config = VJEPA3DConfig(
+        preset="tiny", patch_size=(s["tubelet_size"], s["patch_size"], s["patch_size"]),
+        init=str(FIXTURE_21 / "checkpoint.pt"), embed_dim=s["embed_dim"], depth=s["depth"], num_heads=s["num_heads"],
+        predictor_embed_dim=16, predictor_depth=1, predictor_num_heads=2, standardise_input=False,
+        **{"position": "rope-interleaved", "rope_span": 16, "norm_eps": 1e-6, **fields})
+    image = (s["num_frames"], s["crop_size"], s["crop_size"])
+    return build(config, ctx(image_size=image)).eval()
+
+
+def test_a_vjepa21_encoder_gives_the_reference_tokens_full_and_masked():
+    reference = load_file(str(FIXTURE_21 / "tensors.safetensors"))
+    model = vjepa21()
+    assert model.init_report.format == "vjepa2.1"
+    with torch.no_grad():
+        # Not bit-equal: the modality embedding is folded into the patch bias (one rounding more).
+        assert (model.target_encoder(reference["clip"]) - reference["ema_tokens"]).abs().max() < 1e-5
+        assert (model.context_encoder(reference["clip"]) - reference["online_tokens"]).abs().max() < 1e-5
+        kept = model.context_encoder(reference["clip"], keep_idx=reference["keep_idx"])
+        assert (kept - reference["online_kept_tokens"]).abs().max() < 1e-5
+
+
+def test_vjepa21_adaptations_and_what_is_left_are_named():
+    report = vjepa21().init_report
+    assert report.adapted["target_encoder.patch_embed.proj.bias"] == (
+        "video_mod_embed added (V-JEPA 2.1 adds it to every patch token)")
+    assert report.adapted["target_encoder.norm.weight"] == "norms_block.3.weight: the last hierarchical output's norm"
+    assert report.ignored["ema_encoder.norms_block.0.weight"] == (
+        "a norm of the intermediate levels V-JEPA 2.1's dense loss predicts")
+    assert report.ignored["encoder.patch_embed_img.proj.weight"] == "for images (one frame), not volumes"
+    assert {key.split(".")[0] for key in report.new} == {"predictor"}
+
+
+def test_vjepa21_weights_need_its_rotary_positions_and_span():
+    with pytest.raises(UserError, match="model.position = 'rope' but V-JEPA 2.1 weights are trained with its rotary"):
+        vjepa21(position="rope")
+    # Without the span the weights load, and the report says what differs from the reference.
+    notes = vjepa21(rope_span=None).init_report.notes
+    assert "model.rope_span = None, V-JEPA 2.1 stretched in-plane positions over 16 (interpolate_rope): set it to " \
+           "compute what the reference computes" in notes

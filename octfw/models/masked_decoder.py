@@ -23,6 +23,7 @@ from torch import nn
 from octfw.models.vit3d import (
     NORM_EPS,
     POSITIONS,
+    ROTARY,
     Block,
     LayerNorm,
     gather_tokens,
@@ -59,8 +60,10 @@ class MaskedTokenDecoder(nn.Module):
         activation_checkpointing: bool = False,
         position: str = "sincos",
         norm_eps: float = NORM_EPS,
+        rope_span: int | None = None,
     ):
         super().__init__()
+        self.rope_span = rope_span
         if position not in POSITIONS:
             raise ValueError(f"unknown position {position!r}; choose one of {', '.join(POSITIONS)}")
         self.position = position
@@ -95,9 +98,10 @@ class MaskedTokenDecoder(nn.Module):
         batch = context_tokens.shape[0]
         context = self.embed_in(context_tokens)
         rope = None
-        if self.position == "rope":  # structural choices, not branches on tensor values
+        if self.position in ROTARY:  # structural choices, not branches on tensor values
             queries = self.mask_token.to(context.dtype).expand(batch, target_idx.shape[1], -1)
-            rope = rope_tables(self.grid_size, self.head_dim, torch.cat([context_idx, target_idx], dim=1))
+            rope = rope_tables(self.grid_size, self.head_dim, torch.cat([context_idx, target_idx], dim=1),
+                               interleaved=self.position == "rope-interleaved", span=self.rope_span)
         else:
             pos = self.pos_embed.to(context.dtype).expand(batch, -1, -1)
             context = context + gather_tokens(pos, context_idx)

@@ -23,10 +23,11 @@ from octfw.fields import choices, doc, length, positive
 __all__ = ["ENCODER_PRESETS", "EncoderArchitecture", "PresetSized", "model_presets", "describe_presets",
            "resolve_sizes", "size_field", "patch_size_field", "positive_each", "patch_geometry",
            "network_arguments", "standardise_field", "position_field", "norm_eps_field", "init_field",
+           "rope_span_field",
            "POSITION_CHOICES", "DEFAULT_NORM_EPS"]
 
 #: ``position`` choices (:data:`octfw.models.vit3d.POSITIONS`, repeated here: this module imports no torch).
-POSITION_CHOICES = ("sincos", "rope", "learned")
+POSITION_CHOICES = ("sincos", "rope", "rope-interleaved", "learned")
 #: LayerNorm epsilon of octfw's networks (:data:`octfw.models.vit3d.NORM_EPS`).
 DEFAULT_NORM_EPS = 1e-5
 
@@ -147,9 +148,17 @@ def standardise_field() -> Any:
 def position_field() -> Any:
     """The ``position`` config field: how tokens know their place, recorded in the export."""
     return doc("how tokens know their place: 'sincos' a fixed 3D sin-cos table added to the tokens; 'rope' "
-               "V-JEPA 2's 3D rotary embedding of queries and keys (needed for V-JEPA 2 weights); 'learned' "
-               "a trained table (MAE-family weights carry one). Part of the encoder, so an export does the same",
-               default="sincos", validator=choices(*POSITION_CHOICES))
+               "V-JEPA 2's 3D rotary embedding of queries and keys (needed for V-JEPA 2 weights); "
+               "'rope-interleaved' V-JEPA 2.1's (each angle on one channel pair; with rope_span = 16 for its "
+               "weights); 'learned' a trained table (MAE-family weights carry one). Part of the encoder, so an "
+               "export does the same", default="sincos", validator=choices(*POSITION_CHOICES))
+
+
+def rope_span_field() -> Any:
+    """The ``rope_span`` config field: V-JEPA 2.1's stretched in-plane rotary positions."""
+    return doc("rotary positions only: stretch the in-plane positions so that rows and columns run from 0 to "
+               "rope_span - 1 whatever the grid (V-JEPA 2.1's interpolate_rope: 16, its 256-pixel training "
+               "frames of 16-pixel patches); unset: positions 0, 1, 2, ...", default=None, validator=positive)
 
 
 def norm_eps_field() -> Any:
@@ -162,7 +171,7 @@ def init_field(extra: str = "") -> Any:
     """The ``init`` config field: published weights to start from (read when the model is built)."""
     return doc("start from published weights: a checkpoint file (relative to the recipe's folder) or a Hugging "
                "Face Hub id org/name[:file] (offline from the local cache with HF_HUB_OFFLINE=1). Its format is "
-               "recognised (V-JEPA 2 checkpoints) and adapted to the recipe's input: RGB to one channel, the "
+               "recognised (V-JEPA 2 and 2.1 checkpoints) and adapted to the recipe's input: RGB to one channel, the "
                "tubelet inflated to patch_size, a position table resampled; `octfw check` lists the keys "
                "loaded, adapted and left new, and refuses weights of another width or depth. A resumed run "
                f"takes its own checkpoint instead{extra}. Unset: random initialisation",
@@ -209,9 +218,9 @@ def patch_geometry(model: str, patch_size: tuple[int, int, int],
 def network_arguments(model: str, config: Any, ctx: Any) -> dict[str, Any]:
     """The constructor arguments every network on the encoder takes: ``image_size``, ``patch_size``
     (checked by :func:`patch_geometry`), ``in_channels``, ``activation_checkpointing``,
-    ``standardise_input``, ``position``, ``norm_eps`` and the resolved sizes of ``config`` (a :class:`PresetSized`); the model adds its own."""
+    ``standardise_input``, ``position``, ``norm_eps``, ``rope_span`` and the resolved sizes of ``config`` (a :class:`PresetSized`); the model adds its own."""
     image_size, patch_size = patch_geometry(model, config.patch_size, ctx)
     return dict(image_size=image_size, patch_size=patch_size, in_channels=ctx.in_channels,
                 activation_checkpointing=config.activation_checkpointing,
                 standardise_input=config.standardise_input, position=config.position,
-                norm_eps=config.norm_eps, **attrs.asdict(config.architecture()))
+                norm_eps=config.norm_eps, rope_span=config.rope_span, **attrs.asdict(config.architecture()))

@@ -29,6 +29,7 @@ __all__ = [
     "grid_shape",
     "sincos_pos_embed_3d",
     "POSITIONS",
+    "ROTARY",
     "rope_tables",
     "apply_rope",
     "dim_rotated",
@@ -56,9 +57,12 @@ INIT_STD = 0.02
 #: How tokens know their place (``position`` of :class:`ViT3DEncoder`): ``"sincos"`` a fixed
 #: 3D sin-cos table added to the patch tokens (octfw's default); ``"rope"`` V-JEPA 2's 3D
 #: rotary embedding of queries and keys in every attention layer (:func:`apply_rope`; nothing
-#: is added to the tokens and nothing is saved); ``"learned"`` a trained table added to the
-#: tokens, initialised as the sin-cos one and saved (MAE-family and timm weights carry one).
-POSITIONS = ("sincos", "rope", "learned")
+#: is added to the tokens and nothing is saved); ``"rope-interleaved"`` V-JEPA 2.1's, whose
+#: table gives each angle to one neighbouring channel pair (see :func:`rope_tables`);
+#: ``"learned"`` a trained table added to the tokens, initialised as the sin-cos one and
+#: saved (MAE-family and timm weights carry one).
+POSITIONS = ("sincos", "rope", "rope-interleaved", "learned")
+ROTARY = ("rope", "rope-interleaved")
 
 #: LayerNorm epsilon of octfw's networks; V-JEPA 2 and MAE build theirs with 1e-6
 #: (``norm_eps`` of :class:`ViT3DEncoder`).
@@ -121,7 +125,8 @@ def gather_tokens(tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tables(grid: tuple[int, int, int], head_dim: int, idx: torch.Tensor | None = None,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device | None = None, interleaved: bool = False,
+                span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosines and sines of V-JEPA 2's 3D rotary embedding for the tokens at ``idx``
     (``[B, K]`` patch indices; None: all ``N`` patches in order): float32
     ``[B or 1, 1, K or N, 3 * r]``, ``r = 2 * ((head_dim // 3) // 2)``, the channels of each
@@ -134,7 +139,11 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, idx: torch.Tensor | N
     frequencies ``10000 ** -(j / (r / 2))``; the table is the ``r / 2`` angles written twice
     one after the other (not interleaved), while the rotation pairs neighbouring channels
     (:func:`apply_rope`). The reference notes this pairing as a known quirk that its
-    published weights were trained with.
+    published weights were trained with. ``interleaved`` (V-JEPA 2.1, ``app/vjepa_2_1``)
+    writes each angle twice side by side instead, so each channel pair turns by one angle.
+    ``span`` (V-JEPA 2.1's ``interpolate_rope``): in-plane positions are stretched so that
+    the grid's rows and columns run from 0 to ``span - 1``, the grid the weights were
+    trained at (16 for 256-pixel frames of 16-pixel patches), whatever the grid's size.
     """
     gd, gh, gw = grid
     if idx is None:
@@ -142,9 +151,15 @@ def rope_tables(grid: tuple[int, int, int], head_dim: int, idx: torch.Tensor | N
     rotated = 2 * ((head_dim // 3) // 2)
     omega = torch.arange(rotated // 2, dtype=torch.float32, device=idx.device)
     omega = 1.0 / 10000 ** (omega / (rotated / 2.0))
-    coordinates = (idx // (gh * gw), (idx // gw) % gh, idx % gw)  # depth, height, width
-    angles = [coordinate.float()[..., None] * omega for coordinate in coordinates]  # each [B, K, r/2]
-    angles = torch.cat([torch.cat([a, a], dim=-1) for a in angles], dim=-1)[:, None]  # [B, 1, K, 3r]
+    coordinates = [c.float() for c in (idx // (gh * gw), (idx // gw) % gh, idx % gw)]  # depth, height, width
+    if span is not None:  # the reference's arithmetic: position * (span - 1) / (size - 1)
+        coordinates[1:] = [c * (span - 1) / (size - 1) if size > 1 else c
+                           for c, size in zip(coordinates[1:], (gh, gw))]
+    angles = [coordinate[..., None] * omega for coordinate in coordinates]  # each [B, K, r/2]
+    if interleaved:
+        angles = torch.cat([a.repeat_interleave(2, dim=-1) for a in angles], dim=-1)[:, None]
+    else:
+        angles = torch.cat([torch.cat([a, a], dim=-1) for a in angles], dim=-1)[:, None]  # [B, 1, K, 3r]
     return angles.cos(), angles.sin()
 
 
@@ -432,7 +447,8 @@ class ViT3DEncoder(nn.Module):
     encoder does the same wherever it is loaded. ``position`` (one of
     :data:`POSITIONS`) and ``norm_eps`` (the LayerNorms' epsilon) let published
     weights run as they were trained (V-JEPA 2: ``"rope"`` and 1e-6); they are in
-    :meth:`architecture` when they differ from the defaults.
+    :meth:`architecture` when they differ from the defaults, as is ``rope_span`` (V-JEPA
+    2.1's in-plane rotary positions stretched to that grid, see :func:`rope_tables`).
     """
 
     def __init__(
@@ -448,13 +464,15 @@ class ViT3DEncoder(nn.Module):
         standardise_input: bool = False,
         position: str = "sincos",
         norm_eps: float = NORM_EPS,
+        rope_span: int | None = None,
     ):
         super().__init__()
         if position not in POSITIONS:
             raise ValueError(f"unknown position {position!r}; choose one of {', '.join(POSITIONS)}")
-        if dim_rotated(embed_dim, num_heads) == 0 and position == "rope":
+        if dim_rotated(embed_dim, num_heads) == 0 and position in ROTARY:
             raise ValueError(f"rotary positions need heads of at least 6 channels, got {embed_dim // num_heads}")
         self.position = position
+        self.rope_span = rope_span
         self.norm_eps = float(norm_eps)
         self.standardise_input = bool(standardise_input)
         self.image_size = tuple(image_size)
@@ -498,6 +516,7 @@ class ViT3DEncoder(nn.Module):
             # Only where they differ from the defaults: exports of default encoders stay as they were.
             **({"position": self.position} if self.position != "sincos" else {}),
             **({"norm_eps": self.norm_eps} if self.norm_eps != NORM_EPS else {}),
+            **({"rope_span": self.rope_span} if self.rope_span is not None else {}),
         }
 
     def forward(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -513,8 +532,9 @@ class ViT3DEncoder(nn.Module):
             statistics = volume_statistics(volume, self.patch_size, keep_idx)
         tokens = self.patch_embed(volume, statistics)
         rope = None
-        if self.position == "rope":  # structural choices, not branches on tensor values
-            rope = rope_tables(self.grid_size, self.embed_dim // self.num_heads, keep_idx, tokens.device)
+        if self.position in ROTARY:  # structural choices, not branches on tensor values
+            rope = rope_tables(self.grid_size, self.embed_dim // self.num_heads, keep_idx, tokens.device,
+                               interleaved=self.position == "rope-interleaved", span=self.rope_span)
         else:
             tokens = tokens + self.pos_embed.to(tokens.dtype)
         if keep_idx is not None:

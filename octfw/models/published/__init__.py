@@ -32,6 +32,7 @@ __all__ = ["FORMATS", "InitReport", "InitTargets", "register_format", "converter
 #: Source formats by name: the module holding each converter (imported when used).
 FORMATS: dict[str, str] = {
     "vjepa2": "octfw.models.published.vjepa2",
+    "vjepa2.1": "octfw.models.published.vjepa2_1",
 }
 
 #: A Hugging Face Hub repository id, optionally with one file of it: ``org/name`` or ``org/name:file``.

@@ -72,7 +72,9 @@ def groups(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def detect(state: Mapping[str, Any]) -> bool:
-    return "patch_embed.proj.weight" in groups(state).get("encoder", {})
+    encoder = groups(state).get("encoder", {})
+    # V-JEPA 2.1's encoders (norms of their hierarchical outputs) have their own converter.
+    return "patch_embed.proj.weight" in encoder and "norms_block.0.weight" not in encoder
 
 
 def convert(state: Mapping[str, Any], targets: Any, report: InitReport) -> None:
@@ -92,6 +94,9 @@ def convert(state: Mapping[str, Any], targets: Any, report: InitReport) -> None:
     if first.norm_eps != REFERENCE_NORM_EPS:
         report.notes.append(f"model.norm_eps = {first.norm_eps:g}, V-JEPA 2 trained with {REFERENCE_NORM_EPS:g}: "
                             "set it to compute what the reference computes")
+    if first.rope_span is not None:
+        report.notes.append(f"model.rope_span = {first.rope_span}, V-JEPA 2 does not stretch its positions: "
+                            "leave it unset to compute what the reference computes")
     report.notes.append(f"{first.num_heads} attention heads, from the recipe (a checkpoint does not record them)")
     _predictor(parts.get("predictor"), targets, first, report)
 
@@ -101,9 +106,10 @@ def _encoder(network: Any, source: Mapping[str, torch.Tensor], name: str, prefix
     shape = encoder_shape(source)
     refuse_misfit(f"the checkpoint's {name}", shape, network.embed_dim, network.depth,
                   network.blocks[0].mlp.fc1.out_features, recipe)
-    if network.position == "sincos":
-        raise UserError("model.init: model.position = 'sincos' but V-JEPA 2 weights are trained with rotary positions: "
-                        "set model.position = \"rope\" (or \"learned\" for a checkpoint with a trained table)")
+    if network.position not in ("rope", "learned"):
+        raise UserError(f"model.init: model.position = {network.position!r} but V-JEPA 2 weights are trained with "
+                        "its rotary positions: set model.position = \"rope\" (or \"learned\" for a checkpoint "
+                        "with a trained table)")
     state: dict[str, torch.Tensor] = {}
     for key, tensor in source.items():
         if key == "pos_embed":
@@ -177,8 +183,8 @@ def _predictor(source: Mapping[str, torch.Tensor] | None, targets: Any, encoder:
         elif network.embed_out.out_features != source["predictor_proj.weight"].shape[0]:
             reason = (f"the recipe's predictor predicts {network.embed_out.out_features} channels "
                       f"(dense_levels), the checkpoint's {source['predictor_proj.weight'].shape[0]}")
-        elif network.position == "sincos":
-            reason = "the recipe's predictor uses sin-cos positions, V-JEPA 2's rotary ones"
+        elif network.position != "rope":
+            reason = f"the recipe's predictor uses {network.position!r} positions, V-JEPA 2's are 'rope'"
     if reason is not None:
         for key in network.state_dict():
             report.new[prefix + key] = reason

@@ -107,6 +107,7 @@ class MAE3D(nn.Module):
         standardise_input: bool = False,
         position: str = "sincos",
         norm_eps: float = NORM_EPS,
+        rope_span: int | None = None,
     ):
         super().__init__()
         self.norm_pix_loss = norm_pix_loss
@@ -115,13 +116,13 @@ class MAE3D(nn.Module):
         self.encoder = ViT3DEncoder(
             image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio,
             activation_checkpointing=activation_checkpointing, standardise_input=standardise_input,
-            position=position, norm_eps=norm_eps,
+            position=position, norm_eps=norm_eps, rope_span=rope_span,
         )
         patch_voxels = patch_size[0] * patch_size[1] * patch_size[2] * in_channels
         self.decoder = MaskedTokenDecoder(
             self.encoder.grid_size, embed_dim, decoder_embed_dim, decoder_depth, decoder_num_heads,
             mlp_ratio, out_dim=patch_voxels, activation_checkpointing=activation_checkpointing,
-            position=position, norm_eps=norm_eps,
+            position=position, norm_eps=norm_eps, rope_span=rope_span,
         )
 
     # --- geometry -----------------------------------------------------------

@@ -14,7 +14,7 @@ import attrs
 from octfw.fields import choices, doc, non_negative, positive
 from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_field,
                                   model_presets, norm_eps_field, patch_size_field, position_field,
-                                  size_field, standardise_field)
+                                  rope_span_field, size_field, standardise_field)
 
 __all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
 
@@ -76,6 +76,7 @@ class VJEPA3DConfig(PresetSized):
     patch_size: tuple[int, int, int] = patch_size_field()
     standardise_input: bool = standardise_field()
     position: str = position_field()
+    rope_span: int | None = rope_span_field()
     norm_eps: float = norm_eps_field()
     init: str | None = init_field("; the EMA target encoder starts from the checkpoint's target_encoder, the "
                                   "predictor from its predictor where the sizes match (init_predictor)")

@@ -65,10 +65,11 @@ class Predictor(MaskedTokenDecoder):
         out_dim: int | None = None,
         position: str = "sincos",
         norm_eps: float = NORM_EPS,
+        rope_span: int | None = None,
     ):
         super().__init__(grid_size, embed_dim, predictor_embed_dim, depth, num_heads, mlp_ratio,
                          out_dim=out_dim or embed_dim, activation_checkpointing=activation_checkpointing,
-                         position=position, norm_eps=norm_eps)
+                         position=position, norm_eps=norm_eps, rope_span=rope_span)
 
 
 def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
@@ -174,6 +175,7 @@ class VJEPA3D(nn.Module):
         context_loss_weight: float = 0.5,
         position: str = "sincos",
         norm_eps: float = NORM_EPS,
+        rope_span: int | None = None,
     ):
         super().__init__()
         if loss not in LOSSES:
@@ -190,7 +192,7 @@ class VJEPA3D(nn.Module):
         self.context_encoder = ViT3DEncoder(
             image_size, patch_size, in_channels, embed_dim, depth, num_heads, mlp_ratio,
             activation_checkpointing=activation_checkpointing, standardise_input=standardise_input,
-            position=position, norm_eps=norm_eps,
+            position=position, norm_eps=norm_eps, rope_span=rope_span,
         )
         self.predictor = Predictor(
             self.context_encoder.grid_size,
@@ -203,6 +205,7 @@ class VJEPA3D(nn.Module):
             out_dim=embed_dim * max(1, dense_levels),
             position=position,
             norm_eps=norm_eps,
+            rope_span=rope_span,
         )
         self.target_encoder = copy.deepcopy(self.context_encoder)
         self.target_encoder.requires_grad_(False)

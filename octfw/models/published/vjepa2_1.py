@@ -1,0 +1,128 @@
+"""Converter of V-JEPA 2.1 checkpoints (facebookresearch/vjepa2 ``app/vjepa_2_1``, March 2026)
+into octfw's 3D ViT: the encoders; the predictor is not converted (below).
+
+The format is V-JEPA 2's (:mod:`octfw.models.published.vjepa2`: ``module.backbone.``
+prefixes), with the EMA encoder saved as ``target_encoder`` or, in the distilled models the
+reference's hub loads, ``ema_encoder``. The encoder differs from V-JEPA 2's in four ways,
+each handled here:
+
+- rotary positions give each angle to one neighbouring channel pair (the fix V-JEPA 2
+  kept out for compatibility) and, with ``interpolate_rope`` as its training configs set
+  it, stretch in-plane positions over the 16-patch grid it was trained at: the recipe
+  needs ``position = "rope-interleaved"`` (refused otherwise) and ``rope_span = 16``
+  (noted otherwise);
+- a learned ``video_mod_embed`` is added to every patch token: it is added to the patch
+  projection's bias, the same sum for every token (``img_mod_embed`` and the one-frame
+  ``patch_embed_img`` serve images and are ignored);
+- there is no final ``norm``: the last of ``norms_block`` (one LayerNorm per
+  hierarchical output) normalises the output, and becomes octfw's ``norm``; the other
+  three normalise the intermediate levels its dense loss predicts, which octfw's encoder
+  does not carry (ignored, named in the report);
+- RGB, tubelet and patch adaptations are V-JEPA 2's.
+
+The predictor is left new: V-JEPA 2.1's reads the encoder's four levels concatenated
+(``predictor_embed`` is a two-layer projection of ``4 x width``), has modality tokens,
+and separate heads for the masked and the context tokens, none of which octfw's dense
+predictor has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from octfw.errors import UserError
+from octfw.models.published import vjepa2
+from octfw.models.published.adapt import adapt_channels, encoder_shape, inflate_kernel, load_into, refuse_misfit
+from octfw.models.published.report import InitReport
+
+__all__ = ["NAME", "REFERENCE_ROPE_SPAN", "detect", "convert"]
+
+NAME = "vjepa2.1"
+#: In-plane grid V-JEPA 2.1 stretches its rotary positions over (256-pixel frames, 16-pixel patches).
+REFERENCE_ROPE_SPAN = 16
+_EMA_GROUPS = ("target_encoder", "ema_encoder")
+
+
+def _groups(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    out = vjepa2.groups(state)
+    if isinstance(state.get("ema_encoder"), Mapping):
+        out["ema_encoder"] = {vjepa2._strip(k): v for k, v in state["ema_encoder"].items()
+                              if isinstance(v, torch.Tensor)}
+    return out
+
+
+def detect(state: Mapping[str, Any]) -> bool:
+    groups = _groups(state)
+    return any("norms_block.0.weight" in groups.get(name, {}) for name in ("encoder", *_EMA_GROUPS))
+
+
+def convert(state: Mapping[str, Any], targets: Any, report: InitReport) -> None:
+    groups = _groups(state)
+    ema_name = next((name for name in _EMA_GROUPS if name in groups), None)
+    online_name = "encoder" if "encoder" in groups else ema_name
+    if targets.ema is None:  # one encoder: the EMA one V-JEPA evaluates
+        roles = [("online", targets.online, ema_name or online_name)]
+    else:
+        roles = [("online", targets.online, online_name), ("ema", targets.ema, ema_name or online_name)]
+        if ema_name is None:
+            report.notes.append("the checkpoint has no EMA encoder: the EMA encoder starts from its encoder")
+    for role, network, name in roles:
+        _encoder(network, groups[name], name, targets.prefixes[role], targets.recipe, report)
+    first = targets.online
+    if first.rope_span != REFERENCE_ROPE_SPAN:
+        report.notes.append(f"model.rope_span = {first.rope_span}, V-JEPA 2.1 stretched in-plane positions over "
+                            f"{REFERENCE_ROPE_SPAN} (interpolate_rope): set it to compute what the reference computes")
+    if first.norm_eps != vjepa2.REFERENCE_NORM_EPS:
+        report.notes.append(f"model.norm_eps = {first.norm_eps:g}, V-JEPA 2.1 trained with "
+                            f"{vjepa2.REFERENCE_NORM_EPS:g}: set it to compute what the reference computes")
+    report.notes.append(f"{first.num_heads} attention heads, from the recipe (a checkpoint does not record them)")
+    reason = ("V-JEPA 2.1's predictor reads the encoder's 4 levels concatenated and has separate context and "
+              "target heads; octfw's has neither")
+    if targets.predictor is not None:
+        for key in targets.predictor.state_dict():
+            report.new[targets.prefixes.get("predictor", "predictor.") + key] = reason
+    if "predictor" in groups:
+        report.ignored["predictor"] = reason if targets.predictor is not None else (
+            targets.predictor_note or "the recipe does not continue the predictor")
+
+
+def _encoder(network: Any, source: Mapping[str, torch.Tensor], name: str, prefix: str, recipe: str,
+             report: InitReport) -> None:
+    levels = sorted(int(k.split(".")[1]) for k in source if k.startswith("norms_block.") and k.endswith(".weight"))
+    refuse_misfit(f"the checkpoint's {name}", encoder_shape(source), network.embed_dim, network.depth,
+                  network.blocks[0].mlp.fc1.out_features, recipe)
+    if network.position != "rope-interleaved":
+        raise UserError(f"model.init: model.position = {network.position!r} but V-JEPA 2.1 weights are trained with "
+                        "its rotary positions: set model.position = \"rope-interleaved\" and model.rope_span = 16")
+    last = f"norms_block.{levels[-1]}."
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in source.items():
+        if key.startswith(last):
+            state["norm." + key[len(last):]] = tensor
+            report.adapted[f"{prefix}norm.{key[len(last):]}"] = f"{key}: the last hierarchical output's norm"
+        elif key.startswith("norms_block."):
+            report.ignored[f"{name}.{key}"] = "a norm of the intermediate levels V-JEPA 2.1's dense loss predicts"
+        elif key.startswith(("patch_embed_img.", "img_mod_embed")):
+            report.ignored[f"{name}.{key}"] = "for images (one frame), not volumes"
+        elif key == "video_mod_embed":
+            continue  # added to the patch projection's bias below
+        elif key == "pos_embed":
+            report.ignored[f"{name}.pos_embed"] = "a position table; V-JEPA 2.1 uses rotary positions"
+        elif key == "patch_embed.proj.weight":
+            kernel, channels = adapt_channels(tensor, network.in_channels)
+            kernel, inflated = inflate_kernel(kernel, network.patch_size)
+            state[key] = kernel
+            how = "; ".join(h for h in (channels, inflated) if h)
+            (report.adapted.__setitem__(prefix + key, how) if how else report.loaded.append(prefix + key))
+        elif key == "patch_embed.proj.bias" and "video_mod_embed" in source:
+            state[key] = tensor + source["video_mod_embed"].reshape(-1)
+            report.adapted[prefix + key] = "video_mod_embed added (V-JEPA 2.1 adds it to every patch token)"
+        else:
+            state[key] = tensor
+            report.loaded.append(prefix + key)
+    load_into(network, state, f"the checkpoint's {name}")
+    for key in network.state_dict():
+        if key not in state:
+            report.new[prefix + key] = f"not in the checkpoint's {name}"
