@@ -23,7 +23,7 @@ from octfw.encoder import encoder_from_config
 from octfw.errors import UserError
 from octfw.models.published import FORMATS, InitTargets, initialise, register_format
 from octfw.models.published.adapt import adapt_channels, inflate_kernel, resample_positions
-from octfw.models.vit3d import ViT3DEncoder
+from octfw.models.vit3d import ViT3DEncoder, weight_decay_groups
 from octfw.plugins.models.mae3d import MAE3DConfig
 from octfw.plugins.models.mae3d import build as build_mae
 from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
@@ -317,6 +317,9 @@ def test_rope_and_norm_eps_are_recorded_and_an_export_config_rebuilds_them(refer
 def test_a_learned_table_is_a_saved_weight_and_rope_has_none():
     learned = ViT3DEncoder(IMAGE, PATCH, 1, 48, 1, 3, 4.0, position="learned")
     assert "pos_embed" in learned.state_dict() and learned.pos_embed.requires_grad
+    decay, no_decay = weight_decay_groups(learned.parameters(), 0.05)
+    assert any(p is learned.pos_embed for p in no_decay["params"])  # a table, not a weight: no decay
+    assert not any(p is learned.pos_embed for p in decay["params"])
     rope = ViT3DEncoder(IMAGE, PATCH, 1, 48, 1, 3, 4.0, position="rope")
     assert "pos_embed" not in rope.state_dict() and not hasattr(rope, "pos_embed")
     with pytest.raises(ValueError, match="unknown position 'alibi'"):

@@ -79,6 +79,7 @@ class MaskedTokenDecoder(nn.Module):
             )
         elif position == "learned":
             self.pos_embed = nn.Parameter(sincos_pos_embed_3d(grid_size, width)[None])
+            self.pos_embed.no_weight_decay = True  # a position table, not a weight
         # "rope": each block rotates queries and keys by the tokens' grid positions.
         self.blocks = nn.ModuleList(Block(width, num_heads, mlp_ratio, norm_eps) for _ in range(depth))
         self.norm = LayerNorm(width, eps=norm_eps)

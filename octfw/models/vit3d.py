@@ -421,12 +421,13 @@ def weight_decay_groups(parameters: Iterable[nn.Parameter], weight_decay: float)
 
     ``decay`` holds every weight matrix/kernel (``ndim >= 2``) with
     ``weight_decay``; ``no_decay`` holds biases, LayerNorm parameters and every
-    other 1-D parameter (mask tokens included) with 0.
+    other 1-D parameter (mask tokens included) with 0, and a learned position table
+    (marked ``no_weight_decay``) too.
     """
     decay, no_decay = [], []
     for param in parameters:
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if param.ndim >= 2 and not getattr(param, "no_weight_decay", False) else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
@@ -493,6 +494,7 @@ class ViT3DEncoder(nn.Module):
             )
         elif position == "learned":
             self.pos_embed = nn.Parameter(sincos_pos_embed_3d(self.grid_size, embed_dim)[None])
+            self.pos_embed.no_weight_decay = True  # a position table, not a weight (timm's ViT: the same)
         # "rope": no table; every attention layer rotates its queries and keys (rope_tables).
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, norm_eps) for _ in range(depth))
         self.norm = LayerNorm(embed_dim, eps=norm_eps)
