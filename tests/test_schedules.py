@@ -279,3 +279,34 @@ def test_plot_writes_a_png(tmp_path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 5000
+
+
+def test_vjepa_options_refuse_a_warmup_start_above_base_lr_and_a_horizon_shorter_than_the_run():
+    with pytest.raises(UserError, match="warmup_start_lr = 0.001 is above"):
+        build_cosine(CosineConfig(warmup=10, warmup_start_lr=1e-3), make_ctx())
+    with pytest.raises(ValueError, match=r"must be in \[1.0, inf\], got 0.8"):
+        CosineConfig(horizon_scale=0.8)
+    with pytest.raises(ValueError, match="must be one of 'cosine', 'linear'"):
+        CosineConfig(decay="step")
+
+
+def test_horizon_scale_counts_as_vjepa_the_run_stops_short_of_the_end_values():
+    # 100 update steps over a horizon of 125: the EMA is 0.998 + 99 x 0.002 / 125 at the last step.
+    schedule = build_cosine(CosineConfig(warmup=10, warmup_start_lr=2e-5, min_lr=1e-6, horizon_scale=1.25,
+                                         ema_start=0.998, ema_end=1.0, weight_decay_end=0.4),
+                            make_ctx(total=100, weight_decay=0.04))
+    assert schedule.lr(0) == 2e-5 + 1 / 10 * (BASE_LR - 2e-5)
+    assert schedule.ema_momentum(99) == 0.998 + 99 * (1.0 - 0.998) / 125.0
+    assert schedule.weight_decay(99) < 0.4 and schedule.lr(99) > 1e-6
+    plain = build_cosine(CosineConfig(warmup=10, min_lr=1e-6, ema_start=0.998, weight_decay_end=0.4),
+                         make_ctx(total=100, weight_decay=0.04))
+    assert plain.ema_momentum(99) == 1.0 and plain.weight_decay(99) == pytest.approx(0.4)
+    assert plain.lr(99) == pytest.approx(1e-6)
+
+
+def test_linear_decay_is_vjepa2s_cooldown_straight_down_to_min_lr():
+    schedule = build_cosine(CosineConfig(warmup=0.0, min_lr=1e-6, decay="linear"), make_ctx(total=100))
+    lrs = [schedule.lr(step) for step in range(100)]
+    assert lrs[0] == BASE_LR + 0.01 * (1e-6 - BASE_LR)
+    assert np.allclose(np.diff(lrs), (1e-6 - BASE_LR) / 100, rtol=1e-6, atol=0)
+    assert lrs[-1] == pytest.approx(1e-6)
