@@ -406,6 +406,29 @@ def test_a_resumed_run_takes_its_checkpoint_and_needs_the_init_file_no_more(tiny
     assert train(recipe, registry, run_dir, resume="auto").update_steps == 4
 
 
+@pytest.mark.parametrize("preset, arch", [("large", "vit_large"), ("giant", "vit_giant_xformers")])
+def test_the_large_and_giant_presets_take_the_published_networks_whole(preset, arch):
+    """The published ViT-L and ViT-g (their state-dict shapes, recorded from the reference on
+    the meta device) fill octfw's presets: every tensor has its place, none is left new."""
+    from octfw.models.published import vjepa2
+    from octfw.models.published.report import InitReport
+
+    shapes = json.loads((FIXTURE / "published_shapes.json").read_text())[arch]
+    config = VJEPA3DConfig(preset=preset, patch_size=(2, 16, 16), position="rope", norm_eps=1e-6)
+    with torch.device("meta"):  # shapes only: 'giant' is a billion parameters
+        model = build(config, ctx(image_size=(64, 256, 256)))
+        state = {group: {key: torch.empty(shape) for key, shape in shapes[group].items()}
+                 for group in ("encoder", "predictor")}
+    assert model.context_encoder.num_heads == shapes["num_heads"]
+    report = InitReport(source=arch, format="vjepa2")
+    vjepa2.convert(state, InitTargets(online=model.context_encoder, ema=model.target_encoder, predictor=model.predictor,
+                                      prefixes={"online": "context_encoder.", "ema": "target_encoder.",
+                                                "predictor": "predictor."}), report)
+    assert report.new == {}
+    assert set(report.loaded) | set(report.adapted) == set(model.state_dict())
+    assert set(report.ignored) == {f"predictor.mask_tokens.{i}" for i in range(1, 10)}
+
+
 # --- V-JEPA 2.1 ---------------------------------------------------------------------------
 
 FIXTURE_21 = REPO / "tests" / "fixtures" / "reference" / "vjepa2_1"

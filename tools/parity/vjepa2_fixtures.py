@@ -17,7 +17,10 @@ It writes to ``tests/fixtures/reference/vjepa2/``:
   with ``torch.load(weights_only=True)``;
 - ``tensors.safetensors``: the clip, the masks, the tokens of both encoders on the full
   clip, each configuration's context tokens and predictions, the loss;
-- ``meta.json``: the reference (repo, commit), the sizes and how each tensor was made.
+- ``meta.json``: the reference (repo, commit), the sizes and how each tensor was made;
+- ``published_shapes.json``: the state-dict shapes of the published ViT-L and ViT-g
+  networks (encoder and predictor), so that a test holds the ``large`` and ``giant``
+  presets to them without a download.
 
 tests/test_published_weights.py loads the checkpoint through ``[model] init`` and compares
 octfw's networks with these tensors, without the reference code.
@@ -78,6 +81,36 @@ def masks(generator: torch.Generator, batch: int, tokens: int) -> list[tuple[tor
         order = torch.stack([torch.randperm(tokens, generator=generator) for _ in range(batch)])
         pairs.append((order[:, :context].clone(), order[:, context:context + target].clone()))
     return pairs
+
+
+def published_shapes() -> dict:
+    """The state-dict shapes of the published V-JEPA 2 networks, as ``src/hub/backbones.py``
+    builds them (ViT-L ``vit_large`` and ViT-g ``vit_giant_xformers`` encoders with RoPE,
+    256 px, 64 frames; the predictor 384 wide, 12 deep, 12 heads, 10 mask tokens), with the
+    training checkpoint's key prefixes. Built on the meta device: shapes only, no weights."""
+    from src.models import predictor as reference_predictor
+    from src.models import vision_transformer as reference_vit
+
+    linspace = torch.linspace  # the reference reads its drop-path rates with .item(), not on meta
+    torch.linspace = lambda *args, **kwargs: linspace(*args, **{**kwargs, "device": "cpu"})
+    shapes = {"source": "src/hub/backbones.py _make_vjepa2_model: vjepa2_vit_large, vjepa2_vit_giant"}
+    try:
+        with torch.device("meta"):
+            for name in ("vit_large", "vit_giant_xformers"):
+                encoder = reference_vit.__dict__[name](img_size=(256, 256), patch_size=16, num_frames=64,
+                                                       tubelet_size=2, use_rope=True, use_sdpa=True)
+                predictor = reference_predictor.vit_predictor(
+                    img_size=(256, 256), patch_size=16, use_mask_tokens=True, embed_dim=encoder.embed_dim,
+                    predictor_embed_dim=384, num_frames=64, tubelet_size=2, depth=12, num_heads=12,
+                    num_mask_tokens=10, use_rope=True)
+                shapes[name] = {
+                    "num_heads": encoder.num_heads,
+                    **{group: {f"module.backbone.{k}": list(v.shape) for k, v in net.state_dict().items()}
+                       for group, net in (("encoder", encoder), ("predictor", predictor))},
+                }
+    finally:
+        torch.linspace = linspace
+    return shapes
 
 
 def main() -> None:
@@ -162,6 +195,7 @@ def main() -> None:
         },
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out / "published_shapes.json").write_text(json.dumps(published_shapes()) + "\n")
     for path in sorted(out.iterdir()):
         print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size:,} bytes)")
 

@@ -21,13 +21,14 @@ __all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
 #: Predictor sizes by preset name, beside the shared encoder sizes
 #: (:data:`octfw.models.presets.ENCODER_PRESETS`).
 PREDICTOR_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(predictor_embed_dim=64, predictor_depth=2, predictor_num_heads=2),
-    "small": dict(predictor_embed_dim=320, predictor_depth=6, predictor_num_heads=5),
-    "base": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
+    "tiny": dict(predictor_embed_dim=64, predictor_depth=2, predictor_num_heads=2, predictor_mlp_ratio=4.0),
+    "small": dict(predictor_embed_dim=320, predictor_depth=6, predictor_num_heads=5, predictor_mlp_ratio=4.0),
+    "base": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, predictor_mlp_ratio=4.0),
     # V-JEPA 2's predictor for its ViT-L and ViT-g (facebookresearch/vjepa2 configs/train and
-    # src/hub/backbones.py: pred_embed_dim 384, pred_depth 12, pred_num_heads 12).
-    "large": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
-    "giant": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12),
+    # src/hub/backbones.py: pred_embed_dim 384, pred_depth 12, pred_num_heads 12; its
+    # vit_predictor's MLP is 4 wide whatever the encoder's, 48/11 for the ViT-g).
+    "large": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, predictor_mlp_ratio=4.0),
+    "giant": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, predictor_mlp_ratio=4.0),
 }
 
 #: Network sizes by preset name. ``small`` is the seeds' V-JEPA3D: with one
@@ -43,7 +44,7 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
     "small": (29_333_120, 21_687_936),
     "base": (107_728_896, 85_843_200),
     "large": (325_443_584, 303_361_024),
-    "giant": (1_035_113_604, 1_011_453_056),
+    "giant": (1_033_830_912, 1_011_453_056),
 }
 
 
@@ -57,6 +58,7 @@ class Architecture(EncoderArchitecture):
     predictor_embed_dim: int
     predictor_depth: int
     predictor_num_heads: int
+    predictor_mlp_ratio: float
 
 
 @attrs.frozen
@@ -96,7 +98,11 @@ class VJEPA3DConfig(PresetSized):
     predictor_depth: int | None = size_field("predictor blocks")
     predictor_num_heads: int | None = size_field("predictor attention heads")
     mlp_ratio: float | None = doc(
-        "MLP hidden width / embedding width (default: from preset)", default=None, validator=positive,
+        "MLP hidden width / embedding width of the encoder (default: from preset)", default=None, validator=positive,
+    )
+    predictor_mlp_ratio: float | None = doc(
+        "MLP hidden width / width of the predictor (default: from preset, 4 as V-JEPA 2's predictor)",
+        default=None, validator=positive,
     )
     dense_levels: int = doc(
         "V-JEPA 2.1's dense loss: 0 = off (plain V-JEPA); N > 0 = the predictor predicts the target "
