@@ -94,6 +94,9 @@ def test_block_shapes_and_their_frequencies_match(grid_name, configuration):
     ours = {tuple(int(v) for v in s): c / len(ratios) for s, c in zip(shapes, counts)}
     theirs = {(s["h"], s["w"]): s["count"] / n for s in recorded["block_shapes"]}
     assert set(theirs) <= set(ours)
+    # The blocks' areas as a share of the plane span the same range (the floored area, rounded sides).
+    areas = [h * w / (grid[1] * grid[2]) for h, w in ours]
+    assert [min(areas), max(areas)] == pytest.approx(recorded["scale_observed"])
     for shape, p in ours.items():
         bound = 4 * math.sqrt(max(p * (1 - p), 1e-4) / n)
         assert abs(theirs.get(shape, 0.0) - p) < bound, (shape, theirs.get(shape, 0.0), p)

@@ -14,7 +14,8 @@ sample: the reference's per-sample masks before its batch truncation):
 - ``blocks``: the blocks per draw (``npred``);
 - ``block_shapes``: every (t, h, w) block size the reference drew, with counts
   (read by calling its ``_sample_block_size`` with the seed the draw is about
-  to use), and the h / w range;
+  to use), their h / w range (``aspect_observed``) and their area as a share of the
+  H x W plane (``scale_observed``);
 - ``target_fraction`` and ``context_fraction``: mean and sd over the draws.
 
 And, at the published batch size (24), the fractions the collator keeps
@@ -93,10 +94,12 @@ def record(grid, mask_cfg) -> dict:
         collated_target.append(masks_pred.shape[1] / total)
         collated_context.append(masks_enc.shape[1] / total)
     ratios = [h / w for (_, h, w) in shapes]
+    scales = [h * w / (grid[1] * grid[2]) for (_, h, w) in shapes]
     return {
         "blocks": mask_cfg["num_blocks"],
         "block_shapes": [{"t": t, "h": h, "w": w, "count": c} for (t, h, w), c in sorted(shapes.items())],
         "aspect_observed": [min(ratios), max(ratios)],
+        "scale_observed": [min(scales), max(scales)],
         "target_fraction": mean_sd(target),
         "context_fraction": mean_sd(context),
         "collated": {"batch_size": 24, "target_fraction": mean_sd(collated_target),
