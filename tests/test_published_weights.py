@@ -255,9 +255,17 @@ def test_an_unknown_format_is_refused_with_its_first_keys(tmp_path):
         vjepa(init=str(path))
 
 
-def test_a_missing_file_that_is_no_hub_id_is_refused():
+def test_a_missing_file_that_is_no_hub_id_is_refused_without_asking_the_hub():
     with pytest.raises(UserError, match=r"model.init = './nothing.pt': no such file"):
         vjepa(init="./nothing.pt")
+    # org/name-shaped, but a weight file's name: a missing path, not a repository to download.
+    with pytest.raises(UserError, match=r"model.init = 'weights/vitl.pt': no such file"):
+        vjepa(init="weights/vitl.pt")
+
+
+def test_rotary_positions_with_heads_too_narrow_are_one_line():
+    with pytest.raises(UserError, match=r"model.position = 'rope' needs attention heads of at least 6 channels"):
+        vjepa(init=None, embed_dim=8, num_heads=2)
 
 
 def test_a_resumed_run_does_not_read_init_its_checkpoint_restores_the_weights():

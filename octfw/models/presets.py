@@ -220,7 +220,12 @@ def network_arguments(model: str, config: Any, ctx: Any) -> dict[str, Any]:
     (checked by :func:`patch_geometry`), ``in_channels``, ``activation_checkpointing``,
     ``standardise_input``, ``position``, ``norm_eps``, ``rope_span`` and the resolved sizes of ``config`` (a :class:`PresetSized`); the model adds its own."""
     image_size, patch_size = patch_geometry(model, config.patch_size, ctx)
+    sizes = attrs.asdict(config.architecture())
+    if config.position.startswith("rope") and sizes["embed_dim"] // sizes["num_heads"] < 6:
+        raise UserError(f"model.position = {config.position!r} needs attention heads of at least 6 channels "
+                        f"(3 axes x 2); embed_dim {sizes['embed_dim']} / num_heads {sizes['num_heads']} gives "
+                        f"{sizes['embed_dim'] // sizes['num_heads']}")
     return dict(image_size=image_size, patch_size=patch_size, in_channels=ctx.in_channels,
                 activation_checkpointing=config.activation_checkpointing,
                 standardise_input=config.standardise_input, position=config.position,
-                norm_eps=config.norm_eps, rope_span=config.rope_span, **attrs.asdict(config.architecture()))
+                norm_eps=config.norm_eps, rope_span=config.rope_span, **sizes)

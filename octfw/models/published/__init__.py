@@ -85,7 +85,8 @@ def resolve_source(source: str, recipe_dir: Path | None = None) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    if not _HUB_ID.match(source) or source.startswith((".", "/")):
+    # A name with a weight file's suffix is a path that is missing, not a Hub repository.
+    if not _HUB_ID.match(source) or source.startswith((".", "/")) or source.partition(":")[0].endswith(_WEIGHT_SUFFIXES):
         raise UserError(f"model.init = {source!r}: no such file (a path, relative to the recipe's folder, "
                         "or a Hugging Face Hub id org/name)")
     return _hub_file(source)
