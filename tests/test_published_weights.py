@@ -484,3 +484,23 @@ def test_vjepa21_weights_need_its_rotary_positions_and_span():
     notes = vjepa21(rope_span=None).init_report.notes
     assert "model.rope_span = None, V-JEPA 2.1 stretched in-plane positions over 16 (interpolate_rope): set it to " \
            "compute what the reference computes" in notes
+
+
+@pytest.mark.parametrize("preset, arch", [("large", "vit_large"), ("giant", "vit_giant_xformers")])
+def test_the_large_and_giant_presets_take_the_published_vjepa21_encoders_whole(preset, arch):
+    from octfw.models.published import vjepa2_1
+    from octfw.models.published.report import InitReport
+
+    shapes = json.loads((FIXTURE_21 / "published_shapes.json").read_text())[arch]
+    config = VJEPA3DConfig(preset=preset, patch_size=(2, 16, 16), position="rope-interleaved", rope_span=16,
+                           norm_eps=1e-6)
+    with torch.device("meta"):
+        model = build(config, ctx(image_size=(64, 384, 384)))
+        state = {"ema_encoder": {key: torch.empty(shape) for key, shape in shapes["encoder"].items()}}
+    assert model.context_encoder.num_heads == shapes["num_heads"]
+    report = InitReport(source=arch, format="vjepa2.1")
+    vjepa2_1.convert(state, InitTargets(online=model.context_encoder, ema=model.target_encoder,
+                                        prefixes={"online": "context_encoder.", "ema": "target_encoder."}), report)
+    assert report.new == {}
+    encoders = {k for k in model.state_dict() if k.startswith(("context_encoder.", "target_encoder."))}
+    assert set(report.loaded) | set(report.adapted) == encoders

@@ -13,7 +13,8 @@ knows its hierarchical levels for 12, 24, 40 and 48 blocks only.
 It writes ``tests/fixtures/reference/vjepa2_1/``: ``checkpoint.pt`` (``encoder`` and
 ``ema_encoder``, ``module.backbone.`` keys, as the hub's distilled models name them),
 ``tensors.safetensors`` (the clip, a mask, each encoder's tokens of the full clip, the
-online encoder's of the masked one) and ``meta.json``.
+online encoder's of the masked one), ``meta.json``, and ``published_shapes.json`` (the
+state-dict shapes of the published ViT-L and ViT-g encoders, for the presets' test).
 
 Usage (timm and einops in a folder of their own)::
 
@@ -40,6 +41,30 @@ SIZES = {"batch": 2, "in_chans": 3, "num_frames": 4, "crop_size": 48, "patch_siz
 #: Patches the masked forward keeps, per sample (of the 2 x 3 x 3 grid).
 KEEP = 11
 SEED = 20261128
+
+
+def published_shapes() -> dict:
+    """The state-dict shapes of the published V-JEPA 2.1 ViT-L and ViT-g encoders, as
+    ``src/hub/backbones.py`` ``_make_vjepa2_1_model`` builds them (384 px, 64 frames, RoPE with
+    ``interpolate_rope``, the image patch projection), with the checkpoint's key prefixes.
+    Built on the meta device: shapes only."""
+    from app.vjepa_2_1.models import vision_transformer as reference_vit
+
+    linspace = torch.linspace  # the reference reads its drop-path rates with .item(), not on meta
+    torch.linspace = lambda *args, **kwargs: linspace(*args, **{**kwargs, "device": "cpu"})
+    shapes = {"source": "src/hub/backbones.py _make_vjepa2_1_model: vjepa2_1_vit_large_384, vjepa2_1_vit_giant_384"}
+    try:
+        with torch.device("meta"):
+            for name in ("vit_large", "vit_giant_xformers"):
+                encoder = reference_vit.__dict__[name](
+                    img_size=(384, 384), patch_size=16, num_frames=64, tubelet_size=2, use_sdpa=True,
+                    uniform_power=False, use_rope=True, img_temporal_dim_size=1, interpolate_rope=True)
+                shapes[name] = {"num_heads": encoder.num_heads,
+                                "encoder": {f"module.backbone.{k}": list(v.shape)
+                                            for k, v in encoder.state_dict().items()}}
+    finally:
+        torch.linspace = linspace
+    return shapes
 
 
 def main() -> None:
@@ -94,6 +119,7 @@ def main() -> None:
         },
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out / "published_shapes.json").write_text(json.dumps(published_shapes()) + "\n")
     for path in sorted(out.iterdir()):
         print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size:,} bytes)")
 
