@@ -412,6 +412,12 @@ def test_a_resumed_run_takes_its_checkpoint_and_needs_the_init_file_no_more(tiny
     (checkpoints / "latest").write_text("step_00000002.pt")
     weights.unlink()
     assert train(recipe, registry, run_dir, resume="auto").update_steps == 4
+    # The run's exported encoder rebuilds with V-JEPA 2's positions and LayerNorms.
+    from octfw import load_encoder
+
+    exported = load_encoder(run_dir / "encoder")
+    assert exported.encoder.position == "rope" and exported.encoder.norm_eps == 1e-6
+    assert exported(torch.zeros(1, 1, 8, 32, 32)).shape == (1, 16, 48)
 
 
 @pytest.mark.parametrize("preset, arch", [("large", "vit_large"), ("giant", "vit_giant_xformers")])
