@@ -33,6 +33,8 @@ REFERENCES = {
     "jepa": ("https://github.com/facebookresearch/jepa", "51c59d518fc63c08464af6de585f78ac0c7ed4d5"),
     "mae": ("https://github.com/facebookresearch/mae", "efb2a8062c206524e35e47d04501ed4f544c0ae8"),
     "mae_st": ("https://github.com/facebookresearch/mae_st", "c5dec1bc01062097906ea67fe47935ec33fd46df"),
+    "videomae": ("https://github.com/MCG-NJU/VideoMAE", "14ef8d856287c94ef1f985fe30f958eb4ec2c55d"),
+    "retfound": ("https://github.com/rmaphoh/RETFound_MAE", "897d71c8c9b1d0ca1984370d4c4352722017b80a"),
 }
 
 

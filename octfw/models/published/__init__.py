@@ -33,6 +33,9 @@ __all__ = ["FORMATS", "InitReport", "InitTargets", "register_format", "converter
 FORMATS: dict[str, str] = {
     "vjepa2": "octfw.models.published.vjepa2",
     "vjepa2.1": "octfw.models.published.vjepa2_1",
+    "videomae": "octfw.models.published.videomae",
+    "mae-st": "octfw.models.published.mae_st",
+    "retfound": "octfw.models.published.retfound",
 }
 
 #: A Hugging Face Hub repository id, optionally with one file of it: ``org/name`` or ``org/name:file``.
