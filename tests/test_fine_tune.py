@@ -151,7 +151,7 @@ def test_the_evaluator_encodes_a_snapshot_and_caches_the_frozen_blocks():
     encoded = evaluator.encode(encoder, torch.device("cpu"))
     assert encoded.train.shape == (8, 8, 24) and encoded.test.shape == (4, 8, 24)  # tokens, not volumes
     with torch.no_grad():
-        expected = encoder.blocks[0](encoder.patch_embed(train_x) + encoder.pos_embed)
+        expected = encoder.levels(train_x, depths=(1,))[0]  # the tokens after the first (frozen) block
     assert torch.allclose(encoded.train, expected, atol=1e-6)
     assert encoded.network is not encoder
     with torch.no_grad():  # a snapshot: training the caller's encoder on does not reach it
@@ -160,6 +160,22 @@ def test_the_evaluator_encodes_a_snapshot_and_caches_the_frozen_blocks():
 
     whole = _evaluator(train_y.numpy(), test_y.numpy(), train_x, test_x, blocks="all").encode(encoder, "cpu")
     assert torch.equal(whole.train, train_x)  # the whole encoder trains: its input is the volume
+
+
+@pytest.mark.parametrize("position", ["sincos", "rope"])
+@pytest.mark.parametrize("blocks", ["all", 1])
+def test_a_fine_tuned_encoder_starts_as_the_encoder_it_copies(position, blocks):
+    """Fine-tuning runs the encoder in pieces through its own input step: a standardising encoder
+    standardises, a rotary one rotates; before any update the network's tokens are the encoder's
+    (they were not: the evaluators added `pos_embed` to the raw patches themselves)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        encoder = ViT3DEncoder(IMAGE, PATCH, 1, 24, 2, 2, 2.0, standardise_input=True, position=position).eval()
+    volumes = _corners(3, seed=2)[0] * 40.0 + 7.0  # far from standardised
+    network = FineTuneNetwork(encoder, blocks, 2, 2, torch.Generator().manual_seed(0)).eval()
+    with torch.no_grad():
+        tokens = network.tokens(frozen_prefix(encoder, blocks, volumes))
+        assert torch.allclose(tokens, encoder(volumes), atol=1e-5)
 
 
 # --- recipes and the command -----------------------------------------------------

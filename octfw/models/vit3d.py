@@ -529,21 +529,42 @@ class ViT3DEncoder(nn.Module):
         """The tokens after each block in ``depths`` (1 = the first block), in order; the last
         block's through the final norm, as :meth:`forward` returns them. V-JEPA 2.1 predicts
         several depths at once."""
-        statistics = None
-        if self.standardise_input:  # a structural choice, not a branch on tensor values
-            statistics = volume_statistics(volume, self.patch_size, keep_idx)
-        tokens = self.patch_embed(volume, statistics)
-        rope = None
-        if self.position in ROTARY:  # structural choices, not branches on tensor values
-            rope = rope_tables(self.grid_size, self.embed_dim // self.num_heads, keep_idx, tokens.device,
-                               interleaved=self.position == "rope-interleaved", span=self.rope_span)
-        else:
-            tokens = tokens + self.pos_embed.to(tokens.dtype)
-        if keep_idx is not None:
-            tokens = gather_tokens(tokens, keep_idx)
+        tokens = self.input_tokens(volume, keep_idx)
+        rope = self._rope(keep_idx, tokens.device)
         outputs = []
         for depth, block in enumerate(self.blocks, start=1):
             tokens = block(tokens, rope)
             if depth in depths:
                 outputs.append(self.norm(tokens) if depth == self.depth else tokens)
         return outputs
+
+    def input_tokens(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens that enter the first block, ``[B, K or N, E]``: the patches (of the
+        standardised volume with ``standardise_input``) with their absolute positions (none
+        with rotary positions: the blocks apply those), only those at ``keep_idx`` if given."""
+        statistics = None
+        if self.standardise_input:  # a structural choice, not a branch on tensor values
+            statistics = volume_statistics(volume, self.patch_size, keep_idx)
+        tokens = self.patch_embed(volume, statistics)
+        if self.position not in ROTARY:  # structural choices, not branches on tensor values
+            tokens = tokens + self.pos_embed.to(tokens.dtype)
+        if keep_idx is not None:
+            tokens = gather_tokens(tokens, keep_idx)
+        return tokens
+
+    def run_blocks(self, tokens: torch.Tensor, start: int = 0, stop: int | None = None,
+                   keep_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` (from :meth:`input_tokens`, or from block ``start - 1``) through
+        ``blocks[start:stop]``, without the final norm; fine-tuning freezes the first blocks."""
+        rope = self._rope(keep_idx, tokens.device)
+        for block in self.blocks[start:stop]:
+            tokens = block(tokens, rope)
+        return tokens
+
+    def _rope(self, keep_idx: torch.Tensor | None,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary tables of the tokens at ``keep_idx`` (all without), None without rotary positions."""
+        if self.position not in ROTARY:
+            return None
+        return rope_tables(self.grid_size, self.embed_dim // self.num_heads, keep_idx, device,
+                           interleaved=self.position == "rope-interleaved", span=self.rope_span)

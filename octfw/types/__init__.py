@@ -46,7 +46,7 @@ from octfw.types.transform import (
     MaskingConfig, MaskPreparingTransform, PreparingTransform, StorableTransform, Transform,
 )
 from octfw.types.model import (
-    ActivationCheckpointing, CountingModel, EMAModel, EmbeddingModel, EncoderModel,
+    ActivationCheckpointing, BlockwiseEncoder, CountingModel, EMAModel, EmbeddingModel, EncoderModel,
     ExportableEncoder, Model, ModelOutput, ParamGroupsModel,
 )
 from octfw.types.scheduler import Schedule, WarmupSchedule
@@ -68,7 +68,8 @@ __all__ = [
     "DomainCountingDataset", "SeriesDataset", "PreparedVolumesDataset", "MaskingConfig",
     "Transform", "PreparingTransform", "MaskPreparingTransform", "StorableTransform",
     "ModelOutput", "Model", "EMAModel", "ParamGroupsModel", "EmbeddingModel",
-    "ExportableEncoder", "EncoderModel", "CountingModel", "ActivationCheckpointing", "Schedule",
+    "ExportableEncoder", "EncoderModel", "BlockwiseEncoder", "CountingModel", "ActivationCheckpointing",
+    "Schedule",
     "WarmupSchedule", "GuardInputs", "Guard", "Logger", "StepListener", "Checkpointer",
     "ListingCheckpointer", "ClaimingCheckpointer", "CancellableCheckpointer",
     "LocatedCheckpointer", "Evaluator", "RefittingEvaluator", "ComparingEvaluator",

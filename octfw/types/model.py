@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "ModelOutput", "Model", "EMAModel", "ParamGroupsModel", "EmbeddingModel",
-    "ExportableEncoder", "EncoderModel", "CountingModel", "ActivationCheckpointing",
+    "ExportableEncoder", "EncoderModel", "BlockwiseEncoder", "CountingModel", "ActivationCheckpointing",
 ]
 
 
@@ -136,6 +136,29 @@ class ExportableEncoder(Protocol, metaclass=_CapabilityMeta):
     def parameters(self, recurse: bool = True) -> Iterator["torch.nn.Parameter"]: ...
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class BlockwiseEncoder(Protocol, metaclass=_CapabilityMeta):
+    """An encoder that an evaluator runs in pieces (the built-in 3D ViT): the fine-tune
+    evaluators freeze its first blocks and train the rest.
+
+    ``input_tokens(volume)``: float32 ``[B, C, D, H, W]`` to the tokens ``[B, N, E]`` that
+    enter the first block (what the encoder does before its blocks, e.g. standardising the
+    volume and adding positions, stays its own); ``run_blocks(tokens, start, stop)``: those
+    tokens through ``blocks[start:stop]`` (rotary positions are applied there); ``norm``:
+    the final norm; ``blocks``, ``patch_embed``: the modules that train (layer-wise learning
+    rates are set by their names); ``embed_dim``: the token width.
+    """
+
+    embed_dim: int
+    blocks: Any
+    patch_embed: Any
+    norm: Any
+
+    def input_tokens(self, volume: "torch.Tensor") -> "torch.Tensor": ...
+
+    def run_blocks(self, tokens: "torch.Tensor", start: int = 0, stop: int | None = None) -> "torch.Tensor": ...
 
 
 @runtime_checkable

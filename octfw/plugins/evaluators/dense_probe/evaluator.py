@@ -15,7 +15,7 @@ from octfw.evaluation.features import map_volumes, stratified_split, validation_
 from octfw.evaluation.metrics import overlap_metrics
 from octfw.evaluation.segmentation import MaskedVolumes, check_masks_early, load_masked
 from octfw.tables import counted
-from octfw.types import BuildContext, EmbeddingModel, EncoderModel
+from octfw.types import BuildContext, EmbeddingModel
 
 
 @attrs.frozen(eq=False)
@@ -138,17 +138,15 @@ class DenseProbeEvaluator:
 
     def encode(self, model: Any, device: Any) -> DenseEncoded:
         """Frozen tokens of both splits and, for fine-tuning, a snapshot of the encoder."""
-        from octfw.plugins.evaluators.fine_tune.algorithm import is_vit3d_encoder
+        from octfw.plugins.evaluators.fine_tune.algorithm import encoder_to_fine_tune
 
         train, test = self.split()
         tokens = (self._tokens(model, train, device), self._tokens(model, test, device))
         patches = (self._patches(train, device), self._patches(test, device))
         if self.config.fine_tune_epochs == 0:
             return DenseEncoded(*tokens, *patches)
-        encoder = model if is_vit3d_encoder(model) else model.encoder if isinstance(model, EncoderModel) else None
-        if not is_vit3d_encoder(encoder):
-            raise UserError(f"evaluator {self.component}: fine-tunes a 3D ViT encoder (a model's .encoder); "
-                            f"{type(model).__name__} has none (set fine_tune_epochs = 0 for frozen tokens only)")
+        encoder = encoder_to_fine_tune(model, f"evaluator {self.component}",
+                                       " (set fine_tune_epochs = 0 for frozen tokens only)")
         # A snapshot: the caller's encoder may train on (the engine) or leave the device (octfw eval).
         import copy
 

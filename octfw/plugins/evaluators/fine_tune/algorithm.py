@@ -62,13 +62,14 @@ from torch import nn
 from octfw.evaluation.attentive import AttentiveHead, decayed, epoch_order
 from octfw.evaluation.metrics import balanced_accuracy
 from octfw.schedules import warmup_cosine
+from octfw.errors import UserError
+from octfw.types import BlockwiseEncoder, EncoderModel, missing_members
 
-# The encoder is a :class:`octfw.models.vit3d.ViT3DEncoder` (``patch_embed``, ``pos_embed``,
-# ``blocks``, ``norm``, ``embed_dim``), used by those attributes: evaluation may not import a
-# model package (the components of different stages stay independent, pyproject.toml).
-ViT3DEncoder = nn.Module
+# The encoder is any :class:`octfw.types.BlockwiseEncoder` (the built-in 3D ViT): evaluation
+# may not import a model package (the components of different stages stay independent,
+# pyproject.toml), and the encoder's own input step (standardising, positions) must run.
 
-__all__ = ["ALL_BLOCKS", "is_vit3d_encoder", "FineTuneNetwork", "FineTuneResult", "first_trained_block", "frozen_prefix",
+__all__ = ["ALL_BLOCKS", "encoder_to_fine_tune", "FineTuneNetwork", "FineTuneResult", "first_trained_block", "frozen_prefix",
            "layer_exponent", "parameter_groups", "fine_tune"]
 
 #: ``blocks`` value that trains the whole encoder, patch embedding included.
@@ -76,9 +77,16 @@ ALL_BLOCKS = "all"
 _BETAS = (0.9, 0.999)
 
 
-def is_vit3d_encoder(module: Any) -> bool:
-    return isinstance(module, nn.Module) and all(
-        hasattr(module, name) for name in ("patch_embed", "pos_embed", "blocks", "norm", "embed_dim"))
+def encoder_to_fine_tune(model: Any, where: str, otherwise: str = "") -> BlockwiseEncoder:
+    """The encoder an evaluator fine-tunes: ``model`` itself, or its ``.encoder``
+    (:class:`~octfw.types.EncoderModel`); a one-line UserError (ending with ``otherwise``)
+    when neither runs block by block (:class:`~octfw.types.BlockwiseEncoder`)."""
+    encoder = model.encoder if isinstance(model, EncoderModel) and not isinstance(model, BlockwiseEncoder) else model
+    if not isinstance(encoder, BlockwiseEncoder):
+        missing = ", ".join(missing_members(encoder, BlockwiseEncoder))
+        raise UserError(f"{where}: fine-tunes an encoder that runs block by block (octfw.types.BlockwiseEncoder, "
+                        f"a model's .encoder); {type(encoder).__name__} lacks {missing}{otherwise}")
+    return encoder
 
 
 def first_trained_block(depth: int, blocks: int | str) -> int:
@@ -86,15 +94,14 @@ def first_trained_block(depth: int, blocks: int | str) -> int:
     return 0 if blocks == ALL_BLOCKS else depth - int(blocks)
 
 
-def frozen_prefix(encoder: ViT3DEncoder, blocks: int | str, volumes: torch.Tensor) -> torch.Tensor:
+def frozen_prefix(encoder: BlockwiseEncoder, blocks: int | str, volumes: torch.Tensor) -> torch.Tensor:
     """The network's input: ``volumes`` themselves for ``"all"``; for ``k``, the tokens
-    ``[B, N, E]`` that enter the first trained block (patch embedding, positions, frozen blocks)."""
+    ``[B, N, E]`` that enter the first trained block (the encoder's input tokens through the
+    frozen blocks)."""
     if blocks == ALL_BLOCKS:
         return volumes.float()
-    tokens = encoder.patch_embed(volumes) + encoder.pos_embed
-    for block in encoder.blocks[:first_trained_block(len(encoder.blocks), blocks)]:
-        tokens = block(tokens)
-    return tokens.float()
+    start = first_trained_block(len(encoder.blocks), blocks)
+    return encoder.run_blocks(encoder.input_tokens(volumes), 0, start).float()
 
 
 class FineTuneNetwork(nn.Module):
@@ -105,7 +112,7 @@ class FineTuneNetwork(nn.Module):
     the frozen part have ``requires_grad`` False.
     """
 
-    def __init__(self, encoder: ViT3DEncoder, blocks: int | str, n_classes: int, num_heads: int,
+    def __init__(self, encoder: BlockwiseEncoder, blocks: int | str, n_classes: int, num_heads: int,
                  generator: torch.Generator):
         super().__init__()
         self.encoder = encoder
@@ -121,12 +128,8 @@ class FineTuneNetwork(nn.Module):
 
     def tokens(self, inputs: torch.Tensor) -> torch.Tensor:
         """``[B, N, E]``: the encoder's output tokens."""
-        tokens = inputs
-        if self.blocks == ALL_BLOCKS:
-            tokens = self.encoder.patch_embed(inputs) + self.encoder.pos_embed
-        for block in self.encoder.blocks[self.start:]:
-            tokens = block(tokens)
-        return self.encoder.norm(tokens)
+        tokens = self.encoder.input_tokens(inputs) if self.blocks == ALL_BLOCKS else inputs
+        return self.encoder.norm(self.encoder.run_blocks(tokens, self.start))
 
     @torch.no_grad()
     def standardise_on(self, inputs: torch.Tensor, batch_size: int) -> None:
@@ -187,7 +190,7 @@ def _logits(network: nn.Module, inputs: torch.Tensor, batch_size: int) -> torch.
 
 
 def fine_tune(
-    encoder: ViT3DEncoder,
+    encoder: BlockwiseEncoder,
     fit_inputs: torch.Tensor,
     fit_targets: torch.Tensor,
     val_inputs: torch.Tensor,

@@ -9,7 +9,6 @@ import torch
 from octfw.errors import UserError
 from octfw.evaluation.classification import Encoded, ValidatedClassificationEvaluator
 from octfw.evaluation.features import map_volumes
-from octfw.types import EncoderModel
 
 class FineTuneEvaluator(ValidatedClassificationEvaluator):
     """The encoder fine-tuned with a head (:mod:`octfw.plugins.evaluators.fine_tune.algorithm`); the epoch is
@@ -24,13 +23,10 @@ class FineTuneEvaluator(ValidatedClassificationEvaluator):
     def encode(self, model: Any, device: Any) -> Encoded:
         import copy
 
-        from octfw.plugins.evaluators.fine_tune.algorithm import ALL_BLOCKS, frozen_prefix, is_vit3d_encoder
+        from octfw.plugins.evaluators.fine_tune.algorithm import ALL_BLOCKS, encoder_to_fine_tune, frozen_prefix
 
         where = f"evaluator {self.component}"
-        encoder = model if is_vit3d_encoder(model) else model.encoder if isinstance(model, EncoderModel) else None
-        if not is_vit3d_encoder(encoder):
-            raise UserError(f"{where}: fine-tunes a 3D ViT encoder (a model's .encoder); "
-                            f"{type(model).__name__} has none")
+        encoder = encoder_to_fine_tune(model, where)
         if encoder.embed_dim % self.config.num_heads:
             raise UserError(f"{where}: num_heads = {self.config.num_heads} does not divide the encoder's "
                             f"width {encoder.embed_dim}")
