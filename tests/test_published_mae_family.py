@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from octfw.errors import UserError
-from octfw.models.published import FORMATS, converter
+from octfw.models.published import FORMATS, InitTargets, converter
+from octfw.models.published.report import InitReport
 from octfw.models.published.videomae import sinusoid_table
 from octfw.plugins.models.mae3d import MAE3DConfig
 from octfw.plugins.models.mae3d import build as build_mae
@@ -49,7 +50,7 @@ def tensors(source: str) -> dict[str, torch.Tensor]:
 def mae(init: str | Path, image_size, patch_size, in_channels=3, **fields):
     config = MAE3DConfig(preset="tiny", patch_size=patch_size, init=str(init), **{**FIELDS, **fields})
     ctx = BuildContext(recipe_dir=REPO, cache_dir=Path("."), run_dir=None, seed=0, image_size=image_size,
-                       in_channels=in_channels, mask_pairs=("a",), resuming=False)
+                       in_channels=in_channels, mask_pairs=("a",))
     return build_mae(config, ctx).eval()
 
 
@@ -102,6 +103,17 @@ def test_a_finetuned_videomae_module_checkpoint_folds_its_layer_scales_and_gives
     assert (tokens_of(model, reference["short_clip"]) - reference["finetuned_tokens"]).abs().max() < BOUND
 
 
+def test_a_finetuned_videomae_with_mean_pooling_has_no_norm_and_octfws_is_left_new(tmp_path):
+    state = torch.load(FIXTURES / "videomae" / "finetuned.pt", weights_only=True)["module"]
+    state = {k: v for k, v in state.items() if not k.startswith("norm.")}
+    state["fc_norm.weight"], state["fc_norm.bias"] = torch.ones(16), torch.zeros(16)
+    torch.save({"module": state}, tmp_path / "mean_pooled.pth")
+    report = mae(tmp_path / "mean_pooled.pth", *VIDEOMAE_FINETUNED).init_report
+    assert report.new == {"encoder.norm.weight": "not in the checkpoint's network",
+                          "encoder.norm.bias": "not in the checkpoint's network"}
+    assert report.ignored["fc_norm.weight"].startswith("normalises the mean-pooled token")
+
+
 def hugging_face_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A fine-tuned VideoMAE state dict under transformers' names, as its
     convert_videomae_to_pytorch.py writes them (VideoMAEForVideoClassification)."""
@@ -120,7 +132,8 @@ def hugging_face_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
                 for name, part in zip(("query", "key", "value"), tensor.chunk(3)):
                     out[f"{layer}attention.attention.{name}.weight"] = part
                 continue
-            for old, new in (("attn.q_bias", "attention.attention.q_bias"), ("attn.v_bias", "attention.attention.v_bias"),
+            for old, new in (("attn.q_bias", "attention.attention.q_bias"),
+                             ("attn.v_bias", "attention.attention.v_bias"),
                              ("attn.proj.", "attention.output.dense."), ("norm1.", "layernorm_before."),
                              ("norm2.", "layernorm_after."), ("mlp.fc1.", "intermediate.dense."),
                              ("mlp.fc2.", "output.dense.")):
@@ -230,7 +243,7 @@ def test_a_vjepa_recipe_takes_retfound_into_both_encoders_and_leaves_its_predict
     config = VJEPA3DConfig(preset="tiny", patch_size=(2, 4, 4), init=str(FIXTURES / "retfound" / "checkpoint.pt"),
                            **FIELDS)
     ctx = BuildContext(recipe_dir=REPO, cache_dir=Path("."), run_dir=None, seed=0, image_size=(8, 16, 16),
-                       in_channels=1, mask_pairs=("short", "long"), resuming=False)
+                       in_channels=1, mask_pairs=("short", "long"))
     model = build_vjepa(config, ctx)
     report = model.init_report
     assert "context_encoder.blocks.0.attn.qkv.weight" in report.loaded
@@ -239,6 +252,36 @@ def test_a_vjepa_recipe_takes_retfound_into_both_encoders_and_leaves_its_predict
     assert all(key.startswith("predictor.") for key in report.new) and report.new
     assert reasons == {"RETFound (MAE) checkpoints carry a pixel decoder, not a V-JEPA predictor"}
     assert torch.equal(model.context_encoder.pos_embed, model.target_encoder.pos_embed)
+
+
+# --- the published sizes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source, fixture, group, preset", [
+    ("videomae", "videomae", "model", "base"), ("videomae", "videomae", "model", "large"),
+    ("mae-st", "mae_st", "model_state", "base"), ("mae-st", "mae_st", "model_state", "large"),
+    ("retfound", "retfound", "model", "large"),
+])
+def test_the_presets_take_the_published_networks_whole_at_the_seeds_oct_geometry(source, fixture, group, preset):
+    """The published ViT-B / ViT-L (their state-dict shapes, recorded from the reference's own
+    model functions on the meta device) fill octfw's preset in a one-channel recipe at the
+    seeds' volume and patch: every tensor has its place, none is left new."""
+    shapes = json.loads((FIXTURES / fixture / "published_shapes.json").read_text())[preset]
+    config = MAE3DConfig(preset=preset, patch_size=(4, 16, 16), position="learned", norm_eps=1e-6)
+    ctx = BuildContext(recipe_dir=REPO, cache_dir=Path("."), run_dir=None, seed=0, image_size=(64, 384, 384),
+                       in_channels=1, mask_pairs=("a",))
+    with torch.device("meta"):  # shapes only
+        model = build_mae(config, ctx)
+        state = {group: {key: torch.empty(shape) for key, shape in shapes.items()}}
+    assert [name for name in FORMATS if converter(name).detect(state)] == [source]
+    report = InitReport(source=preset, format=source)
+    converter(source).convert(state, InitTargets(online=model.encoder, prefixes={"online": "encoder."}), report)
+    assert report.new == {}
+    assert set(report.loaded) | set(report.adapted) == {f"encoder.{key}" for key in model.encoder.state_dict()}
+    inflation = ("kernel [1, 16, 16] repeated over 4 slices and divided by 4 (I3D)" if source == "retfound"
+                 else "kernel [2, 16, 16] resampled to [4, 16, 16] (trilinear) and rescaled to keep its sum")
+    kernel = report.adapted["encoder.patch_embed.proj.weight"]
+    assert kernel == f"3 input channels summed into 1 (a grey volume as RGB); {inflation}"
 
 
 # --- refusals ----------------------------------------------------------------------------------------

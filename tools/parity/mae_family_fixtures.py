@@ -28,7 +28,9 @@ weights ~ 1 + N(0, 0.1), tables and tokens ~ N(0, 0.5), layer scales ~ 0.5 + N(0
 
 Writes ``tests/fixtures/reference/<source>/``: ``checkpoint.pt`` (and ``finetuned.pt`` for
 VideoMAE; ``torch.load(weights_only=True)`` reads them), ``tensors.safetensors`` and
-``meta.json`` (the reference's repo and commit, the sizes). tests/test_published_mae_family.py
+``meta.json`` (the reference's repo and commit, the sizes) and ``published_shapes.json``
+(the state-dict shapes of the published ViT-B / ViT-L networks, built on the meta device by
+the reference's own model functions). tests/test_published_mae_family.py
 reads them without the reference code.
 
 Usage (timm and the reference's other imports in a folder of their own)::
@@ -177,6 +179,37 @@ def retfound(generator: torch.Generator) -> tuple[dict, dict, dict]:
 SOURCES = {"videomae": videomae, "mae_st": mae_st, "retfound": retfound}
 
 
+def published_networks(source: str) -> dict[str, nn.Module]:
+    """The published networks of ``source`` as the reference builds them (its own model
+    functions and its pretraining defaults), by octfw preset name."""
+    if source == "videomae":
+        from modeling_pretrain import pretrain_videomae_base_patch16_224, pretrain_videomae_large_patch16_224
+
+        return {"base": pretrain_videomae_base_patch16_224(), "large": pretrain_videomae_large_patch16_224()}
+    if source == "mae_st":
+        from mae_st.models_mae import mae_vit_base_patch16, mae_vit_large_patch16
+
+        defaults = dict(num_frames=16, t_patch_size=2, sep_pos_embed=True, cls_embed=True, pred_t_dim=8)
+        return {"base": mae_vit_base_patch16(**defaults), "large": mae_vit_large_patch16(**defaults)}
+    from models_vit import RETFound_mae
+
+    return {"large": RETFound_mae(img_size=224, num_classes=0, global_pool=False)}
+
+
+def published_shapes(source: str) -> dict:
+    """The state-dict shapes of ``source``'s published networks, built on the meta device
+    (shapes only, no weights), so that a test holds octfw's presets to them."""
+    linspace = torch.linspace  # the references read their drop-path rates with .item(), not on meta
+    torch.linspace = lambda *args, **kwargs: linspace(*args, **{**kwargs, "device": "cpu"})
+    try:
+        with torch.device("meta"):
+            networks = published_networks(source)
+    finally:
+        torch.linspace = linspace
+    return {preset: {key: list(value.shape) for key, value in network.state_dict().items()}
+            for preset, network in networks.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", choices=sorted(SOURCES))
@@ -202,6 +235,7 @@ def main() -> None:
     meta = {"reference": reference, "seed": SEED, "sizes": sizes,
             "tool": "tools/parity/mae_family_fixtures.py", "tensors": {k: list(v.shape) for k, v in tensors.items()}}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out / "published_shapes.json").write_text(json.dumps(published_shapes(args.source)) + "\n")
     for path in sorted(out.iterdir()):
         print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size:,} bytes)")
 

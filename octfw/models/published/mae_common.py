@@ -50,7 +50,8 @@ def merged_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor) -> torc
     return torch.cat([q, torch.zeros_like(q) if k is None else k, v], dim=0)
 
 
-def fold_layer_scale(weight: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_layer_scale(weight: torch.Tensor, bias: torch.Tensor,
+                     gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gamma * (W x + b)`` as one linear layer: ``(gamma W) x + gamma b``, the same output."""
     return weight * gamma[:, None], bias * gamma
 

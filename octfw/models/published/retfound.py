@@ -47,6 +47,7 @@ __all__ = ["NAME", "detect", "convert", "inflated_table"]
 
 NAME = "retfound"
 _GROUPS = ("model", "state_dict")
+_CLS = "octfw has no cls token: its encoder returns the patch tokens, which its evaluations pool"
 
 
 def _inner(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -68,7 +69,8 @@ def inflated_table(table: torch.Tensor, grid: tuple[int, int, int]) -> tuple[tor
         raise UserError(f"model.init: the checkpoint's pos_embed has {table.shape[1]} patch rows, not a square grid")
     plane, _ = resample_positions(table, (1, side, side), (1, *grid[1:]))
     out = plane.reshape(1, 1, grid[1] * grid[2], -1).expand(1, grid[0], -1, -1).reshape(1, -1, table.shape[-1])
-    how = [] if (side, side) == tuple(grid[1:]) else [f"resampled from {side} x {side} to {grid[1]} x {grid[2]} (bilinear)"]
+    how = [] if (side, side) == tuple(grid[1:]) else [
+        f"resampled from {side} x {side} to {grid[1]} x {grid[2]} (bilinear)"]
     if grid[0] > 1:
         how.append(f"repeated over the {grid[0]} slices of the grid")
     return out.contiguous(), "; ".join(how) or None
@@ -81,7 +83,7 @@ def convert(state: Mapping[str, Any], targets: Any, report: InitReport) -> None:
     adapted: dict[str, str] = {}
     for key, tensor in inner.items():
         if key == "cls_token":
-            report.ignored[key] = "octfw has no cls token: its encoder returns the patch tokens, which its evaluations pool"
+            report.ignored[key] = _CLS
         elif key.startswith(("decoder_", "mask_token")):
             report.ignored[key] = "MAE's pixel decoder (octfw's starts new)"
         elif key.startswith(("head.", "fc_norm.")):

@@ -110,7 +110,8 @@ def detect(state: Mapping[str, Any]) -> bool:
     if _hugging_face(inner):
         return True
     # q_bias / v_bias are VideoMAE's own (every published model has them); encoder_to_decoder its pretraining's.
-    return any(re.match(r"^(encoder\.)?blocks\.0\.attn\.q_bias$", k) for k in inner) or "encoder_to_decoder.weight" in inner
+    return ("encoder_to_decoder.weight" in inner
+            or any(re.match(r"^(encoder\.)?blocks\.0\.attn\.q_bias$", k) for k in inner))
 
 
 def sinusoid_table(tokens: int, width: int) -> torch.Tensor:
@@ -184,5 +185,6 @@ def _octfw_names(source: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Te
                 out[block + layer + ".weight"], out[block + layer + ".bias"] = fold_layer_scale(
                     source[block + layer + ".weight"], source[block + layer + ".bias"], source[block + gamma])
                 for part in ("weight", "bias"):
-                    adapted[f"{block}{layer}.{part}"] = f"layer scale {gamma} folded in (gamma * W, gamma * b: the same output)"
+                    adapted[f"{block}{layer}.{part}"] = (f"layer scale {gamma} folded in "
+                                                         "(gamma * W, gamma * b: the same output)")
     return out, adapted
