@@ -8,7 +8,10 @@ slice; a checkpoint that does not fit is refused in one line."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -312,3 +315,25 @@ def test_mae_family_weights_need_a_learned_position_table(position):
 def test_the_rgb_kernel_cannot_become_two_channels():
     with pytest.raises(UserError, match="takes 3 input channels and the recipe's data has 2"):
         mae(FIXTURES / "videomae" / "checkpoint.pt", *VIDEOMAE, in_channels=2)
+
+
+def test_check_prints_what_a_retfound_checkpoint_became_in_a_one_channel_vjepa_recipe(tmp_path):
+    sets = ["transform.image_size=[8,32,32]", "model.patch_size=[2,8,8]", "model.embed_dim=16", "model.depth=2",
+            "model.num_heads=2", "dataset.n_volumes=4", "engine.per_device_batch=2", 'model.position="learned"',
+            "model.norm_eps=1e-6", f'model.init="{FIXTURES / "retfound" / "checkpoint.pt"}"']
+    proc = subprocess.run([sys.executable, "-m", "octfw.cli", "check", str(REPO / "recipes" / "quickstart.toml"),
+                           *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    summary = next(line for line in lines if line.startswith("init "))
+    assert summary.endswith("(retfound): 54 tensors loaded, 4 adapted, 32 left new, 1 checkpoint keys ignored")
+    new = [line for line in lines if line.startswith("  new ")]
+    assert len(new) == 1
+    assert new[0].endswith(": RETFound (MAE) checkpoints carry a pixel decoder, not a V-JEPA predictor")
+    assert new[0].startswith("  new     predictor.")
+    assert ("  adapted context_encoder.patch_embed.proj.weight: 3 input channels summed into 1 (a grey volume as "
+            "RGB); kernel [1, 4, 4] repeated over 2 slices and divided by 2 (I3D), resized in-plane to [8, 8]") in lines
+    assert ("  ignored cls_token: octfw has no cls token: its encoder returns the patch tokens, which its evaluations "
+            "pool") in lines
+    assert "check passed" in lines
