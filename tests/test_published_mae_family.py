@@ -145,12 +145,15 @@ def hugging_face_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def test_a_videomae_under_hugging_face_names_loads_the_same(tmp_path):
+# "videomae.": VideoMAEForPreTraining and ...ForVideoClassification; "": VideoMAEModel saved alone.
+@pytest.mark.parametrize("prefix", ["videomae.", ""])
+def test_a_videomae_under_hugging_face_names_loads_the_same(tmp_path, prefix):
     reference = tensors("videomae")
     state = torch.load(FIXTURES / "videomae" / "checkpoint.pt", weights_only=True)["model"]
     encoder = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}
+    renamed = {k.removeprefix("videomae."): v for k, v in hugging_face_names(encoder).items()}
     path = tmp_path / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in hugging_face_names(encoder).items()}, str(path))
+    save_file({prefix + k: v.contiguous() for k, v in renamed.items()}, str(path))
     model = mae(path, *VIDEOMAE)
     assert model.init_report.format == "videomae" and not model.init_report.new
     assert (tokens_of(model, reference["clip"]) - reference["tokens"]).abs().max() < BOUND
