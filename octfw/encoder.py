@@ -399,7 +399,7 @@ def recorded_recipe(state: Mapping[str, Any], where: str, registry: Registry) ->
 def rebuild_model(state: Mapping[str, Any], where: str, registry: Registry) -> nn.Module:
     """The model the checkpoint's recipe describes, with the checkpoint's weights."""
     recipe = recorded_recipe(state, where, registry)
-    model = recipe.model.build(recipe.build_context(registry=registry))
+    model = recipe.model.build(recipe.build_context(registry=registry, apply_init=False))  # weights: below
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:

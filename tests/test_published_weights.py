@@ -49,9 +49,9 @@ def reference() -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURE / "tensors.safetensors"))
 
 
-def ctx(image_size=IMAGE, in_channels=3, recipe_dir=REPO, resuming=False) -> BuildContext:
+def ctx(image_size=IMAGE, in_channels=3, recipe_dir=REPO, apply_init=True) -> BuildContext:
     return BuildContext(recipe_dir=recipe_dir, cache_dir=Path("."), run_dir=None, seed=0, image_size=image_size,
-                        in_channels=in_channels, mask_pairs=PAIRS, resuming=resuming)
+                        in_channels=in_channels, mask_pairs=PAIRS, apply_init=apply_init)
 
 
 def vjepa(init=str(CHECKPOINT), image_size=IMAGE, patch_size=PATCH, in_channels=3, **fields):
@@ -270,10 +270,10 @@ def test_rotary_positions_with_heads_too_narrow_are_one_line():
 
 def test_a_resumed_run_does_not_read_init_its_checkpoint_restores_the_weights():
     config = VJEPA3DConfig(preset="tiny", patch_size=PATCH, init="./gone.pt", **FIELDS)
-    model = build(config, ctx(resuming=True))  # the file is gone: not read
+    model = build(config, ctx(apply_init=False))  # the file is gone: not read
     assert not hasattr(model, "init_report")
     with pytest.raises(UserError, match="no such file"):
-        build(config, ctx(resuming=False))
+        build(config, ctx(apply_init=True))
 
 
 def test_a_flat_safetensors_file_of_the_same_keys_loads_the_same(tmp_path, reference):
@@ -510,3 +510,72 @@ def test_the_large_and_giant_presets_take_the_published_vjepa21_encoders_whole(p
     assert report.new == {}
     encoders = {k for k in model.state_dict() if k.startswith(("context_encoder.", "target_encoder."))}
     assert set(report.loaded) | set(report.adapted) == encoders
+
+
+# --- octfw eval: published weights as they are, continued, and random ------------------------------
+
+
+def test_eval_compares_published_continued_and_random_side_by_side(tmp_path, capsys):
+    """Issue #50 item 3: the recipe names the model it starts from (the published weights as they
+    are), the run is that model continued, and one random baseline sits beside both. The random
+    baseline is random: built without reading `[model] init` (it had been the published weights)."""
+    from octfw.cli import main
+    from octfw.engine.trainer import train
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
+    from octfw.rundir import create_run_dir
+
+    from conftest import TINY_RECIPE
+
+    shutil.copy(CHECKPOINT, tmp_path / "weights.pt")
+    model = ('[model]\nname = "vjepa3d"\npreset = "tiny"\npatch_size = [2, 16, 16]\ninit = "weights.pt"\n'
+             'position = "rope"\nnorm_eps = 1e-6\nembed_dim = 48\ndepth = 2\nnum_heads = 3\n'
+             'predictor_embed_dim = 32\npredictor_depth = 2\npredictor_num_heads = 2\n')
+    text = TINY_RECIPE.replace('[model]\nname = "vjepa3d"\npreset = "tiny"\npatch_size = [4, 16, 16]\n', model)
+    assert 'init = "weights.pt"' in text
+    (tmp_path / "continue.toml").write_text(text, encoding="utf-8")
+    registry = load_registry()
+    recipe = load_recipe(tmp_path / "continue.toml", ["run.max_steps=2"], registry)
+    run_dir = create_run_dir(recipe, registry)
+    train(recipe, registry, run_dir)
+    (tmp_path / "eval.toml").write_text(
+        '[run]\nseed = 3\ndevice = "cpu"\n\n[[evaluator]]\nname = "knn"\nk = 3\nbootstrap = 50\n'
+        'dataset = { name = "synthetic-oct", n_volumes = 16, labels = true, seed = 5 }\n', encoding="utf-8")
+    sources = [str(tmp_path / "continue.toml"), str(run_dir)]
+    assert main(["eval", *sources, "--names", "published,continued", "--recipe", str(tmp_path / "eval.toml"),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    scores = report["scores"]
+    assert list(scores) == ["published", "continued", "random init"]
+    assert report["locations"]["published"].endswith("continue.toml (update step 0)")
+    assert report["locations"]["continued"].endswith("(update step 2)")
+    auroc = {label: s["knn/auroc"] for label, s in scores.items()}
+    for label in ("published", "continued"):
+        difference = report["differences"][label]
+        assert difference["knn/auroc"] == pytest.approx(auroc[label] - auroc["random init"])
+        assert difference["knn/auroc_ci_low"] <= difference["knn/auroc"] <= difference["knn/auroc_ci_high"]
+
+    # The baseline is random, the same for the recipe and its run, and not the weights it started from.
+    from octfw.encoder import find_checkpoint
+    from octfw.evaluation.target import checkpoint_model, recipe_model
+
+    start = recipe_model(tmp_path / "continue.toml", 3, registry)
+    run = checkpoint_model(*find_checkpoint(run_dir, registry), 3, registry)
+    published, random_start, random_run = (dict(m.named_parameters()) for m in
+                                           (start.pretrained, start.random_init, run.random_init))
+    name = "context_encoder.blocks.0.attn.qkv.weight"
+    assert torch.equal(random_start[name], random_run[name])
+    assert not torch.equal(published[name], random_run[name])
+    assert torch.equal(published[name], build(VJEPA3DConfig(preset="tiny", patch_size=(2, 16, 16),
+                                                             init=str(CHECKPOINT), **{**FIELDS, "standardise_input": True}),
+                                              ctx((8, 32, 32), 1)).state_dict()[name])
+    assert main(["eval", str(run_dir), "--recipe", str(tmp_path / "eval.toml"), "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["random_init"]["knn/auroc"] == auroc["random init"]
+    assert alone["pretrained"]["knn/auroc"] == auroc["continued"]
+
+    assert main(["eval", *sources, "--recipe", str(tmp_path / "eval.toml")]) == 0
+    table = capsys.readouterr().out
+    assert "continue - random" in table and "random init" in table and "paired bootstrap" in table
+    assert main(["eval", *sources, "--shots", "2", "--recipe", str(tmp_path / "eval.toml")]) == 2
+    assert "--shots and --checkpoints take one" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""``octfw eval RUN_DIR_OR_ENCODER --recipe EVAL.toml``: probe a pretrained encoder
-against a randomly initialised one of the same architecture.
+"""``octfw eval RUN_DIR_OR_ENCODER [...] --recipe EVAL.toml``: probe a pretrained encoder
+against a randomly initialised one of the same architecture; several encoders side by side.
 
 ``--shots 5,10,50,all`` measures label efficiency; ``--checkpoints all`` (a run
 folder) probes every saved checkpoint and plots the metric over update steps.
@@ -15,17 +15,21 @@ from typing import Any
 
 __all__ = ["add_parser"]
 
-HELP = ("Evaluate a run's latest checkpoint, a checkpoint file or an exported encoder with the "
-        "[[evaluator]] tables of a recipe, next to a randomly initialised encoder of the same "
-        "architecture; print a table. --shots: label efficiency; --checkpoints: compare a run's "
-        "checkpoints.")
+HELP = ("Evaluate a run's latest checkpoint, a checkpoint file, an exported encoder or the model a "
+        "training recipe starts from (its [model] init weights) with the [[evaluator]] tables of a recipe, "
+        "next to a randomly initialised encoder of the same architecture; print a table. Several encoders: "
+        "side by side. --shots: label efficiency; --checkpoints: compare a run's checkpoints.")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help=HELP, description=HELP)
-    parser.add_argument("source", metavar="RUN_DIR_OR_ENCODER",
-                        help="a run folder (its latest checkpoint), a checkpoint file or what octfw export "
-                             "wrote (any --format)")
+    parser.add_argument("source", metavar="RUN_DIR_OR_ENCODER", nargs="+",
+                        help="a run folder (its latest checkpoint), a checkpoint file, what octfw export "
+                             "wrote (any --format), or a training recipe (.toml: the model it starts from, "
+                             "e.g. published weights as they are); several: compared side by side with one "
+                             "random baseline")
+    parser.add_argument("--names", metavar="A,B,...",
+                        help="several encoders: their column names (default: each path's name)")
     parser.add_argument("--recipe", required=True, metavar="EVAL.toml",
                         help="recipe with [[evaluator]] tables and optionally [run] seed, device, cache_dir "
                              "(a training recipe with [[evaluator]] tables works as it is)")
@@ -53,6 +57,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _check_options(args: argparse.Namespace) -> None:
     from octfw.errors import UserError
 
+    if len(args.source) > 1 and (args.shots is not None or args.checkpoints is not None):
+        raise UserError(f"{len(args.source)} encoders: --shots and --checkpoints take one; compare several "
+                        "without them")
+    if args.names is not None and len(args.source) == 1:
+        raise UserError("--names applies to several encoders")
     if args.shots is not None and args.checkpoints is not None:
         raise UserError("--shots and --checkpoints: give one of them (label efficiency of one checkpoint, "
                         "or a metric over checkpoints)")
@@ -78,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from octfw.evaluation.target import evaluate_target, format_report, load_eval_recipe, load_target
 
     _check_options(args)
+    source = args.source[0]
     shots = parse_shots(args.shots) if args.shots is not None else None
     registry = load_registry_once()
     recipe = load_eval_recipe(args.recipe, args.set or (), registry)
@@ -86,34 +96,44 @@ def run(args: argparse.Namespace) -> int:
         from octfw.evaluation.checkpoints import compare_checkpoints, format_checkpoints, plot_checkpoints
 
         with progress_bar("eval", text="loading volumes") as progress:
-            report = compare_checkpoints(args.source, recipe, registry, args.checkpoints, progress)
-        png = plot_checkpoints(report, args.png or _default_png(args.source, "eval_checkpoints.png"),
+            report = compare_checkpoints(source, recipe, registry, args.checkpoints, progress)
+        png = plot_checkpoints(report, args.png or _default_png(source, "eval_checkpoints.png"),
                                args.metric)
-        _print(args, report, format_checkpoints, {"png": str(png)}, "checkpoints")
+        _print(args, source, report, format_checkpoints, {"png": str(png)}, "checkpoints")
         return 0
 
-    target = load_target(args.source, recipe.run.seed, registry)
+    if len(args.source) > 1:
+        from octfw.evaluation.compare import compare_sources, format_comparison, source_labels
+
+        labels = source_labels(args.source, args.names.split(",") if args.names else None)
+        with progress_bar("eval", text="loading volumes") as progress:
+            report = compare_sources(args.source, labels, recipe, registry, progress)
+        _print(args, None, report, format_comparison, {}, "compare")
+        return 0
+
+    target = load_target(source, recipe.run.seed, registry)
     if shots is not None:
         from octfw.evaluation.label_efficiency import evaluate_shots, format_shots, write_shots
 
         draws = 3 if args.draws is None else args.draws
         with progress_bar("eval", text="loading volumes") as progress:
             report = evaluate_shots(target, recipe, registry, shots, draws, progress)
-        png, table = write_shots(report, args.png or _default_png(args.source, "eval_shots.png"), args.metric)
-        _print(args, report, format_shots, {"png": str(png), "csv": str(table)}, "shots")
+        png, table = write_shots(report, args.png or _default_png(source, "eval_shots.png"), args.metric)
+        _print(args, source, report, format_shots, {"png": str(png), "csv": str(table)}, "shots")
         return 0
 
     with progress_bar("eval", text="loading volumes") as progress:
         report = evaluate_target(target, recipe, registry, progress)
-    _print(args, report, format_report, {}, "target")
+    _print(args, source, report, format_report, {}, "target")
     return 0
 
 
-def _print(args: argparse.Namespace, report: Any, formatter: Any, files: dict[str, str], kind: str) -> None:
+def _print(args: argparse.Namespace, source: str | None, report: Any, formatter: Any, files: dict[str, str],
+           kind: str) -> None:
     """The report on stdout (a table, or JSON with --json); for a run folder, also kept in it."""
     text = formatter(report)
-    if Path(args.source).is_dir():  # a run folder: the results stay with the run
-        files = {**files, **_keep(Path(args.source), f"{kind}-{Path(args.recipe).stem}", report, text)}
+    if source is not None and Path(source).is_dir():  # a run folder: the results stay with the run
+        files = {**files, **_keep(Path(source), f"{kind}-{Path(args.recipe).stem}", report, text)}
     if args.json:
         json.dump({**report.as_dict(), **files}, sys.stdout, indent=2)
         print()

@@ -50,11 +50,11 @@ def plan_update_steps(recipe: Recipe, dataset_size: int, layout: BatchLayout) ->
 
 def build_components(
     recipe: Recipe, registry: Registry, *, run_dir: Path | None, rank: int = 0,
-    layout: BatchLayout | None = None, with_loggers: bool = True, resuming: bool = False,
+    layout: BatchLayout | None = None, with_loggers: bool = True, apply_init: bool = True,
 ) -> Components:
     """Build dataset first (its size fixes the schedule), then every other stage in STAGES order.
-    ``layout``: the run's global batch arithmetic (default: one device). ``resuming``: the run
-    restores a checkpoint after this, so a model does not read its ``init`` weights."""
+    ``layout``: the run's global batch arithmetic (default: one device). ``apply_init``: False
+    when the run restores a checkpoint after this, so a model does not read its ``init`` weights."""
     from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
 
     from octfw.engine.distributed import layout_for
@@ -62,8 +62,7 @@ def build_components(
     layout = layout or layout_for(recipe.engine.per_device_batch, recipe.engine.grad_accum_steps,
                                   recipe.engine.global_batch)
     ctx = recipe.build_context(registry=registry, run_dir=run_dir, rank=rank, world_size=layout.devices,
-                               writable_cache=True)
-    ctx = attrs.evolve(ctx, resuming=resuming)
+                               writable_cache=True, apply_init=apply_init)
     dataset = recipe.dataset.build(ctx)
     if len(dataset) == 0:
         raise UserError(f"dataset {recipe.dataset.name!r} lists no files")

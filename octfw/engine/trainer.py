@@ -77,7 +77,7 @@ class Trainer:
                                                     engine.global_batch)
         # A resumed run's checkpoint restores the weights: [model] init is not read again.
         self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank, layout=layout,
-                                              resuming=plan.resume_from is not None)
+                                              apply_init=plan.resume_from is None)
         check_schedule(recipe, parts)
         self.model = parts.model.to(backend.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]

@@ -30,7 +30,8 @@ from octfw.tables import render_table
 from octfw.types import BuildContext, ComparingEvaluator
 
 __all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress", "load_eval_recipe",
-           "load_target", "checkpoint_model", "eval_device", "build_evaluators", "evaluate_target",
+           "load_target", "recipe_model", "checkpoint_model", "eval_device", "build_evaluators", "score_models",
+           "paired_differences", "evaluate_target", "interval_keys",
            "run_evaluators", "format_report", "format_value", "is_interval_key", "main_metric"]
 
 #: The line under a table whose values carry a bootstrap interval.
@@ -143,7 +144,7 @@ def checkpoint_model(location: str, state: Mapping[str, Any], seed: int, registr
     if random_init:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            baseline = recipe.model.build(recipe.build_context(registry=registry))
+            baseline = recipe.model.build(recipe.build_context(registry=registry, apply_init=False))
     geometry = _geometry(state["recipe"], recipe.model.config)
     return EvalTarget(location, int(state.get("update_step", 0)), pretrained, baseline, state["recipe"],
                       **geometry)
@@ -162,11 +163,30 @@ def _model_from_export(path: Path, seed: int) -> EvalTarget:
                       tuple(pretrained.image_size), tuple(pretrained.patch_size))
 
 
+def recipe_model(path: Path, seed: int, registry: Registry) -> EvalTarget:
+    """The model a training recipe starts from, untrained: its ``[model] init`` weights (published
+    weights as they are), beside the same architecture randomly initialised."""
+    from octfw.recipe import load_recipe
+
+    recipe = load_recipe(path, (), registry)
+    models = []
+    for apply_init in (True, False):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            models.append(recipe.model.build(recipe.build_context(registry=registry, apply_init=apply_init)))
+    data = recipe.to_dict()
+    return EvalTarget(str(path), 0, models[0].eval(), models[1].eval(), data,
+                      **_geometry(data, recipe.model.config))
+
+
 def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget:
-    """A run folder (its latest checkpoint), a checkpoint file, or an exported encoder in any format."""
+    """A run folder (its latest checkpoint), a checkpoint file, an exported encoder in any format,
+    or a training recipe (.toml: the model it starts from, its ``[model] init`` weights)."""
     from octfw.encoder import FORMAT, find_checkpoint, is_export_path
 
     path = Path(source)
+    if path.suffix == ".toml" and path.is_file():
+        return recipe_model(path, seed, registry)
     if is_export_path(path):
         return _model_from_export(path, seed)
     if path.is_file():
@@ -219,7 +239,7 @@ class EvalReport:
 def with_interval(scores: Mapping[str, float], key: str, column: str) -> dict[str, Any]:
     """``{column: value, column_ci_low: ..., column_ci_high: ...}`` of ``key`` ("" where missing)."""
     evaluator, _, metric = key.partition("/")
-    low, high = _interval_keys(metric)
+    low, high = interval_keys(metric)
     return {column: scores.get(key, ""), f"{column}_ci_low": scores.get(f"{evaluator}/{low}", ""),
             f"{column}_ci_high": scores.get(f"{evaluator}/{high}", "")}
 
@@ -257,31 +277,49 @@ def run_evaluators(model: torch.nn.Module, evaluators: Sequence[tuple[str, Any]]
     return scores
 
 
+def score_models(models: Sequence[tuple[str, torch.nn.Module]], evaluators: Sequence[tuple[str, Any]],
+                 device: torch.device, update_step: int, progress: Progress | None = None,
+                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+    """Every evaluator on each ``(label, model)``: ``({label: scores}, {label: {evaluator: test
+    predictions}})``, the predictions of :class:`ComparingEvaluator` s only (paired differences)."""
+    total, done = len(models) * len(evaluators), 0
+    scores: dict[str, dict[str, float]] = {}
+    predictions: dict[str, dict[str, Any]] = {}
+    for label, model in models:
+        kept = predictions.setdefault(label, {})
+
+        def advance(name: str, label: str = label, kept: dict[str, Any] = kept) -> None:
+            nonlocal done
+            done += 1
+            evaluator = dict(evaluators)[name]
+            if isinstance(evaluator, ComparingEvaluator):
+                kept[name] = evaluator.last_test_probabilities
+            if progress is not None:
+                progress(done, total, f"{label.replace('_', ' ')}: {name}")
+
+        scores[label] = run_evaluators(model, evaluators, device, update_step, advance)
+    return scores, predictions
+
+
+def paired_differences(evaluators: Sequence[tuple[str, Any]], predictions: Mapping[str, Mapping[str, Any]],
+                       label: str, baseline: str) -> dict[str, float]:
+    """``label`` minus ``baseline`` with paired bootstrap intervals, for each evaluator that compares."""
+    return {f"{name}/{key}": value for name, evaluator in evaluators
+            if isinstance(evaluator, ComparingEvaluator)
+            and predictions[label].get(name) is not None and predictions[baseline].get(name) is not None
+            for key, value in evaluator.difference(predictions[label][name], predictions[baseline][name]).items()}
+
+
 def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
                     progress: Progress | None = None) -> EvalReport:
     """Run every evaluator of ``recipe`` on the pretrained and the random network."""
     device = eval_device(recipe)
     evaluators = build_evaluators(target, recipe, registry)
-    total, done = 2 * len(evaluators), 0
-    results: dict[str, dict[str, float]] = {}
-    predictions: dict[str, list[Any]] = {name: [] for name, _ in evaluators}
-    for label, model in (("pretrained", target.pretrained), ("random_init", target.random_init)):
-        def advance(name: str, label: str = label) -> None:
-            nonlocal done
-            done += 1
-            evaluator = dict(evaluators)[name]
-            predictions[name].append(evaluator.last_test_probabilities
-                                     if isinstance(evaluator, ComparingEvaluator) else None)
-            if progress is not None:
-                progress(done, total, f"{label.replace('_', ' ')}: {name}")
-
-        results[label] = run_evaluators(model, evaluators, device, target.update_step or 0, advance)
-    difference = {f"{name}/{key}": value for name, evaluator in evaluators
-                  if isinstance(evaluator, ComparingEvaluator)
-                  and len(predictions[name]) == 2 and all(p is not None for p in predictions[name])
-                  for key, value in evaluator.difference(*predictions[name]).items()}
+    scores, predictions = score_models([("pretrained", target.pretrained), ("random_init", target.random_init)],
+                                       evaluators, device, target.update_step or 0, progress)
     return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),
-                      results["pretrained"], results["random_init"], difference)
+                      scores["pretrained"], scores["random_init"],
+                      paired_differences(evaluators, predictions, "pretrained", "random_init"))
 
 
 #: What :func:`main_metric` plots when none is asked for, the first reported: a classifier's AUROC or
@@ -303,7 +341,9 @@ def main_metric(metrics: Sequence[str], asked: str | None) -> str:
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 
 
-def _interval_keys(key: str) -> tuple[str, str]:
+def interval_keys(key: str) -> tuple[str, str]:
+    """The keys of ``key``'s bootstrap interval: ``auroc`` -> ``auroc_ci_low``, ``auroc_ci_high``
+    (a per-domain ``auroc/topcon`` -> ``auroc_ci_low/topcon``, ...)."""
     metric, _, domain = key.partition("/")
     tail = f"/{domain}" if domain else ""
     return f"{metric}_ci_low{tail}", f"{metric}_ci_high{tail}"
@@ -319,7 +359,7 @@ def format_value(scores: Mapping[str, float], key: str) -> str:
     value = scores.get(key)
     if value is None:
         return "-"
-    low, high = (scores.get(f"{evaluator}/{k}") for k in _interval_keys(metric))
+    low, high = (scores.get(f"{evaluator}/{k}") for k in interval_keys(metric))
     text = f"{value:.3f}"
     return text if low is None or high is None else f"{text} [{low:.2f}, {high:.2f}]"
 
@@ -331,7 +371,7 @@ def _difference(report: EvalReport, key: str) -> str:
     if pretrained is None or random_init is None:
         return "-"
     evaluator, _, metric = key.partition("/")
-    low, high = (report.difference.get(f"{evaluator}/{k}") for k in _interval_keys(metric))
+    low, high = (report.difference.get(f"{evaluator}/{k}") for k in interval_keys(metric))
     text = f"{pretrained - random_init:+.3f}"
     return text if low is None or high is None else f"{text} [{low:+.2f}, {high:+.2f}]"
 

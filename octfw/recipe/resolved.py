@@ -101,11 +101,13 @@ class Recipe(ByStage):
 
     def build_context(self, *, registry: Registry, run_dir: Path | None = None, rank: int = 0,
                       world_size: int = 1, total_update_steps: int = 0,
-                      writable_cache: bool = False) -> BuildContext:
+                      writable_cache: bool = False, apply_init: bool = True) -> BuildContext:
         """The one way a :class:`BuildContext` is made from a recipe.
 
         ``writable_cache``: refuse a cache folder that cannot be written (see
-        :func:`cache_dir_for`), for callers that build the dataset and transform."""
+        :func:`cache_dir_for`), for callers that build the dataset and transform.
+        ``apply_init``: False where the model's weights come from elsewhere (a checkpoint,
+        or a random initialisation on purpose), so it does not read ``[model] init``."""
         # Conventions documented in octfw.hookspecs: the transform's image_size and
         # the model's patch_size define the patch grid both must agree on.
         image_size = getattr(self.transform.config, "image_size", None)
@@ -119,6 +121,7 @@ class Recipe(ByStage):
             mask_pairs=masking.mask_pairs() if isinstance(masking, MaskingConfig) else ("",),
             base_lr=self.engine.base_lr, weight_decay=self.engine.weight_decay,
             total_update_steps=total_update_steps, recipe=self.to_dict(), registry=registry,
+            apply_init=apply_init,
         )
 
 

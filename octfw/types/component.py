@@ -43,9 +43,11 @@ class BuildContext:
     #: The command's :class:`octfw.registry.Registry`, for components that
     #: build components of their own (an evaluator's labelled dataset).
     registry: Any = None
-    #: Whether the run resumes from its own checkpoint: what the checkpoint restores (the
-    #: weights) is not initialised again, so a model skips its ``init`` weights.
-    resuming: bool = False
+    #: Whether a model starts from the published weights its config's ``init`` names. False
+    #: where every weight comes from elsewhere: a checkpoint restores them (a resumed run, a
+    #: model rebuilt from a checkpoint), or a random initialisation is the point (the baseline
+    #: ``octfw eval`` compares with).
+    apply_init: bool = True
 
     @property
     def is_main_process(self) -> bool:

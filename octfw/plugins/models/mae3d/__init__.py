@@ -24,7 +24,7 @@ def build(config: MAE3DConfig, ctx: BuildContext) -> Model:
     from octfw.plugins.models.mae3d.model import MAE3D
 
     model = MAE3D(norm_pix_loss=config.norm_pix_loss, mask_pairs=ctx.mask_pairs, **arguments)
-    if config.init is not None and not ctx.resuming:  # a resumed run restores its own weights
+    if config.init is not None and ctx.apply_init:  # not where a checkpoint restores the weights
         from octfw.models.published import InitTargets, initialise
 
         targets = InitTargets(online=model.encoder, prefixes={"online": "encoder."},

@@ -32,7 +32,7 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
                         f"({arguments['depth']} blocks): each level is the output of one block")
     model = VJEPA3D(loss=config.loss, mask_pairs=ctx.mask_pairs, dense_levels=config.dense_levels,
                     context_loss_weight=config.context_loss_weight, **arguments)
-    if config.init is not None and not ctx.resuming:  # a resumed run restores its own weights
+    if config.init is not None and ctx.apply_init:  # not where a checkpoint restores the weights
         from octfw.models.published import InitTargets, initialise
 
         targets = InitTargets(
