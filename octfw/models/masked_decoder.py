@@ -96,6 +96,17 @@ class MaskedTokenDecoder(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Predictions at ``target_idx`` ``[B, Nt, out_dim]``; with ``with_context`` also those at
         ``context_idx`` ``[B, Nc, out_dim]`` (V-JEPA 2.1's dense loss predicts every token)."""
+        tokens, num_context = self.run(context_tokens, context_idx, target_idx)
+        # The masked positions are the last Nt tokens, a static slice.
+        if with_context:
+            predicted = self.embed_out(self.norm(tokens))
+            return predicted[:, num_context:], predicted[:, :num_context]
+        return self.embed_out(self.norm(tokens[:, num_context:]))
+
+    def run(self, context_tokens: torch.Tensor, context_idx: torch.Tensor,
+            target_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The context tokens then the mask tokens through the blocks (before the final norm):
+        ``[B, Nc + Nt, width]``, and ``Nc``."""
         batch = context_tokens.shape[0]
         context = self.embed_in(context_tokens)
         rope = None
@@ -107,14 +118,14 @@ class MaskedTokenDecoder(nn.Module):
             pos = self.pos_embed.to(context.dtype).expand(batch, -1, -1)
             context = context + gather_tokens(pos, context_idx)
             queries = self.mask_token.to(context.dtype) + gather_tokens(pos, target_idx)
-        tokens = torch.cat([context, queries], dim=1)
+        tokens = self.join(context, queries)
         for block in self.blocks:
             tokens = block(tokens, rope)
-        # The masked positions are the last Nt tokens, a static slice.
-        if with_context:
-            predicted = self.embed_out(self.norm(tokens))
-            return predicted[:, context.shape[1]:], predicted[:, :context.shape[1]]
-        return self.embed_out(self.norm(tokens[:, context.shape[1]:]))
+        return tokens, context.shape[1]
+
+    def join(self, context: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """The tokens the blocks read: context then queries (a subclass adds to them)."""
+        return torch.cat([context, queries], dim=1)
 
 
 def mask_metrics(batch: Mapping[str, torch.Tensor], pairs: tuple[str, ...],

@@ -77,6 +77,9 @@ class InitTargets:
     prefixes: Mapping[str, str] = attrs.field(factory=lambda: {"online": "encoder.", "ema": "", "predictor": ""})
     recipe: str = "the recipe's encoder"
     predictor_note: str | None = None
+    #: V-JEPA 2.1's norms of the intermediate levels its dense loss predicts, by role (``online``,
+    #: ``ema``; prefixes ``online_levels``, ``ema_levels``): None where the recipe has none.
+    level_norms: Mapping[str, Any] | None = None
 
 
 def resolve_source(source: str, recipe_dir: Path | None = None) -> Path:

@@ -30,15 +30,23 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
     if config.dense_levels > arguments["depth"]:
         raise UserError(f"model.dense_levels = {config.dense_levels} exceeds the encoder's depth "
                         f"({arguments['depth']} blocks): each level is the output of one block")
+    if config.dense_predictor == "vjepa2.1" and (config.dense_levels != 4 or config.loss != "l1"):
+        raise UserError(f"model.dense_predictor = \"vjepa2.1\" predicts V-JEPA 2.1's 4 levels with its L1 loss: "
+                        f"set model.dense_levels = 4 (not {config.dense_levels}) and model.loss = \"l1\" "
+                        f"(not {config.loss!r})")
     model = VJEPA3D(loss=config.loss, mask_pairs=ctx.mask_pairs, dense_levels=config.dense_levels,
-                    context_loss_weight=config.context_loss_weight, **arguments)
+                    context_loss_weight=config.context_loss_weight, dense_predictor=config.dense_predictor,
+                    context_distance_weighting=config.context_distance_weighting, **arguments)
     if config.init is not None and ctx.apply_init:  # not where a checkpoint restores the weights
         from octfw.models.published import InitTargets, initialise
 
         targets = InitTargets(
             online=model.context_encoder, ema=model.target_encoder,
             predictor=model.predictor if config.init_predictor else None,
-            prefixes={"online": "context_encoder.", "ema": "target_encoder.", "predictor": "predictor."},
+            level_norms=({"online": model.level_norms, "ema": model.target_level_norms}
+                         if config.dense_predictor == "vjepa2.1" else None),
+            prefixes={"online": "context_encoder.", "ema": "target_encoder.", "predictor": "predictor.",
+                      "online_levels": "level_norms.", "ema_levels": "target_level_norms."},
             recipe=f"[model] vjepa3d preset {config.preset!r}", predictor_note="model.init_predictor = false")
         model.init_report = initialise(config.init, targets, ctx.recipe_dir)
         if ctx.run_dir is not None:  # a run logs what it started from; `octfw check` prints it all

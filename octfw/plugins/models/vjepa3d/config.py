@@ -49,6 +49,7 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
 
 
 LOSS_CHOICES = ("l1", "mse", "nmse")
+DENSE_PREDICTOR_CHOICES = ("octfw", "vjepa2.1")
 
 
 @attrs.frozen
@@ -113,8 +114,26 @@ class VJEPA3DConfig(PresetSized):
         default=0, validator=non_negative,
     )
     context_loss_weight: float = doc(
-        "dense_levels > 0: weight of the loss on the visible tokens beside the masked ones",
+        "dense_levels > 0: weight of the loss on the visible tokens beside the masked ones "
+        "(V-JEPA 2.1's lambda_value_vid, constant: its pretraining ramps it from 0 at iteration "
+        "15,000 to this value at 30,000, which octfw does not)",
         default=0.5, validator=non_negative,
+    )
+    context_distance_weighting: bool = doc(
+        "dense_levels > 0: weight each visible token's loss by 1/sqrt of its distance to the nearest "
+        "masked patch (V-JEPA 2.1's pretraining, weight_distance_loss); false: every visible token "
+        "counts the same (its cooldown)",
+        default=True,
+    )
+    dense_predictor: str = doc(
+        "dense_levels > 0: 'octfw' (octfw's predictor: one MaskedTokenDecoder reading the last "
+        "level and predicting all levels with one head, targets re-normed over all levels, evenly "
+        "spaced depths) or 'vjepa2.1' (V-JEPA 2.1's own, number for number: the context encoder's "
+        "4 levels, each through its own affine norm, read through a two-layer projection, a "
+        "modality token, separate heads for the masked and the visible tokens, the reference's "
+        "depths; needs dense_levels = 4 and loss = 'l1'; with init, a 2.1 checkpoint's predictor "
+        "and level norms load)",
+        default="octfw", validator=choices(*DENSE_PREDICTOR_CHOICES),
     )
     activation_checkpointing: bool = doc(
         "recompute each transformer block's activations in the backward pass instead of keeping "

@@ -14,6 +14,7 @@ branch on tensor values and never read a tensor on the host.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Mapping
 
 import torch
@@ -24,12 +25,14 @@ from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import (
     NORM_EPS,
+    LayerNorm,
     ViT3DEncoder,
     gather_tokens,
     layer_norm,
     set_activation_checkpointing,
     weight_decay_groups,
 )
+from octfw.plugins.models.vjepa3d.hierarchical import HierarchicalPredictor, level_depths
 from octfw.types import BATCH_KEYS, ModelOutput, mask_keys
 
 __all__ = [
@@ -43,6 +46,8 @@ __all__ = [
 
 #: Loss names accepted by :class:`VJEPA3D` (and the ``loss`` config key).
 LOSSES = ("l1", "mse", "nmse")
+#: The dense loss's predictors (the ``dense_predictor`` config key).
+DENSE_PREDICTORS = ("octfw", "vjepa2.1")
 
 
 class Predictor(MaskedTokenDecoder):
@@ -70,6 +75,11 @@ class Predictor(MaskedTokenDecoder):
         super().__init__(grid_size, embed_dim, predictor_embed_dim, depth, num_heads, mlp_ratio,
                          out_dim=out_dim or embed_dim, activation_checkpointing=activation_checkpointing,
                          position=position, norm_eps=norm_eps, rope_span=rope_span)
+
+
+def _l1(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token mean absolute error ``[B, N]`` in float32, the targets as they are."""
+    return (predicted.float() - target.float()).abs().mean(dim=2)
 
 
 def masked_feature_loss(predicted: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
@@ -174,6 +184,8 @@ class VJEPA3D(nn.Module):
         standardise_input: bool = False,
         dense_levels: int = 0,
         context_loss_weight: float = 0.5,
+        dense_predictor: str = "octfw",
+        context_distance_weighting: bool = True,
         position: str = "sincos",
         norm_eps: float = NORM_EPS,
         rope_span: int | None = None,
@@ -183,11 +195,19 @@ class VJEPA3D(nn.Module):
             raise ValueError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
         if not 0 <= dense_levels <= depth:
             raise ValueError(f"dense_levels must be in [0, depth = {depth}], got {dense_levels}")
+        if dense_predictor not in DENSE_PREDICTORS:
+            raise ValueError(f"unknown dense_predictor {dense_predictor!r}; choose one of {', '.join(DENSE_PREDICTORS)}")
+        #: V-JEPA 2.1's own predictor, level norms and loss (hierarchical.py), else octfw's.
+        self.hierarchical = dense_predictor == "vjepa2.1"
+        if self.hierarchical and (dense_levels != 4 or loss != "l1"):
+            raise ValueError("dense_predictor 'vjepa2.1' predicts 4 levels with the L1 loss: "
+                             f"dense_levels = 4 and loss = 'l1', got {dense_levels} and {loss!r}")
         self.loss_kind = loss
         #: V-JEPA 2.1's dense loss when > 0: the encoder depths whose tokens are predicted
-        #: (evenly spaced, the last block included) and the weight of the loss on the context.
-        self.level_depths = tuple(depth * (i + 1) // dense_levels for i in range(dense_levels))
+        #: (the last block included) and the weight of the loss on the context.
+        self.level_depths = level_depths(depth, dense_levels, self.hierarchical) if dense_levels else ()
         self.context_loss_weight = float(context_loss_weight)
+        self.context_distance_weighting = bool(context_distance_weighting)
         self.mask_pairs = tuple(mask_pairs)
         self.inputs = ("context", "target", *(key for pair in self.mask_pairs for key in mask_keys(pair)))
         self.context_encoder = ViT3DEncoder(
@@ -195,7 +215,10 @@ class VJEPA3D(nn.Module):
             activation_checkpointing=activation_checkpointing, standardise_input=standardise_input,
             position=position, norm_eps=norm_eps, rope_span=rope_span,
         )
-        self.predictor = Predictor(
+        predictor_class = Predictor
+        if self.hierarchical:
+            predictor_class = partial(HierarchicalPredictor, levels=dense_levels)
+        self.predictor = predictor_class(
             self.context_encoder.grid_size,
             embed_dim,
             predictor_embed_dim,
@@ -203,7 +226,7 @@ class VJEPA3D(nn.Module):
             predictor_num_heads,
             mlp_ratio if predictor_mlp_ratio is None else predictor_mlp_ratio,
             activation_checkpointing=activation_checkpointing,
-            out_dim=embed_dim * max(1, dense_levels),
+            **({} if self.hierarchical else {"out_dim": embed_dim * max(1, dense_levels)}),
             position=position,
             norm_eps=norm_eps,
             rope_span=rope_span,
@@ -212,6 +235,11 @@ class VJEPA3D(nn.Module):
         self.target_encoder.requires_grad_(False)
         # It runs under no_grad, where nothing is saved and nothing to recompute.
         set_activation_checkpointing(self.target_encoder.blocks, False)
+        if self.hierarchical:
+            # V-JEPA 2.1's norms_block but the last (which is the encoder's norm): training-only
+            # state beside the encoders, so that the exported encoder stays a plain ViT3DEncoder.
+            self.level_norms = nn.ModuleList(LayerNorm(embed_dim, eps=norm_eps) for _ in range(dense_levels - 1))
+            self.target_level_norms = copy.deepcopy(self.level_norms).requires_grad_(False)
 
     # --- geometry -----------------------------------------------------------
 
@@ -238,7 +266,19 @@ class VJEPA3D(nn.Module):
         visible = self.context_encoder(context, keep_idx=context_idx)
         return self.predictor(visible, context_idx, target_idx)
 
+    def hierarchy(self, volume: torch.Tensor, keep_idx: torch.Tensor | None = None,
+                  target: bool = False) -> list[torch.Tensor]:
+        """``dense_predictor = "vjepa2.1"``: the context (or target) encoder's tokens at each of
+        :attr:`level_depths`, each through its norm (the last through the encoder's own), as
+        V-JEPA 2.1's encoder returns them in training (``norms_block``); each ``[B, K or N, E]``."""
+        encoder, norms = ((self.target_encoder, self.target_level_norms) if target
+                          else (self.context_encoder, self.level_norms))
+        levels = encoder.levels(volume, keep_idx, depths=self.level_depths)
+        return [norm(level) for norm, level in zip(norms, levels)] + levels[-1:]
+
     def forward(self, batch: Mapping[str, torch.Tensor]) -> ModelOutput:
+        if self.hierarchical:
+            return self._forward_hierarchical(batch)
         with torch.no_grad():  # every patch, once for all pairs
             if self.level_depths:
                 levels = self.target_encoder.levels(batch["target"], depths=self.level_depths)
@@ -255,14 +295,47 @@ class VJEPA3D(nn.Module):
             if self.level_depths:
                 predicted, predicted_context = self.predictor(visible, context_idx, target_idx, with_context=True)
                 errors = token_errors(predicted_context, gather_tokens(targets, context_idx), self.loss_kind)
-                weights = context_weights(context_idx, target_idx, self.grid_size)
-                context_loss = (errors * weights).mean(dim=1)
+                if self.context_distance_weighting:
+                    errors = errors * context_weights(context_idx, target_idx, self.grid_size)
+                context_loss = errors.mean(dim=1)
             else:
                 predicted = self.predictor(visible, context_idx, target_idx)
                 context_loss = 0.0
             loss = masked_feature_loss(predicted, gather_tokens(targets, target_idx), self.loss_kind)
             losses.append(loss + self.context_loss_weight * context_loss)
             predictions.append(predicted[..., -tokens.shape[-1]:])  # the last depth's prediction
+        per_sample = torch.stack(losses).mean(dim=0)
+        return ModelOutput(
+            loss=per_sample.mean(),
+            per_sample_loss=per_sample,
+            metrics={**health_metrics(tokens, torch.cat(predictions, dim=1)),
+                     **mask_metrics(batch, self.mask_pairs, per_sample)},
+            health_gram=rank_gram(tokens),
+        )
+
+    def _forward_hierarchical(self, batch: Mapping[str, torch.Tensor]) -> ModelOutput:
+        """V-JEPA 2.1's train step (``app/vjepa_2_1/train.py``, one clip length, ``loss_exp`` 1):
+        targets are the target encoder's levels, each layer-normed on its own (no affine), side
+        by side; the loss is the L1 error of the masked predictions plus ``context_loss_weight``
+        times that of the context predictions, each context token's weighted by
+        :func:`context_weights` with ``context_distance_weighting``; each averaged over tokens
+        and channels, then over the mask pairs."""
+        with torch.no_grad():  # every patch, once for all pairs
+            levels = self.hierarchy(batch["target"], target=True)
+            tokens = levels[-1]
+            targets = torch.cat([layer_norm(level, level.shape[-1:]) for level in levels], dim=-1)
+        losses, predictions = [], []
+        for pair in self.mask_pairs:
+            context_key, target_key = mask_keys(pair)
+            context_idx, target_idx = batch[context_key], batch[target_key]
+            visible = torch.cat(self.hierarchy(batch["context"], context_idx), dim=-1)
+            predicted, predicted_context = self.predictor(visible, context_idx, target_idx)
+            loss = _l1(predicted, gather_tokens(targets, target_idx)).mean(dim=1)
+            errors = _l1(predicted_context, gather_tokens(targets, context_idx))
+            if self.context_distance_weighting:
+                errors = errors * context_weights(context_idx, target_idx, self.grid_size)
+            losses.append(loss + self.context_loss_weight * errors.mean(dim=1))
+            predictions.append(predicted[..., -tokens.shape[-1]:])  # the last level's prediction
         per_sample = torch.stack(losses).mean(dim=0)
         return ModelOutput(
             loss=per_sample.mean(),
@@ -291,6 +364,9 @@ class VJEPA3D(nn.Module):
         """
         ema = list(self.target_encoder.parameters())
         online = list(self.context_encoder.parameters())
+        if self.hierarchical:  # V-JEPA 2.1's level norms are part of its EMA encoder
+            ema += list(self.target_level_norms.parameters())
+            online += list(self.level_norms.parameters())
         if isinstance(momentum, torch.Tensor):
             weight = (1.0 - momentum).to(device=ema[0].device, dtype=ema[0].dtype)
         else:
@@ -307,14 +383,16 @@ class VJEPA3D(nn.Module):
         The target encoder is not trainable and is in neither group.
         """
         return weight_decay_groups(
-            (param for name, param in self.named_parameters() if not name.startswith("target_encoder.")),
+            (param for name, param in self.named_parameters()
+             if not name.startswith(("target_encoder.", "target_level_norms."))),
             weight_decay,
         )
 
     def count_parameters(self) -> dict[str, int]:
         """``trainable``: context encoder + predictor parameters (the learned
         weights, mask token included; the fixed position embeddings are
-        buffers and not counted). ``ema``: target-encoder parameters."""
+        buffers and not counted; V-JEPA 2.1's level norms with
+        ``dense_predictor = "vjepa2.1"``). ``ema``: target-encoder parameters."""
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         ema = sum(p.numel() for p in self.target_encoder.parameters())
         return {"trainable": trainable, "ema": ema}
