@@ -50,10 +50,10 @@ def vjepa21(init: Path | None, **fields) -> VJEPA3D:
     config = VJEPA3DConfig(
         preset="tiny", patch_size=(s["tubelet_size"], s["patch_size"], s["patch_size"]),
         init=None if init is None else str(init), embed_dim=s["embed_dim"], depth=s["depth"],
-        num_heads=s["num_heads"], predictor_embed_dim=PREDICTOR["pred_embed_dim"],
-        predictor_depth=PREDICTOR["pred_depth"], predictor_num_heads=PREDICTOR["pred_num_heads"],
-        standardise_input=False, **{"position": "rope-interleaved", "rope_span": 16, "norm_eps": 1e-6,
-                                    "dense_levels": 4, "dense_predictor": "vjepa2.1", **fields})
+        num_heads=s["num_heads"], standardise_input=False,
+        **{"predictor_embed_dim": PREDICTOR["pred_embed_dim"], "predictor_depth": PREDICTOR["pred_depth"],
+           "predictor_num_heads": PREDICTOR["pred_num_heads"], "position": "rope-interleaved", "rope_span": 16,
+           "norm_eps": 1e-6, "dense_levels": 4, "dense_predictor": "vjepa2.1", **fields})
     ctx = BuildContext(recipe_dir=REPO, cache_dir=Path("."), run_dir=None, seed=0,
                        image_size=(s["num_frames"], s["crop_size"], s["crop_size"]), in_channels=3,
                        mask_pairs=PAIRS, apply_init=True)
@@ -106,6 +106,15 @@ def test_the_level_norms_come_from_each_encoders_own_norms_block(checkpoint):
         assert torch.equal(model.level_norms[k].weight, state["encoder"][f"module.backbone.norms_block.{k}.weight"])
         assert torch.equal(model.target_level_norms[k].bias,
                            state["ema_encoder"][f"module.backbone.norms_block.{k}.bias"])
+
+
+def test_a_predictor_of_another_depth_is_left_new_with_both_sizes(checkpoint):
+    report = vjepa21(checkpoint, predictor_depth=2).init_report
+    assert {key.split(".")[0] for key in report.new} == {"predictor"}
+    assert set(report.new.values()) == {
+        "the checkpoint's predictor reads 96 channels, is 24 wide, 4 deep (MLP 96) and predicts 96; "
+        "the recipe's reads 96, is 24 wide, 2 deep (MLP 96) and predicts 96"}
+    assert "level_norms.0.weight" in report.loaded  # the encoders' level norms load all the same
 
 
 # --- number for number ---------------------------------------------------------------------------

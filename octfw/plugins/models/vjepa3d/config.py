@@ -110,7 +110,7 @@ class VJEPA3DConfig(PresetSized):
         "encoder's tokens at N evenly spaced depths (V-JEPA 2.1: 4), each layer-normed, at the masked "
         "patches and also at the visible ones, where each token's loss is weighted by 1/sqrt of its "
         "grid distance to the nearest masked patch (context_loss_weight). Meant to make the tokens "
-        "dense features (segmentation)",
+        "dense features (segmentation); dense_predictor chooses octfw's adaptation or V-JEPA 2.1's own",
         default=0, validator=non_negative,
     )
     context_loss_weight: float = doc(
