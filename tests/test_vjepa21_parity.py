@@ -232,3 +232,23 @@ def test_octfws_own_losses_are_the_values_pinned_before_the_variant(dense_levels
     context_key, target_key = mask_keys("")
     loss = model({"context": volume, "target": volume, context_key: order[:, :5], target_key: order[:, 5:]}).loss
     assert loss.item() == pinned
+
+
+def test_the_variants_training_step_is_one_graph_without_a_break():
+    """Fixed-size gathers, no boolean indexing, no host read: dynamo captures forward and loss whole."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = VJEPA3D(image_size=(4, 48, 48), patch_size=(2, 16, 16), in_channels=1, embed_dim=24, depth=4,
+                    num_heads=2, predictor_embed_dim=16, predictor_depth=1, predictor_num_heads=2,
+                    mask_pairs=("",), dense_levels=4, dense_predictor="vjepa2.1", position="rope-interleaved",
+                    rope_span=16)
+    generator = torch.Generator().manual_seed(0)
+    volume = torch.randn(2, 1, 4, 48, 48, generator=generator)
+    order = torch.stack([torch.randperm(18, generator=generator) for _ in range(2)])
+    context_key, target_key = mask_keys("")
+    batch = {"context": volume, "target": volume, context_key: order[:, :11], target_key: order[:, 11:]}
+    try:
+        explained = torch._dynamo.explain(model)(batch)
+    finally:
+        torch._dynamo.reset()
+    assert (explained.graph_count, explained.break_reasons) == (1, [])
