@@ -96,14 +96,14 @@ def _load_suite():
                 sys.path.remove(path)
 
 
-def test_the_accelerator_suite_records_small_and_base_attention_at_9216_tokens_in_bf16():
+def test_the_accelerator_suite_records_small_base_and_large_attention_at_9216_tokens_in_bf16():
     """On CUDA the suite reports the kernel for the seeds' size; its cases come
     from the presets, and its recorder is the one tested above (run here at a
     small size on the CPU)."""
     suite = _load_suite()
     cases = suite.attention_cases(suite.CUDA_PRESETS, suite.SEED_IMAGE, suite.SEED_PATCH)
     encoder = {(c["preset"], c["heads"], c["head_dim"], c["tokens"]) for c in cases if c["part"] == "encoder"}
-    assert {("small", 6, 64, SEED_TOKENS), ("base", 12, 64, SEED_TOKENS)} <= encoder
+    assert {("small", 6, 64, SEED_TOKENS), ("base", 12, 64, SEED_TOKENS), ("large", 16, 64, SEED_TOKENS)} <= encoder
     assert suite.CUDA_DTYPE == torch.bfloat16
     records = suite.attention_section("cpu", [dict(c, tokens=64) for c in cases], torch.bfloat16)
     assert [r["kernel"] for r in records] == ["flash"] * len(cases)

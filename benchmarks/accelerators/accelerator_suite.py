@@ -1,5 +1,6 @@
 """Accelerator suite: the CUDA-marked tests, then throughput, MFU, memory and
-batch size of ``small`` and ``base`` at the seeds' [64, 384, 384] in bf16.
+batch size of ``small``, ``base`` and ``large`` (the published ViT-L's size) at the seeds'
+[64, 384, 384] in bf16.
 
 On a CUDA machine (``--device cuda``, or ``auto`` with a GPU visible):
 
@@ -61,8 +62,8 @@ on, against the same trainer fed one batch from the device. Its JSON,
 ``accelerator_suite_end_to_end.json``, is rewritten after every measurement,
 so a suite stopped early (SIGTERM, a lease running out) leaves what it had.
 
-    scripts/accelerator_suite.sh [--device auto|cuda|cpu] [--presets small,base] [--steps 5]
-    scripts/accelerator_suite.sh --mode end-to-end --batch 48 --workers 8 [--presets small,base]
+    scripts/accelerator_suite.sh [--device auto|cuda|cpu] [--presets small,base,large] [--steps 5]
+    scripts/accelerator_suite.sh --mode end-to-end --batch 48 --workers 8 [--presets small,base,large]
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ from model_efficiency import matmul_peak  # noqa: E402
 RECIPE = ROOT / "recipes" / "quickstart.toml"
 SEED_IMAGE = [64, 384, 384]  # the seeds' volume: 9,216 patches of [4, 16, 16]
 SEED_PATCH = [4, 16, 16]
-CUDA_PRESETS = ("small", "base")
+CUDA_PRESETS = ("small", "base", "large")
 CUDA_DTYPE = torch.bfloat16
 CPU_PRESETS = ("tiny", "small")
 CPU_IMAGE = [32, 128, 128]  # 512 patches: about 1 s per small update step on 2 cores
@@ -424,7 +425,7 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--presets", help="comma-separated (default: small,base on cuda; tiny,small on cpu)")
+    parser.add_argument("--presets", help="comma-separated (default: small,base,large on cuda; tiny,small on cpu)")
     parser.add_argument("--image-size", help="D,H,W (default: 64,384,384 on cuda; 32,128,128 on cpu)")
     parser.add_argument("--steps", type=int, help="timed update steps per throughput figure (default 5 cuda, 3 cpu)")
     parser.add_argument("--max-batch", type=int, help="cap of the batch search (default 256 cuda, 4 cpu)")
