@@ -80,6 +80,9 @@ def test_each_checkpoint_is_recognised_by_exactly_its_own_converter():
         for path in paths:
             state = torch.load(FIXTURES / path, weights_only=True)
             assert [name for name in FORMATS if converter(name).detect(state)] == [expected], path
+    # VideoMAE's pretraining state re-saved flat (no "model" wrapper) is still VideoMAE's, not V-JEPA 2's.
+    flat = torch.load(FIXTURES / "videomae" / "checkpoint.pt", weights_only=True)["model"]
+    assert [name for name in FORMATS if converter(name).detect(flat)] == ["videomae"]
 
 
 # --- VideoMAE ----------------------------------------------------------------------------------------

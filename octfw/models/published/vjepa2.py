@@ -73,8 +73,10 @@ def groups(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
 
 def detect(state: Mapping[str, Any]) -> bool:
     encoder = groups(state).get("encoder", {})
-    # V-JEPA 2.1's encoders (norms of their hierarchical outputs) have their own converter.
-    return "patch_embed.proj.weight" in encoder and "norms_block.0.weight" not in encoder
+    # V-JEPA 2.1's encoders (norms of their hierarchical outputs) have their own converter, and so
+    # has VideoMAE, whose pretraining state saved flat also reads as an "encoder" group (q_bias/v_bias).
+    return ("patch_embed.proj.weight" in encoder and "norms_block.0.weight" not in encoder
+            and "blocks.0.attn.q_bias" not in encoder)
 
 
 def convert(state: Mapping[str, Any], targets: Any, report: InitReport) -> None:
