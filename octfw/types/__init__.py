@@ -38,12 +38,12 @@ from octfw.types.batch import (
 from octfw.types.component import BuildContext, Stateful, StopTraining, TrainingDone
 from octfw.types.sample import Provenance, Sample
 from octfw.types.dataset import (
-    Dataset, DomainCountingDataset, LabelledDataset, MaskedDataset, NamingDataset,
+    Dataset, DomainCountingDataset, LabelledDataset, LayeredDataset, MaskedDataset, NamingDataset,
     PatientDataset, PreparedVolumesDataset, RecognisingDatasetConfig, SeriesDataset,
     SourcedDataset, TransformCheckingDataset,
 )
 from octfw.types.transform import (
-    MaskingConfig, MaskPreparingTransform, PreparingTransform, StorableTransform, Transform,
+    LabelPreparingTransform, MaskingConfig, MaskPreparingTransform, PreparingTransform, StorableTransform, Transform,
 )
 from octfw.types.model import (
     ActivationCheckpointing, BlockwiseEncoder, CountingModel, EMAModel, EmbeddingModel, EncoderModel,
@@ -64,9 +64,9 @@ __all__ = [
     "mask_keys", "BatchKey", "UINT8_SCALE", "bytes_to_intensity", "dequantize", "DOMAIN_ID_KEY",
     "BuildContext", "StopTraining", "TrainingDone", "Stateful", "Provenance", "Sample",
     "Dataset", "TransformCheckingDataset", "RecognisingDatasetConfig", "SourcedDataset",
-    "LabelledDataset", "PatientDataset", "MaskedDataset", "NamingDataset",
+    "LabelledDataset", "PatientDataset", "MaskedDataset", "LayeredDataset", "NamingDataset",
     "DomainCountingDataset", "SeriesDataset", "PreparedVolumesDataset", "MaskingConfig",
-    "Transform", "PreparingTransform", "MaskPreparingTransform", "StorableTransform",
+    "Transform", "PreparingTransform", "MaskPreparingTransform", "LabelPreparingTransform", "StorableTransform",
     "ModelOutput", "Model", "EMAModel", "ParamGroupsModel", "EmbeddingModel",
     "ExportableEncoder", "EncoderModel", "BlockwiseEncoder", "CountingModel", "ActivationCheckpointing",
     "Schedule",

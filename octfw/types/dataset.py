@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "Dataset", "TransformCheckingDataset", "RecognisingDatasetConfig",
-    "SourcedDataset", "LabelledDataset", "PatientDataset", "MaskedDataset", "NamingDataset",
+    "SourcedDataset", "LabelledDataset", "PatientDataset", "MaskedDataset", "LayeredDataset", "NamingDataset",
     "DomainCountingDataset", "SeriesDataset", "PreparedVolumesDataset",
 ]
 
@@ -129,6 +129,28 @@ class MaskedDataset(Dataset, Protocol):
     def mask_source(self, index: int) -> str | None: ...
 
     def mask(self, index: int) -> "np.ndarray | None": ...
+
+
+@runtime_checkable
+class LayeredDataset(Dataset, Protocol):
+    """Optional: a dataset with retinal layer labels for its volumes (layer segmentation).
+
+    ``layers_source(index)`` names the label file of ``index`` and ``layer_names(index)``
+    what each label value means (``names[k]`` is value ``k``, top to bottom, the
+    vitreous first), both without I/O (None: the volume has none). ``layers(index)``
+    reads the labels: uint8 ``[D, H, W]`` of ``load(index).volume``'s shape and axis
+    order, every value below ``len(layer_names(index))``, or None; it raises
+    :class:`octfw.errors.CorruptFile` naming the file when it is missing or unreadable.
+    Bring them to the prepared volume's geometry with the transform's ``prepare_labels``
+    (:class:`~octfw.types.LabelPreparingTransform`); a ``prepared`` dataset's labels are
+    prepared already, and ``prepare_labels`` hands them back as they are.
+    """
+
+    def layers_source(self, index: int) -> str | None: ...
+
+    def layer_names(self, index: int) -> "tuple[str, ...] | None": ...
+
+    def layers(self, index: int) -> "np.ndarray | None": ...
 
 
 @runtime_checkable

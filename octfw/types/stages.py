@@ -8,7 +8,7 @@ from octfw.types.checkpointer import (
 )
 from octfw.types.component import Stateful
 from octfw.types.dataset import (
-    Dataset, DomainCountingDataset, LabelledDataset, MaskedDataset, NamingDataset, PatientDataset,
+    Dataset, DomainCountingDataset, LabelledDataset, LayeredDataset, MaskedDataset, NamingDataset, PatientDataset,
     PreparedVolumesDataset, SeriesDataset, SourcedDataset, TransformCheckingDataset,
 )
 from octfw.types.evaluator import ComparingEvaluator, Evaluator, RefittingEvaluator
@@ -16,7 +16,9 @@ from octfw.types.guard import Guard
 from octfw.types.logger import Logger, StepListener
 from octfw.types.model import CountingModel, EMAModel, EmbeddingModel, EncoderModel, Model, ParamGroupsModel
 from octfw.types.scheduler import Schedule, WarmupSchedule
-from octfw.types.transform import MaskPreparingTransform, PreparingTransform, StorableTransform, Transform
+from octfw.types.transform import (
+    LabelPreparingTransform, MaskPreparingTransform, PreparingTransform, StorableTransform, Transform,
+)
 
 __all__ = ["STAGE_PROTOCOLS", "OPTIONAL_PROTOCOLS"]
 
@@ -39,9 +41,9 @@ STAGE_PROTOCOLS: dict[str, type] = {
 #: stage's component has them (``isinstance(component, Protocol)``); the plugin guide
 #: lists them (a test keeps it in step).
 OPTIONAL_PROTOCOLS: dict[str, tuple[type, ...]] = {
-    "dataset": (SourcedDataset, LabelledDataset, PatientDataset, MaskedDataset, NamingDataset,
+    "dataset": (SourcedDataset, LabelledDataset, PatientDataset, MaskedDataset, LayeredDataset, NamingDataset,
                 TransformCheckingDataset, DomainCountingDataset, SeriesDataset, PreparedVolumesDataset),
-    "transform": (PreparingTransform, MaskPreparingTransform, StorableTransform),
+    "transform": (PreparingTransform, MaskPreparingTransform, LabelPreparingTransform, StorableTransform),
     "model": (EMAModel, ParamGroupsModel, EmbeddingModel, EncoderModel, CountingModel),
     "scheduler": (WarmupSchedule,),
     "guard": (Stateful,),

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
 
 __all__ = [
-    "MaskingConfig", "Transform", "PreparingTransform", "MaskPreparingTransform",
+    "MaskingConfig", "Transform", "PreparingTransform", "MaskPreparingTransform", "LabelPreparingTransform",
     "StorableTransform",
 ]
 
@@ -83,6 +83,22 @@ class MaskPreparingTransform(PreparingTransform, Protocol):
     """
 
     def prepare_mask(self, mask: "np.ndarray", sample: Sample) -> "np.ndarray": ...
+
+
+@runtime_checkable
+class LabelPreparingTransform(PreparingTransform, Protocol):
+    """Optional: a preparing transform that brings integer labels (retinal layers) to its prepared geometry.
+
+    ``prepare_labels(labels, sample)`` takes integer ``[D, H, W]`` of ``sample.volume``'s
+    shape and returns uint8 of the shape ``prepare(sample)`` returns, voxel for voxel over
+    the same anatomy: the same resampling and fitting, each output voxel the label of
+    the nearest source voxel (never a value the input lacks but for the fit's padding,
+    label 0). For a sample prepared earlier (``octfw prepare``), whose labels were
+    prepared with it, the labels come back as they are. Raises
+    :class:`octfw.errors.ContractError` for labels of another shape than the volume's.
+    """
+
+    def prepare_labels(self, labels: "np.ndarray", sample: Sample) -> "np.ndarray": ...
 
 
 @runtime_checkable

@@ -63,6 +63,8 @@ class DicomEntry:
     patient: str | None = None  #: the manifest's patient key; never read from a DICOM header
     split: str | None = None  #: the manifest's split
     mask: str | None = None  #: the manifest's finding mask file
+    layers: str | None = None  #: the manifest's layer label file
+    layer_names: tuple[str, ...] | None = None  #: the manifest's names of the layer labels
 
     @property
     def first_file(self) -> str:
@@ -228,9 +230,10 @@ class DicomDataset:
                     if not files:
                         raise UserError(f"{path}: series folder {row.path} holds no DICOM files")
                     volumes.append((row.path.rstrip("/"), files, row.domain, row.label, None, row.patient,
-                                    row.split, row.mask))
+                                    row.split, (row.mask, row.layers, row.layer_names)))
                 else:
-                    volumes.append((row.path, (), row.domain, row.label, None, row.patient, row.split, row.mask))
+                    volumes.append((row.path, (), row.domain, row.label, None, row.patient, row.split,
+                                    (row.mask, row.layers, row.layer_names)))
         else:
             urls = list_dicom_files(path, extensions)
             if not urls:
@@ -238,13 +241,14 @@ class DicomDataset:
                     f"no DICOM files in {path} (extensions {list(extensions)}; '' = none)"
                 )
             if series:
-                volumes = [(source, files, None, None, header_domain, None, None, None)
+                volumes = [(source, files, None, None, header_domain, None, None, (None, None, None))
                            for source, files, header_domain in group_series(urls)]
             else:
-                volumes = [(url, (), None, None, None, None, None, None) for url in urls]
+                volumes = [(url, (), None, None, None, None, None, (None, None, None)) for url in urls]
 
         entries, header_domains = [], {}
-        for source, files, manifest_domain, label, header_domain, patient, split_name, mask in volumes:
+        for source, files, manifest_domain, label, header_domain, patient, split_name, dense in volumes:
+            mask, layers, layer_names = dense
             if domain_from == "manifest":
                 domain = manifest_domain
             elif domain_from == "folder":
@@ -254,7 +258,7 @@ class DicomDataset:
                 if header_domain is not None:
                     header_domains[len(entries)] = header_domain
             entries.append(DicomEntry(url=source, domain=domain, label=label, files=files, patient=patient,
-                                      split=split_name, mask=mask))
+                                      split=split_name, mask=mask, layers=layers, layer_names=layer_names))
         dataset = cls(entries, location=path)
         dataset._header_domains.update(header_domains)
         return dataset
@@ -306,6 +310,24 @@ class DicomDataset:
         from octfw.plugins.datasets.dicom.masks import read_finding_mask
 
         return read_finding_mask(source)
+
+    def layers_source(self, index: int) -> str | None:
+        """The manifest's layer label file of ``index`` (None: not given), without I/O."""
+        return self.entries[index].layers
+
+    def layer_names(self, index: int) -> tuple[str, ...] | None:
+        """What each layer label value of ``index`` means (index = value), top to bottom; without I/O."""
+        return self.entries[index].layer_names
+
+    def layers(self, index: int) -> "np.ndarray | None":
+        """The layer labels of ``index``, uint8 ``[D, H, W]`` (None: not given); raises CorruptFile
+        naming the file (:func:`octfw.plugins.datasets.dicom.masks.read_layer_labels`)."""
+        entry = self.entries[index]
+        if entry.layers is None:
+            return None
+        from octfw.plugins.datasets.dicom.masks import read_layer_labels
+
+        return read_layer_labels(entry.layers, len(entry.layer_names or ()))
 
     def load(self, index: int) -> Sample:
         """Decode volume ``index``; raises CorruptFile for an unusable file."""

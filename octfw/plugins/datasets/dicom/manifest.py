@@ -8,7 +8,12 @@ pseudonym): evaluation splits keep a patient's volumes on one side. It is
 only compared, never written to a run's outputs. ``mask`` is the volume's
 binary finding mask, of the volume's shape, for dense evaluation (``.npy``,
 NIfTI ``.nii``/``.nii.gz`` or a DICOM SEG file: :mod:`octfw.plugins.datasets.dicom.masks`).
-A relative ``path`` or ``mask`` is relative to the manifest's folder, on the same
+``layers`` is the volume's retinal layer labels, uint8 ``[D, H, W]`` of the volume's
+shape (``.npy``: :func:`octfw.plugins.datasets.dicom.masks.read_layer_labels`), and
+``layer_names`` what each value means, top to bottom, as one text joined by ``|``
+(``vitreous|NFL|...``; value ``k`` is the ``k``-th name); written by ``synthetic-oct``
+and ``phantom-oct``, read by dense layer evaluators. A relative ``path``, ``mask`` or
+``layers`` is relative to the manifest's folder, on the same
 filesystem (a manifest in ``gs://bucket/cohort/`` can list ``scans/a.dcm``).
 """
 
@@ -40,6 +45,9 @@ class ManifestRow:
     label: int | None = None
     patient: str | None = None  #: groups volumes of one patient; compared only, never written out
     mask: str | None = None  #: the volume's binary finding mask file, absolute like ``path``
+    layers: str | None = None  #: the volume's layer label file (uint8 ``[D, H, W]``), absolute like ``path``
+    #: what each layer label value means (index = value), top to bottom; None without ``layers``
+    layer_names: tuple[str, ...] | None = None
 
 
 def is_manifest(location: str) -> bool:
@@ -95,7 +103,21 @@ def _row(manifest: str, line: int, record: dict[str, Any]) -> ManifestRow:
         label=_label(manifest, line, record.get("label")),
         patient=_text(record.get("patient")),
         mask=None if (mask := _text(record.get("mask"))) is None else _resolve(manifest, mask),
+        layers=None if (layers := _text(record.get("layers"))) is None else _resolve(manifest, layers),
+        layer_names=_layer_names(manifest, line, record.get("layer_names"), layers),
     )
+
+
+def _layer_names(manifest: str, line: int, value: Any, layers: str | None) -> tuple[str, ...] | None:
+    """``a|b|c`` (or, in JSON lines, a list of texts) as names; required with ``layers``."""
+    names = [n.strip() for n in value] if isinstance(value, list) else \
+        [n.strip() for n in (_text(value) or "").split("|") if n.strip()] if value is not None else []
+    if layers is None:
+        return None
+    if not names or not all(names) or len(set(names)) != len(names) or len(names) > 256:
+        raise UserError(f"{manifest}:{line}: a row with layers needs layer_names, distinct names joined by "
+                        f"'|' (at most 256), got {_short(value)}")
+    return tuple(names)
 
 
 def read_manifest(url: str) -> list[ManifestRow]:
@@ -162,11 +184,14 @@ def write_manifest(url: str, rows: Iterable[ManifestRow], relative: bool = True)
     for row in rows:
         record: dict[str, Any] = {"path": written(row.path), "domain": row.domain, "split": row.split,
                                   "label": row.label}
-        # Each left out when unset: manifests without patients or masks stay byte-identical.
+        # Each left out when unset: manifests without patients, masks or layers stay byte-identical.
         if row.patient is not None:
             record["patient"] = row.patient
         if row.mask is not None:
             record["mask"] = written(row.mask)
+        if row.layers is not None:
+            record["layers"] = written(row.layers)
+            record["layer_names"] = "|".join(row.layer_names or ())
         lines.append(json.dumps(record))
     write_bytes(url, ("\n".join(lines) + "\n").encode("utf-8"))
 

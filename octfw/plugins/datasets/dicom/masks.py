@@ -29,7 +29,7 @@ import numpy as np
 from octfw.errors import CorruptFile
 from octfw.plugins.datasets.dicom.reader import open_file
 
-__all__ = ["SEGMENTATION_SOP_CLASS", "NIFTI_SUFFIXES", "read_finding_mask"]
+__all__ = ["SEGMENTATION_SOP_CLASS", "NIFTI_SUFFIXES", "read_finding_mask", "read_layer_labels"]
 
 SEGMENTATION_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.66.4"
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
@@ -118,3 +118,30 @@ def _segmentation(url: str, data: bytes) -> np.ndarray:
         maximum = float(ds.get("MaximumFractionalValue", 255) or 255)
         return array > maximum / 2
     return array
+
+
+def read_layer_labels(url: str, names: int) -> np.ndarray:
+    """The uint8 ``[D, H, W]`` layer labels at ``url`` (a ``.npy`` array in the volume's own axis
+    order, values below ``names``, the count of the manifest's ``layer_names``).
+
+    Every failure is a :class:`~octfw.errors.CorruptFile` naming the file: missing,
+    unreadable, not ``.npy``, not 3-D, not integer, or a value without a name.
+    """
+    if not url.lower().endswith(".npy"):
+        raise CorruptFile(url, "layer labels must be a numpy .npy array (uint8 [D, H, W])")
+    try:
+        with open_file(url) as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CorruptFile(url, "layer label file not found") from None
+    except OSError as exc:
+        raise CorruptFile(url, f"layer label file cannot be read ({type(exc).__name__})") from None
+    array = _numpy(url, data)
+    if array.ndim != 3:
+        raise CorruptFile(url, f"layer labels must be 3-D [D, H, W], got shape {list(array.shape)}")
+    if array.dtype.kind not in "ui":
+        raise CorruptFile(url, f"layer labels must be integers, got {array.dtype}")
+    if array.size and (int(array.min()) < 0 or int(array.max()) >= names):
+        raise CorruptFile(url, f"layer labels must lie in [0, {names}) (one per layer name), found "
+                               f"{int(array.min())}..{int(array.max())}")
+    return array.astype(np.uint8, copy=False)

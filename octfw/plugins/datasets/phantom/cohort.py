@@ -7,11 +7,18 @@ when it writes it (:func:`family_module`), so no family imports it. Layout of a 
 
     <folder>/<vendor>/<index>.dcm       one Ophthalmic Tomography file per eye
     <folder>/<vendor>/<index>.mask.npy  its finding mask, bool [D, H, W] (all False without the finding)
-    <folder>/manifest.jsonl             path, domain, label, patient, mask of every file
+    <folder>/<vendor>/<index>.layers.npy  its retinal layer labels, uint8 [D, H, W] (the family's LAYER_NAMES)
+    <folder>/manifest.jsonl             path, domain, label, patient, mask, layers, layer_names of every file
     <folder>/cohort.json            options, files, sizes; written last
 
 ``cohort.json`` goes last, so a folder without it (or with one for other
-options, or with a file of the wrong size) is written again.
+options, or with a file of the wrong size, or without the layer labels of
+:data:`LAYERS_VERSION`) is written again.
+
+A consumer reads the layer labels through the dataset (:class:`octfw.types.LayeredDataset`):
+``dataset.layers(i)`` (uint8 ``[D, H, W]``, the volume's grid) and ``dataset.layer_names(i)``
+(``LAYER_NAMES`` of the family's module: :mod:`.tuning`, :mod:`.held_out`, :mod:`.context`), then
+``transform.prepare_labels(labels, dataset.load(i))`` for the prepared geometry.
 """
 
 from __future__ import annotations
@@ -29,12 +36,15 @@ from octfw.plugins.datasets.dicom.manifest import ManifestRow, write_manifest
 from octfw.plugins.datasets.dicom.reader import encode_oct_dicom, open_file, write_bytes
 from octfw.storage.files import open_filesystem
 
-__all__ = ["GENERATOR_VERSION", "COHORT_FILE", "MANIFEST_FILE", "family_module",
+__all__ = ["GENERATOR_VERSION", "LAYERS_VERSION", "COHORT_FILE", "MANIFEST_FILE", "family_module",
            "cohort_options", "cohort_key", "write_phantom_cohort"]
 
 #: Bumped whenever a family's output changes, so cached cohorts are written again.
 GENERATOR_VERSION = 4  # 2: findings four times larger (sized by benchmarks/learning/phantom_tasks.py); 3: finding masks;
 #                        4: the context family's reversal (benchmarks/learning/context_task.py)
+#: Bumped whenever the layer label files change. Kept in ``cohort.json``, not in the options:
+#: the cache folder and DICOM bytes stay, and a cohort without these labels is written again.
+LAYERS_VERSION = 1
 COHORT_FILE = "cohort.json"
 MANIFEST_FILE = "manifest.jsonl"
 EYES = ("OD", "OS")
@@ -82,6 +92,8 @@ def _is_complete(folder: str, options: dict[str, Any]) -> bool:
         return False  # none, or damaged: write the cohort again
     if not isinstance(record, dict) or record.get("options") != options:
         return False
+    if record.get("layers_version") != LAYERS_VERSION:
+        return False  # written before layer labels (or with older ones)
     return all(_size(_join(folder, item["path"])) == item["size"] for item in record["files"])
 
 
@@ -119,8 +131,8 @@ def write_phantom_cohort(folder: str, family: str, n_volumes: int, *, seed: int,
         anatomy = module.draw_patient(np.random.default_rng([seed, family_id, patient]))
         rng = np.random.default_rng([seed, family_id, patient, eye + 1])
         positive = bool(rng.random() < 0.5)
-        volume, mask = module.render(rng, anatomy, vendor, mirrored=eye == 1, positive=positive,
-                                     finding_scale=finding_scale)
+        volume, mask, layers = module.render_labelled(rng, anatomy, vendor, mirrored=eye == 1, positive=positive,
+                                                      finding_scale=finding_scale)
         # The seed is in the key: cohorts of two seeds hold different patients.
         key = f"s{seed}-p{patient:04d}"
         name = f"{vendor.name}/{index:05d}.dcm"
@@ -131,13 +143,19 @@ def write_phantom_cohort(folder: str, family: str, n_volumes: int, *, seed: int,
         mask_name = f"{vendor.name}/{index:05d}.mask.npy"
         mask_data = _npy_bytes(mask)
         write_bytes(_join(folder, mask_name), mask_data)
+        layers_name = f"{vendor.name}/{index:05d}.layers.npy"
+        layers_data = _npy_bytes(layers)
+        write_bytes(_join(folder, layers_name), layers_data)
         label = int(positive) if labels else None
         files.append({"path": name, "domain": vendor.name, "eye": EYES[eye], "label": label, "size": len(data)})
         files.append({"path": mask_name, "size": len(mask_data)})
+        files.append({"path": layers_name, "size": len(layers_data)})
         rows.append(ManifestRow(path=url, domain=vendor.name, label=label, patient=key,
-                                mask=_join(folder, mask_name)))
+                                mask=_join(folder, mask_name), layers=_join(folder, layers_name),
+                                layer_names=tuple(module.LAYER_NAMES)))
 
     write_manifest(manifest, rows)
-    record = {"options": options, "files": files}
+    record = {"options": options, "files": files, "layers_version": LAYERS_VERSION,
+              "layer_names": list(module.LAYER_NAMES)}
     write_bytes(_join(folder, COHORT_FILE), json.dumps(record, indent=1).encode("utf-8"))
     return manifest

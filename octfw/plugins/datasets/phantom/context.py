@@ -34,9 +34,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from octfw.plugins.datasets.phantom.devices import Vendor
+from octfw.plugins.datasets.phantom.devices import Vendor, layer_labels
 
-__all__ = ["TASK", "VENDORS", "Shape", "FINDING", "draw_patient", "render"]
+__all__ = ["TASK", "VENDORS", "LAYER_NAMES", "Shape", "FINDING", "draw_patient", "render", "render_labelled"]
 
 TASK = "reversal"
 VENDORS = (
@@ -47,6 +47,9 @@ VENDORS = (
 #: Layers from the vitreous down: NFL, GCL+IPL, INL, OPL, ONL, photoreceptors, RPE; then the choroid.
 LAYER_SHARE = np.array([0.10, 0.22, 0.10, 0.08, 0.30, 0.12, 0.08])
 LAYER_LEVEL = np.array([0.75, 0.40, 0.15, 0.45, 0.10, 0.55, 1.0])
+#: Layer labels (value = index): the vitreous, the seven layers, the choroid (all below the RPE);
+#: each voxel the layer its centre lies in (the boundary ramps' midpoints).
+LAYER_NAMES = ("vitreous", "NFL", "GCL+IPL", "INL", "OPL", "ONL", "photoreceptors", "RPE", "choroid")
 CHOROID_LEVEL = 0.35
 VITREOUS_LEVEL = 0.01
 #: Range of the inner surface's depth in the window (mm); sized with the finding (benchmark HISTORY).
@@ -132,7 +135,15 @@ def _finding(rng: np.random.Generator, shape: Shape, z: np.ndarray, x: np.ndarra
 
 def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
            positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """One eye as uint16 ``vendor.shape`` and its finding mask (bool ``vendor.shape``: the retina's
+    """One eye and its finding mask: :func:`render_labelled` without the layer labels."""
+    return render_labelled(rng, anatomy, vendor, mirrored=mirrored, positive=positive,
+                           finding_scale=finding_scale)[:2]
+
+
+def render_labelled(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
+                    positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One eye, its finding mask and its layer labels (uint8 ``vendor.shape``, :data:`LAYER_NAMES`,
+    from the boundaries the intensity steps at; no random draw). One eye as uint16 ``vendor.shape`` and its finding mask (bool ``vendor.shape``: the retina's
     voxels where the finding is, at least half its peak; all False for a negative eye), as every
     family renders; ``mirrored`` is the other eye (fovea and tilt mirrored along x).
     """
@@ -169,9 +180,10 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     intensity = intensity * rng.gamma(vendor.speckle, 1 / vendor.speckle, vendor.shape) + 0.002 * rng.exponential(
         1.0, vendor.shape)
     volume = np.clip(vendor.gain * intensity**GAMMA, 0, 65535).astype(np.uint16)
+    labels = layer_labels(list(boundaries), y, vendor.shape)
     if not positive:
-        return volume, np.zeros(vendor.shape, dtype=bool)
+        return volume, np.zeros(vendor.shape, dtype=bool), labels
     # The retina where the finding is; for the findings of reflectivity, the inner layers only.
     bottom = boundaries[INNER_DIMMED] if FINDING.kind in ("dimming", "asymmetry", "reversal") else boundaries[-1]
     mask = finding["region"] & (y >= boundaries[0]) & (y < bottom)
-    return volume, np.broadcast_to(mask, vendor.shape).copy()
+    return volume, np.broadcast_to(mask, vendor.shape).copy(), labels

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-__all__ = ["Vendor"]
+__all__ = ["Vendor", "layer_labels"]
 
 
 @attrs.frozen
@@ -31,3 +31,17 @@ class Vendor:
         z = (np.arange(d) - (d - 1) / 2) * dz + shift[0]
         x = (np.arange(w) - (w - 1) / 2) * dx + shift[1]
         return z[:, None, None], (np.arange(h) * dy)[None, :, None], x[None, None, :]
+
+
+def layer_labels(boundaries: "list[np.ndarray] | np.ndarray", y: "np.ndarray",
+                 shape: tuple[int, int, int]) -> "np.ndarray":
+    """uint8 ``shape``: the number of ``boundaries`` (each ``[D, 1, W]`` mm, top to bottom) at or
+    above each voxel's ``y`` (``[1, H, 1]`` mm): 0 in the vitreous, ``k`` between boundaries
+    ``k - 1`` and ``k``. A boundary drawn above the one before it (a layer squeezed to nothing)
+    is taken at that one, so labels never fall down an A-scan."""
+    stacked = np.maximum.accumulate(np.stack([np.broadcast_to(b, (shape[0], 1, shape[2])) for b in boundaries]),
+                                    axis=0)
+    labels = np.zeros(shape, dtype=np.uint8)
+    for boundary in stacked:
+        labels += y >= boundary
+    return labels

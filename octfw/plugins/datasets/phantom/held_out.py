@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from octfw.plugins.datasets.phantom.devices import Vendor
+from octfw.plugins.datasets.phantom.devices import Vendor, layer_labels
 
-__all__ = ["TASK", "VENDORS", "draw_patient", "render"]
+__all__ = ["TASK", "VENDORS", "LAYER_NAMES", "draw_patient", "render", "render_labelled"]
 
 TASK = "cysts"
 VENDORS = (
@@ -32,6 +32,9 @@ VENDORS = (
 #: Layers from the vitreous down: NFL, GCL, IPL, INL, OPL, ONL, IS/OS, RPE.
 LAYER_SHARE = np.array([0.12, 0.14, 0.12, 0.11, 0.10, 0.26, 0.07, 0.08])
 LAYER_LEVEL = np.array([0.8, 0.35, 0.55, 0.12, 0.5, 0.08, 0.75, 1.0])
+#: Layer labels (value = index): the vitreous, the eight layers, the choroid (all below the RPE);
+#: each voxel the layer between whose sigmoid edges its centre lies. The cysts stay INL (the finding mask).
+LAYER_NAMES = ("vitreous", "NFL", "GCL", "IPL", "INL", "OPL", "ONL", "IS/OS", "RPE", "choroid")
 INNER_LAYERS = 5  # NFL to OPL: they thin away in the fovea
 INL = 3  # the inner nuclear layer, where the cysts form
 LOG_RANGE = 200.0  # the log compression's dynamic range (intensity 1 -> full scale)
@@ -89,7 +92,15 @@ def _cysts(rng: np.random.Generator, z: np.ndarray, y: np.ndarray, x: np.ndarray
 
 def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
            positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """One eye as uint16 ``vendor.shape`` and its finding mask (bool, the same shape: the voxels
+    """One eye and its finding mask: :func:`render_labelled` without the layer labels."""
+    return render_labelled(rng, anatomy, vendor, mirrored=mirrored, positive=positive,
+                           finding_scale=finding_scale)[:2]
+
+
+def render_labelled(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
+                    positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One eye, its finding mask and its layer labels (uint8 ``vendor.shape``, :data:`LAYER_NAMES`,
+    from the edges the layers are drawn between; no random draw). One eye as uint16 ``vendor.shape`` and its finding mask (bool, the same shape: the voxels
     the cysts empty, past the middle of their soft wall; all False without the finding);
     ``mirrored`` is the other eye (its fovea and tilt mirrored)."""
     (d, h, w), (dz, _, dx) = vendor.shape, vendor.spacing
@@ -129,4 +140,4 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     intensity = intensity * (1 - 0.2 * corner) + 0.005  # vignetting, over a faint noise floor
     intensity = intensity * rng.gamma(vendor.speckle, 1 / vendor.speckle, vendor.shape)
     level = np.log1p(LOG_RANGE * intensity) / np.log1p(LOG_RANGE)
-    return np.clip(level * vendor.gain, 0, 65535).astype(np.uint16), mask
+    return np.clip(level * vendor.gain, 0, 65535).astype(np.uint16), mask, layer_labels(list(edges), y, vendor.shape)

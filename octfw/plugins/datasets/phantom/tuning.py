@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from octfw.plugins.datasets.phantom.devices import Vendor
+from octfw.plugins.datasets.phantom.devices import Vendor, layer_labels
 
-__all__ = ["TASK", "VENDORS", "draw_patient", "render"]
+__all__ = ["TASK", "VENDORS", "LAYER_NAMES", "LAYER_DEPTH", "draw_patient", "render", "render_labelled"]
 
 TASK = "drusen"
 VENDORS = (
@@ -30,6 +30,16 @@ VENDORS = (
 #: Reflectivity knots over the normalised retinal depth (NFL, GCL, IPL, INL, OPL, ONL, ELM, IS/OS, RPE).
 KNOT_DEPTH = np.array([0.0, 0.03, 0.12, 0.2, 0.35, 0.45, 0.55, 0.8, 0.84, 0.88, 0.93, 1.0])
 KNOT_LEVEL = np.array([0.5, 0.9, 0.6, 0.3, 0.45, 0.12, 0.4, 0.06, 0.5, 0.25, 0.7, 1.0])
+#: Layer labels (value = index), top to bottom. The profile has no edges inside the retina, so
+#: the boundaries between its layers are where it crosses half-way between a bright knot and the
+#: next dark one (or back): the midpoints of those knots' depths (:data:`LAYER_DEPTH`). Then the
+#: photoreceptors (ELM to IS/OS) down to the epithelium's surface, the RPE band, the drusen
+#: deposit under a lifted epithelium (empty without drusen) and the choroid.
+LAYER_NAMES = ("vitreous", "NFL", "GCL", "IPL", "INL", "OPL", "ONL", "photoreceptors", "RPE", "drusen", "choroid")
+#: The normalised depth of the inner surface and of each boundary inside the retina (NFL/GCL ...
+#: ONL/photoreceptors): 0, then between the knots at 0.03 and 0.2, 0.2 and 0.35, 0.35 and 0.45,
+#: 0.45 and 0.55, 0.55 and 0.8, 0.8 and 0.84.
+LAYER_DEPTH = (0.0, 0.115, 0.275, 0.40, 0.50, 0.675, 0.82)
 RPE_THICKNESS = 0.03  # mm, the epithelium's band below its surface
 DEPOSIT_LEVEL = 0.45  # drusen material between the lifted epithelium and Bruch's membrane
 #: Drusen at finding_scale 1: radius and height ranges (mm), how many, and how far from the
@@ -71,7 +81,15 @@ def _drusen(rng: np.random.Generator, z: np.ndarray, x: np.ndarray, fovea: np.nd
 
 def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
            positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """One eye as uint16 ``vendor.shape`` and its finding mask (bool, the same shape: the drusen
+    """One eye and its finding mask: :func:`render_labelled` without the layer labels."""
+    return render_labelled(rng, anatomy, vendor, mirrored=mirrored, positive=positive,
+                           finding_scale=finding_scale)[:2]
+
+
+def render_labelled(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *, mirrored: bool,
+                    positive: bool, finding_scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One eye, its finding mask and its layer labels (uint8 ``vendor.shape``, :data:`LAYER_NAMES`,
+    from the surfaces the profile is drawn between; no random draw). One eye as uint16 ``vendor.shape`` and its finding mask (bool, the same shape: the drusen
     deposit between the lifted epithelium and Bruch's membrane; all False without the finding);
     ``mirrored`` flips the nasal side (the other eye)."""
     # The finding draws from its own stream, so an eye with it has the same noise as without.
@@ -105,4 +123,7 @@ def render(rng: np.random.Generator, anatomy: dict[str, Any], vendor: Vendor, *,
     amplitude = np.sqrt(level) * (1 - vendor.speckle + vendor.speckle * speckle)
     amplitude += rng.rayleigh(0.04, vendor.shape)  # the detector's noise floor
     mask = np.broadcast_to(deposit, vendor.shape).copy()
-    return np.clip(amplitude * vendor.gain, 0, 65535).astype(np.uint16), mask
+    boundaries = [inner + depth * (epithelium - inner) for depth in LAYER_DEPTH]
+    boundaries += [epithelium, epithelium + RPE_THICKNESS, bruch + RPE_THICKNESS]
+    labels = layer_labels(boundaries, y, vendor.shape)
+    return np.clip(amplitude * vendor.gain, 0, 65535).astype(np.uint16), mask, labels

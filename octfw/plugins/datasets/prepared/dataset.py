@@ -9,6 +9,12 @@ key it was prepared with (:attr:`octfw.types.Sample.prepared_key`): the
 transform then skips its deterministic half and draws only the views and
 masks. Each data-loader worker reads only the samples its order hands it.
 
+Retinal layer labels, where the prepared dataset had them, were stored beside the volumes
+(``layers/<key>``) at the prepared geometry: ``layers(i)`` reads them (uint8
+``transform.image_size``, checked against the index's SHA-256) and ``layer_names(i)``
+names their values (:class:`octfw.types.LayeredDataset`); ``transform.prepare_labels``
+hands them back unchanged, so a consumer reads them the same way from either dataset.
+
 A remote location can be cached on local disk, bounded in bytes
 (least-recently-used volumes are evicted; see
 :class:`octfw.storage.disk_cache.DiskCache`); the cache keeps the
@@ -26,7 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from octfw.plugins.datasets.prepared.store import (
-    ARRAY_METADATA, CHUNK, HEADER_FILE, VOLUMES, Header, IndexRow, decode_volume, join,
+    ARRAY_METADATA, CHUNK, HEADER_FILE, LAYERS, VOLUMES, Header, IndexRow, decode_volume, join,
     options_difference, read_snapshot,
 )
 from octfw.errors import CorruptFile, UserError
@@ -102,6 +108,41 @@ class PreparedDataset:
 
     def patient(self, index: int) -> str | None:
         return self.rows[index].patient
+
+    def layers_source(self, index: int) -> str | None:
+        """Where volume ``index``'s prepared layer labels are stored (None: it has none); no I/O."""
+        row = self.rows[index]
+        return None if row.layers_checksum is None else join(self.location, LAYERS, row.key)
+
+    def layer_names(self, index: int) -> tuple[str, ...] | None:
+        """What each layer label value of ``index`` means (index = value), top to bottom; no I/O."""
+        return self.rows[index].layer_names
+
+    def layers(self, index: int) -> "Any":
+        """Volume ``index``'s layer labels as prepared: uint8 ``image_size`` (None: it has none).
+
+        Raises CorruptFile naming the volume's source when they are missing, fail their
+        checksum or do not decode."""
+        row = self.rows[index]
+        if row.layers_checksum is None:
+            return None
+        fs, root = open_filesystem(self.location)
+        where = f"its prepared layer labels {LAYERS}/{row.key} in {self.location}"
+        try:
+            metadata = fs.cat_file(join(root, LAYERS, row.key, ARRAY_METADATA))
+            chunk = fs.cat_file(join(root, LAYERS, row.key, CHUNK))
+        except FileNotFoundError:
+            raise CorruptFile(row.source, f"{where} are missing") from None
+        if hashlib.sha256(chunk).hexdigest() != row.layers_checksum:
+            raise CorruptFile(row.source, f"{where} do not match the index entry (checksum)")
+        try:
+            labels = decode_volume(metadata, chunk)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure means the same thing
+            raise CorruptFile(row.source, f"{where} do not decode ({type(exc).__name__})") from None
+        if tuple(labels.shape) != self.header.image_size or str(labels.dtype) != "uint8":
+            raise CorruptFile(row.source, f"{where} are {labels.dtype} {list(labels.shape)}, not uint8 "
+                                          f"{list(self.header.image_size)}")
+        return labels
 
     # --- reading one volume ----------------------------------------------
 

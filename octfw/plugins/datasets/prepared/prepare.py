@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import attrs
 
 from octfw.plugins.datasets.prepared.store import (
-    DTYPES, ENTRIES, HEADER_FILE, INDEX_FILE, LOCK_FILE, QUARANTINE_FILE, VOLUMES, Header, IndexRow,
+    DTYPES, ENTRIES, HEADER_FILE, INDEX_FILE, LAYERS, LOCK_FILE, QUARANTINE_FILE, VOLUMES, Header, IndexRow,
     dataset_id, encode_lines, join, options_difference, prepare_volume, read_header, read_index,
     snapshot_name, volume_key,
 )
@@ -75,7 +75,7 @@ from octfw.storage.failures import storage_cause
 from octfw.storage.files import open_filesystem, write_atomically
 from octfw.storage.owner import FolderOwner
 from octfw.tables import counted
-from octfw.types import PreparedVolumesDataset, SourcedDataset, StorableTransform
+from octfw.types import LayeredDataset, PreparedVolumesDataset, SourcedDataset, StorableTransform
 
 __all__ = ["PrepareSummary", "prepare_dataset", "check_out", "LEASE_S"]
 
@@ -271,10 +271,14 @@ def _stamps(dataset: Any) -> list[tuple[tuple[str, ...], str]]:
     """(files, stamp) of every volume; a series' stamp covers all its files."""
     files_of = getattr(dataset, "files", None)
     files = [tuple(files_of(i)) if callable(files_of) else (dataset.source(i),) for i in range(len(dataset))]
-    flat = sorted({url for group in files for url in group})
+    # A volume's layer label file is stamped with it (a rewritten label file is a new key),
+    # though only the volume's own files are hashed as its content.
+    layers = [dataset.layers_source(i) if isinstance(dataset, LayeredDataset) else None for i in range(len(dataset))]
+    stamped = [group + ((label_file,) if label_file is not None else ()) for group, label_file in zip(files, layers)]
+    flat = sorted({url for group in stamped for url in group})
     with ThreadPoolExecutor(max_workers=_STAMP_THREADS) as pool:
         stamp_of = dict(zip(flat, pool.map(_stamp, flat)))
-    return [(group, "\n".join(f"{u}={stamp_of[u]}" for u in sorted(group))) for group in files]
+    return [(group, "\n".join(f"{u}={stamp_of[u]}" for u in sorted(whole))) for group, whole in zip(files, stamped)]
 
 
 def _extra(dataset: Any, index: int) -> dict[str, Any]:
@@ -533,7 +537,7 @@ def _remove_stale(fs: Any, root: str, stale_entries: Sequence[str], keep: set[st
         record = entry.get("row") or entry.get("quarantined") or {}
         sources.append(str(record.get("source", "?")))
     # Arrays without an entry too: a killed task's leftovers.
-    arrays = [n for n in _listing(fs, join(root, VOLUMES)) if _key_of(n) not in keep]
+    arrays = [n for folder in (VOLUMES, LAYERS) for n in _listing(fs, join(root, folder)) if _key_of(n) not in keep]
     for name in arrays:
         fs.rm(name, recursive=True)
     for name in stale_entries:  # entries last: a volume without an entry is never read

@@ -16,6 +16,10 @@
     prepare.lock             who is preparing into the location now (host, pid, start)
     volumes/<key>/zarr.json  one zarr v3 array per volume: [D, H, W] = transform.image_size,
     volumes/<key>/c/0/0/0    uint8 or float16, one chunk, blosc zstd with bit shuffle
+    layers/<key>/zarr.json   the volume's retinal layer labels where its dataset has them
+    layers/<key>/c/0/0/0     (:class:`octfw.types.LayeredDataset`): uint8 [D, H, W], brought
+                             to image_size by the transform's ``prepare_labels`` (nearest
+                             label); its index line holds their checksum and names
     entries/<key>.json       the volume's commit record, written by the worker that
                              prepared it once its array is complete
 
@@ -83,6 +87,7 @@ INDEX_FILE = "index.jsonl"
 QUARANTINE_FILE = "quarantine.jsonl"
 LOCK_FILE = "prepare.lock"
 VOLUMES = "volumes"
+LAYERS = "layers"
 ENTRIES = "entries"
 #: The object names of one volume's array, inside ``volumes/<key>/``.
 ARRAY_METADATA = "zarr.json"
@@ -115,9 +120,16 @@ class IndexRow:
     split: str | None = None
     patient: str | None = None
     dataset: str = ""  #: :func:`dataset_id` of the recipe dataset that listed it ("" before ids were kept)
+    #: SHA-256 of the chunk bytes of the volume's layer labels (``layers/<key>``); None: it has none
+    layers_checksum: str | None = None
+    layer_names: tuple[str, ...] | None = None  #: what each layer label value means (index = value)
 
     def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self, recurse=False, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v)
+        data = attrs.asdict(self, recurse=False,
+                            value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v)
+        if self.layers_checksum is None:  # rows without layer labels keep the bytes they had before
+            del data["layers_checksum"], data["layer_names"]
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "IndexRow":
@@ -129,6 +141,8 @@ class IndexRow:
             content_hash=str(data["content_hash"]),
             label=None if data.get("label") is None else int(data["label"]),
             split=data.get("split"), patient=data.get("patient"), dataset=str(data.get("dataset") or ""),
+            layers_checksum=None if data.get("layers_checksum") is None else str(data["layers_checksum"]),
+            layer_names=None if data.get("layer_names") is None else tuple(str(n) for n in data["layer_names"]),
         )
 
     @property
@@ -279,11 +293,17 @@ def prepare_volume(dataset: Any, transform: Any, index: int, location: str, key:
         dtype = choose_dtype(np.asarray(sample.volume), dtype_policy)
         objects = encode_volume(quantize(prepared, dtype))
         content_hash = _content_hash(files)
+        layers, layer_names = _prepared_layers(dataset, transform, index, sample)
     except CorruptFile as bad:
         entry: dict[str, Any] = {"quarantined": {"source": bad.url, "reason": bad.reason}}
     else:
         for name in (ARRAY_METADATA, CHUNK):  # the chunk last: its checksum is in the entry
             write_atomically(join(root, VOLUMES, key, name), objects[name], fs=fs, durable=False)
+        layers_checksum = None
+        if layers is not None:
+            for name in (ARRAY_METADATA, CHUNK):
+                write_atomically(join(root, LAYERS, key, name), layers[name], fs=fs, durable=False)
+            layers_checksum = hashlib.sha256(layers[CHUNK]).hexdigest()
         provenance = sample.provenance
         row = IndexRow(
             key=key, source=source, domain=provenance.domain, spacing=tuple(provenance.spacing),
@@ -291,10 +311,32 @@ def prepare_volume(dataset: Any, transform: Any, index: int, location: str, key:
             checksum=hashlib.sha256(objects[CHUNK]).hexdigest(), nbytes=len(objects[CHUNK]),
             content_hash=content_hash, label=provenance.label if extra.get("label") is None else extra["label"],
             split=extra.get("split"), patient=extra.get("patient"),
+            layers_checksum=layers_checksum, layer_names=layer_names,
         )
         entry = {"row": row.to_json()}
     write_atomically(join(root, ENTRIES, f"{key}.json"), json.dumps(entry).encode("utf-8"), fs=fs, durable=False)
     return entry
+
+
+def _prepared_layers(dataset: Any, transform: Any, index: int,
+                     sample: Any) -> tuple[dict[str, bytes] | None, tuple[str, ...] | None]:
+    """The encoded objects of volume ``index``'s layer labels at the prepared geometry, and their
+    names; (None, None) where the dataset has none or the transform cannot prepare labels.
+    A label file that cannot be read quarantines the volume (CorruptFile naming it)."""
+    from octfw.errors import ContractError
+    from octfw.types import LabelPreparingTransform, LayeredDataset
+
+    if not isinstance(dataset, LayeredDataset) or not isinstance(transform, LabelPreparingTransform):
+        return None, None
+    names = dataset.layer_names(index)
+    labels = dataset.layers(index)
+    if labels is None or names is None:
+        return None, None
+    try:
+        prepared = np.asarray(transform.prepare_labels(labels, sample), dtype=np.uint8)
+    except ContractError as bad:
+        raise CorruptFile(str(dataset.layers_source(index)), str(bad)) from None
+    return encode_volume(prepared), tuple(names)
 
 
 # --- reading -------------------------------------------------------------------

@@ -15,11 +15,21 @@ streaming benchmarks that need realistic bytes.
 Layout of a cohort folder::
 
     <folder>/<domain>/<index>.dcm   one Ophthalmic Tomography file per volume
-    <folder>/manifest.jsonl         path, domain, label of every file
+    <folder>/<domain>/<index>.layers.npy  its layer labels, uint8 [D, H, W] ("small" sizes only)
+    <folder>/manifest.jsonl         path, domain, label (and layers, layer_names) of every file
     <folder>/cohort.json            options, files, sizes; written last
 
 ``cohort.json`` is written last, so a folder without it (or with one for
 other options, or with a file missing or of the wrong size) is rewritten.
+
+Every "small" cohort writes, beside each volume, the label of its retinal layers
+(:data:`LAYER_NAMES`, :func:`layer_labels`), named by the manifest's ``layers`` and
+``layer_names`` columns; a consumer reads them through the dataset
+(:class:`octfw.types.LayeredDataset`: ``dataset.layers(i)``, uint8 ``[D, H, W]``, and
+``dataset.layer_names(i)``) and brings them to the prepared geometry with
+``transform.prepare_labels(labels, dataset.load(i))``
+(:class:`octfw.types.LabelPreparingTransform`). "device" cohorts, written for byte
+benchmarks, carry none (67 MB of labels a volume).
 
 Labelled cohorts carry one of three retinal findings (or none), as a
 classification task (see :data:`TASKS`): a bright lesion, sub-retinal fluid
@@ -32,6 +42,7 @@ docs/tasks.md and benchmarks/learning/synthetic_tasks.py.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -66,6 +77,10 @@ __all__ = [
     "cohort_options",
     "cohort_key",
     "synthetic_volume",
+    "synthetic_volume_and_layers",
+    "layer_labels",
+    "LAYER_NAMES",
+    "LAYERS_VERSION",
     "write_synthetic_cohort",
     "read_cohort",
 ]
@@ -76,6 +91,10 @@ GENERATOR_VERSION = 2  # 2: a larger, brighter lesion (visible after resizing to
 #: options of every cohort but the default lesion one, whose options (and so
 #: cache folder and bytes) stay those of generator version 2.
 FINDINGS_VERSION = 1
+#: Bumped whenever the layer label files change. Recorded in ``cohort.json`` (not in the
+#: options: cache folders and DICOM bytes stay), so a cohort written without labels, or
+#: with older ones, is not complete and is written again (the same volumes, plus labels).
+LAYERS_VERSION = 1
 
 COHORT_FILE = "cohort.json"
 MANIFEST_FILE = "manifest.jsonl"
@@ -160,6 +179,13 @@ _LAYERS: tuple[tuple[str, float, float], ...] = (
     ("interdigitation", 0.015, 0.35),
     ("pigment epithelium", 0.03, 1.0),
 )
+#: The labels of :func:`layer_labels` (index = label value), top to bottom: the
+#: vitreous above the inner limiting membrane, the eight drawn layers (the
+#: photoreceptors as their ellipsoid and interdigitation zones), sub-retinal fluid
+#: (empty but over a fluid dome) and the choroid (everything below the pigment
+#: epithelium). Stable: new labels are only ever appended.
+LAYER_NAMES: tuple[str, ...] = ("vitreous", "NFL", "GCL+IPL", "INL", "OPL", "ONL", "EZ", "IZ", "SRF", "RPE",
+                                "choroid")
 _INNER_LAYERS = 5  # the first five thin at the fovea; photoreceptors do not
 _FOVEAL_THINNING = 0.5  # inner layers lose half their thickness at the foveal centre
 _FULL_SCALE = 20000.0  # stored units of reflectivity 1.0 at gain 1
@@ -305,7 +331,28 @@ def synthetic_volume(
     finding: str | None = None,
     finding_scale: float = 1.0,
 ) -> np.ndarray:
-    """One layered-retina volume ``[D, H, W]``, with at most one finding.
+    """One layered-retina volume ``[D, H, W]``, with at most one finding
+    (:func:`synthetic_volume_and_layers` without the layer labels; the same numbers)."""
+    return synthetic_volume_and_layers(rng, shape, profile, lesion, finding=finding,
+                                       finding_scale=finding_scale, layers=False)[0]
+
+
+def synthetic_volume_and_layers(
+    rng: np.random.Generator,
+    shape: Sequence[int],
+    profile: VendorProfile,
+    lesion: bool = False,
+    *,
+    finding: str | None = None,
+    finding_scale: float = 1.0,
+    layers: bool = True,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One layered-retina volume ``[D, H, W]``, with at most one finding, and its layer labels.
+
+    The labels (uint8 ``[D, H, W]``, :data:`LAYER_NAMES`; None without ``layers``) come
+    from the very boundaries the intensities are drawn at (:func:`layer_labels`): the
+    foveal pit, the ripples, a thinning and a fluid dome included. They draw no random
+    numbers, so the volume is the same with or without them.
 
     uint16 for a 16-bit profile, uint8 (log-scaled) for an 8-bit one; see
     :func:`_render_16bit` and :func:`_render_8bit`.
@@ -375,7 +422,7 @@ def synthetic_volume(
         layer_thickness = _LAYERS[_THINNED_LAYER][1] * _layer_ripple(_THINNED_LAYER, z, x, phases, pit)
         surface = surface + lost * layer_thickness
 
-    layers = []  # (top, bottom, reflectivity), [D, 1, W] positions down the B-scan
+    layers_drawn = []  # (top, bottom, reflectivity), [D, 1, W] positions down the B-scan
     top = surface
     for index, (_name, thickness, reflectivity) in enumerate(_LAYERS):
         ripple = _layer_ripple(index, z, x, phases, pit)
@@ -384,7 +431,7 @@ def synthetic_volume(
         if index == len(_LAYERS) - 1 and finding == "fluid":
             top = top + dome  # the fluid pocket: nothing reflects between the photoreceptors and the RPE
         bottom = top + thickness * ripple
-        layers.append((top, bottom, reflectivity))
+        layers_drawn.append((top, bottom, reflectivity))
         top = bottom
 
     blob = None  # the lesion's (centre, 1/e radii) along (z, y, x)
@@ -395,7 +442,27 @@ def synthetic_volume(
         blob = ((centre_z, centre_y, centre_x), (0.4 * finding_scale, 0.06 * finding_scale, 0.25 * finding_scale))
 
     render = _render_16bit if profile.bits == 16 else _render_8bit
-    return render(rng, (depth, height, width), z, x, layers, blob, profile)
+    volume = render(rng, (depth, height, width), z, x, layers_drawn, blob, profile)
+    return volume, (layer_labels(layers_drawn, (depth, height, width)) if layers else None)
+
+
+def layer_labels(layers: Sequence[tuple[np.ndarray, np.ndarray, float]], shape: Sequence[int]) -> np.ndarray:
+    """The label of :data:`LAYER_NAMES` of every voxel, uint8 ``shape`` ``[D, H, W]``.
+
+    ``layers`` are the drawn (top, bottom, reflectivity) of :data:`_LAYERS`, positions
+    ``[D, 1, W]`` in units of H (voxel ``j`` of an A-scan at ``j / (H - 1)``, as the
+    renderers place it). A voxel's label is the number of boundaries at or above it:
+    the inner surface, each layer's bottom, the pigment epithelium's top (below the
+    photoreceptors' bottom only over sub-retinal fluid: label SRF in between) and its
+    bottom. The boundaries never cross, so labels rise monotonically down every A-scan.
+    """
+    depth, height, width = (int(n) for n in shape)
+    y = np.linspace(0.0, 1.0, height)[None, :, None]
+    boundaries = [layers[0][0]] + [bottom for _top, bottom, _r in layers[:-1]] + [layers[-1][0], layers[-1][1]]
+    labels = np.zeros((depth, height, width), dtype=np.uint8)
+    for boundary in boundaries:
+        labels += np.broadcast_to(y >= boundary, labels.shape)
+    return labels
 
 
 def _choroid(y: np.ndarray, epithelium: np.ndarray) -> np.ndarray:
@@ -506,6 +573,12 @@ def _render_8bit(rng: np.random.Generator, shape: tuple[int, int, int], z: np.nd
     return volume
 
 
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
 def _corrupt_bytes(kind: str, good: bytes, volume: np.ndarray, encode: Any, rng: np.random.Generator) -> bytes:
     """The bytes of a file broken in the way ``kind`` names."""
     if kind == "truncated":
@@ -555,10 +628,17 @@ def read_cohort(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
         return None  # a damaged record means a damaged cohort: rewrite it
 
 
+def _writes_layers(sizes: str) -> bool:
+    return sizes == "small"
+
+
 def _is_complete(folder: str, record: dict[str, Any] | None, options: dict[str, Any]) -> bool:
     if not record or record.get("options") != options:
         return False
-    return all(_size(_join(folder, item["path"])) == item["size"] for item in record["files"])
+    if _writes_layers(options.get("sizes", "small")) and record.get("layers_version") != LAYERS_VERSION:
+        return False  # written before layer labels (or with older ones)
+    return all(_size(_join(folder, item["path"])) == item["size"]
+               for item in [*record["files"], *record.get("layer_files", [])])
 
 
 def write_synthetic_cohort(
@@ -616,7 +696,7 @@ def write_synthetic_cohort(
     # rather than look stuck (and draw a bar where a person watches).
     logging.getLogger(__name__).info("writing the synthetic cohort (%s, %s sizes) once, to %s; later commands "
                                      "reuse it", counted(n_volumes, "volume"), sizes, folder)
-    files, rows = [], []
+    files, rows, layer_files = [], [], []
     with progress_bar("synthetic cohort", unit="volumes") as shown:
         for index in range(n_volumes):
             domain = domains[index % len(domains)]
@@ -627,9 +707,10 @@ def write_synthetic_cohort(
                 # A binary task draws as generator version 2 did (label 1 below 0.5).
                 draw = rng.random()
                 label = int(draw < 0.5) if len(findings) == 2 else int(draw * len(findings))
-            volume = synthetic_volume(rng, options["shapes"][domain], profile,
-                                      finding=None if label is None else findings[label],
-                                      finding_scale=finding_scale)
+            volume, layers = synthetic_volume_and_layers(rng, options["shapes"][domain], profile,
+                                                         finding=None if label is None else findings[label],
+                                                         finding_scale=finding_scale,
+                                                         layers=_writes_layers(sizes))
             name = f"{domain}/{index:05d}.dcm"
 
             def encode(array: np.ndarray, _name: str = name) -> bytes:
@@ -644,13 +725,21 @@ def write_synthetic_cohort(
             url = _join(folder, name)
             write_bytes(url, data)
             files.append({"path": name, "domain": domain, "label": label, "corrupt": kind, "size": len(data)})
-            rows.append(ManifestRow(path=url, domain=domain, label=label))
+            layers_url = None
+            if layers is not None:
+                layers_name = f"{domain}/{index:05d}.layers.npy"
+                layers_data = _npy_bytes(layers)
+                layers_url = _join(folder, layers_name)
+                write_bytes(layers_url, layers_data)
+                layer_files.append({"path": layers_name, "size": len(layers_data)})
+            rows.append(ManifestRow(path=url, domain=domain, label=label, layers=layers_url,
+                                    layer_names=None if layers is None else LAYER_NAMES))
             if shown is not None:
                 shown(index + 1, n_volumes)
 
     if previous and isinstance(previous.get("files"), list):
-        keep = {item["path"] for item in files}
-        for item in previous["files"]:
+        keep = {item["path"] for item in [*files, *layer_files]}
+        for item in [*previous["files"], *(previous.get("layer_files") or [])]:
             if isinstance(item, dict) and item.get("path") not in keep:
                 _remove(_join(folder, str(item["path"])))
 
@@ -661,5 +750,9 @@ def write_synthetic_cohort(
         "labels": [item["label"] for item in files],
         "files": files,
     }
+    if _writes_layers(sizes):
+        record["layers_version"] = LAYERS_VERSION
+        record["layer_names"] = list(LAYER_NAMES)
+        record["layer_files"] = layer_files
     write_bytes(_join(folder, COHORT_FILE), json.dumps(record, indent=1).encode("utf-8"))
     return [_join(folder, item["path"]) for item in files]

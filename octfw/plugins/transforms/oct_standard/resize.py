@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["resize", "axis_matrix"]
+__all__ = ["resize", "axis_matrix", "nearest_indices"]
 
 #: MONAI's GaussianSmooth default: the kernel reaches 4 sigma either side.
 TRUNCATED = 4.0
@@ -87,3 +87,11 @@ def resize(volume: torch.Tensor, size: Sequence[int], anti_aliasing: bool) -> to
         matrix = torch.from_numpy(axis_matrix(out.shape[axis], size[axis], anti_aliasing).astype(np.float32))
         out = torch.movedim(torch.tensordot(matrix, out, dims=([1], [axis])), 0, axis)
     return out.contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def nearest_indices(size_in: int, size_out: int) -> np.ndarray:
+    """``[size_out]``: for each output position, the input index that :func:`resize`'s linear
+    interpolation (without anti-aliasing) weighs most, the lower one on a tie: resizing labels
+    along the same coordinates as the volume without mixing their values."""
+    return np.argmax(axis_matrix(size_in, size_out, False), axis=1)

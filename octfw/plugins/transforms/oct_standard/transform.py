@@ -32,7 +32,7 @@ from octfw.fields import parse_bytes
 from octfw.models.masks import Grid, check_context_share, mask_generator_from_config
 from octfw.plugins.transforms.oct_standard.cache import PreparedCache
 from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
-from octfw.plugins.transforms.oct_standard.resize import resize
+from octfw.plugins.transforms.oct_standard.resize import nearest_indices, resize
 from octfw.types import STORED_VIEW_DTYPES, BatchKey, Sample, dequantize, mask_keys
 
 __all__ = ["OCTStandardTransform", "PREPARE_VERSION"]
@@ -130,6 +130,39 @@ class OCTStandardTransform:
         else:
             fitted = _to_numpy(self._crop_pad(image[None]))  # pads with 0: outside the finding
         return fitted >= 0.5
+
+    def prepare_labels(self, labels: np.ndarray, sample: Sample) -> np.ndarray:
+        """Integer labels (retinal layers, ``sample.volume``'s shape) brought to :meth:`prepare`'s
+        geometry: uint8 ``image_size``, nearest label.
+
+        The same two steps as the volume (resampling to ``target_spacing``, then the fit)
+        with the same coordinates, each output voxel taking the label of the source voxel
+        its linear interpolation weighs most (:func:`nearest_indices`): no value the input
+        lacks, but for ``crop_pad``'s padding (label 0). Labels of a volume prepared
+        earlier (``octfw prepare`` stored them with it) come back as they are.
+        """
+        source = sample.provenance.source
+        labels = np.asarray(labels)
+        if labels.dtype.kind not in "ui" or (labels.size and (labels.min() < 0 or labels.max() > 255)):
+            raise ContractError(f"{source}: layer labels must be integers in [0, 255], got {labels.dtype}")
+        if sample.prepared_key is not None:
+            self._as_stored(sample)  # the options match and the volume has image_size
+            if labels.shape != self.image_size:
+                raise ContractError(f"{source}: prepared layer labels of shape {list(labels.shape)}, the prepared "
+                                    f"volume's is {list(self.image_size)}")
+            return labels.astype(np.uint8, copy=False)
+        if labels.shape != np.shape(sample.volume):
+            raise ContractError(f"{source}: layer labels of shape {list(labels.shape)} for a volume of shape "
+                                f"{list(np.shape(sample.volume))}")
+        labels = labels.astype(np.uint8, copy=False)
+        if self.config.target_spacing is not None:
+            shape = self.resampled_shape(tuple(labels.shape), tuple(float(s) for s in sample.provenance.spacing))
+            labels = labels[np.ix_(*(nearest_indices(n, m) for n, m in zip(labels.shape, shape)))]
+        if self._crop_pad is None:
+            return np.ascontiguousarray(labels[np.ix_(*(nearest_indices(n, m)
+                                                        for n, m in zip(labels.shape, self.image_size)))])
+        fitted = _to_numpy(self._crop_pad(torch.tensor(labels, dtype=torch.float32)[None]))  # pads with 0
+        return np.rint(fitted).astype(np.uint8)
 
     def _already_prepared(self, sample: Sample) -> np.ndarray:
         """A volume prepared earlier (``octfw prepare``), as float32."""
