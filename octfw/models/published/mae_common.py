@@ -113,10 +113,7 @@ def _encoder(network: Any, source: Mapping[str, torch.Tensor], table: Callable[[
         how["pos_embed"] = made
     load_into(network, state, f"the checkpoint's {name}")
     for key in state:
-        if key in how:
-            report.adapted[prefix + key] = how[key]
-        else:
-            report.loaded.append(prefix + key)
+        report.took(prefix + key, how.get(key, ""))
     for key in network.state_dict():
         if key not in state:
             report.new[prefix + key] = f"not in the checkpoint's {name}"

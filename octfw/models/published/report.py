@@ -26,6 +26,13 @@ class InitReport:
     ignored: dict[str, str] = attrs.field(factory=dict)
     notes: list[str] = attrs.field(factory=list)
 
+    def took(self, key: str, how: str = "") -> None:
+        """``key`` came from the checkpoint: loaded as it is, or adapted (``how``: what was changed)."""
+        if how:
+            self.adapted[key] = how
+        else:
+            self.loaded.append(key)
+
     def lines(self) -> list[str]:
         """The report as ``octfw check`` prints it: counts, then every adapted key by name,
         the new ones grouped by reason, the ignored checkpoint keys and the notes."""

@@ -120,14 +120,14 @@ def _encoder(network: Any, source: Mapping[str, torch.Tensor], name: str, prefix
                 continue
             table, how = resample_positions(tensor, _table_grid(tensor, network.grid_size, name), network.grid_size)
             state[key] = table
-            (report.adapted.__setitem__(prefix + key, how) if how else report.loaded.append(prefix + key))
+            report.took(prefix + key, how)
             continue
         if key == "patch_embed.proj.weight":
             kernel, channels = adapt_channels(tensor, network.in_channels)
             kernel, inflated = inflate_kernel(kernel, network.patch_size)
             how = "; ".join(h for h in (channels, inflated) if h)
             state[key] = kernel
-            (report.adapted.__setitem__(prefix + key, how) if how else report.loaded.append(prefix + key))
+            report.took(prefix + key, how)
             continue
         state[key] = tensor
         report.loaded.append(prefix + key)

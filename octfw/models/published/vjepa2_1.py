@@ -188,7 +188,7 @@ def _encoder(network: Any, source: Mapping[str, torch.Tensor], name: str, prefix
             kernel, inflated = inflate_kernel(kernel, network.patch_size)
             state[key] = kernel
             how = "; ".join(h for h in (channels, inflated) if h)
-            (report.adapted.__setitem__(prefix + key, how) if how else report.loaded.append(prefix + key))
+            report.took(prefix + key, how)
         elif key == "patch_embed.proj.bias" and "video_mod_embed" in source:
             state[key] = tensor + source["video_mod_embed"].reshape(-1)
             report.adapted[prefix + key] = "video_mod_embed added (V-JEPA 2.1 adds it to every patch token)"
