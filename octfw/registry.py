@@ -73,6 +73,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "octfw.plugins.evaluators.attentive_probe",
     "octfw.plugins.evaluators.fine_tune",
     "octfw.plugins.evaluators.dense_probe",
+    "octfw.plugins.evaluators.layer_segmentation",
 )
 
 

@@ -39,7 +39,7 @@ __all__ = ["CheckpointsReport", "run_checkpoints", "select_checkpoints", "compar
 
 #: Columns of the printed table, where an evaluator reports them (every metric goes to JSON).
 TABLE_METRICS = ("accuracy", "balanced_accuracy", "auroc", "auprc", "tokens_balanced_accuracy", "tokens_auroc",
-                 "voxel_dice", "token_dice", "fine_tune_voxel_dice")
+                 "voxel_dice", "token_dice", "fine_tune_voxel_dice", "mean_dice", "boundary_error_um")
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ __all__ = ["ShotsReport", "evaluate_shots", "format_shots", "write_shots"]
 
 #: Metrics of the printed table (every metric goes to the CSV and JSON).
 TABLE_METRICS = ("balanced_accuracy", "auroc", "tokens_balanced_accuracy", "tokens_auroc", "voxel_dice", "token_dice",
-                 "fine_tune_voxel_dice")
+                 "fine_tune_voxel_dice", "mean_dice", "in_vendor_mean_dice", "cross_vendor_mean_dice")
 CSV_COLUMNS = ("encoder", "evaluator", "shots", "volumes_per_class", "metric", "mean", "std", "draws")
 
 
@@ -64,7 +64,8 @@ def _check_shots(evaluators: Sequence[tuple[str, Any]], shots: Sequence[int | No
     for name, evaluator in evaluators:
         if not isinstance(evaluator, RefittingEvaluator):
             raise UserError(f"--shots: evaluator {name} cannot refit on a subset of its train split "
-                            "(the built-in linear-probe, knn, attentive-probe, fine-tune and dense-probe can)")
+                            "(the built-in linear-probe, knn, attentive-probe, fine-tune, dense-probe and "
+                            "layer-segmentation can)")
         labels = evaluator.split()[0].labels
         pool = np.asarray(evaluator.fit_positions(), dtype=np.int64)
         for count in shots:

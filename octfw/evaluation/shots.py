@@ -10,6 +10,10 @@ per count show how much the choice of the few labelled volumes matters;
 
 The attentive probe's validation split stays whole at every shot count:
 it chooses the grid member, so the labels it holds are not counted in ``k``.
+
+An evaluator whose train volumes all carry one label (``layer-segmentation``:
+every volume is labelled with its layers) gets ``k`` volumes in all: the
+count is of labelled volumes, not per class.
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ def sample_per_class(labels: np.ndarray, pool: np.ndarray, shots: int, rng: np.r
     for label in np.unique(labels[pool]):
         members = pool[labels[pool] == label]
         if len(members) < shots:
+            if len(np.unique(labels[pool])) == 1:  # one class: the count is of labelled volumes
+                raise UserError(f"{where}--shots {shots}: the train split has {counted(len(members), 'volume')} "
+                                f"to fit on; use at most {len(members)}, or 'all'")
             raise UserError(f"{where}--shots {shots}: the train split has {counted(len(members), 'volume')} of label "
                             f"{label} to fit on; use at most {len(members)} per class, or 'all'")
         chosen.append(rng.choice(members, size=shots, replace=False))

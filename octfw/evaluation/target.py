@@ -325,7 +325,8 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
 #: What :func:`main_metric` plots when none is asked for, the first reported: a classifier's AUROC or
 #: balanced accuracy (a ``reading = "tokens"`` evaluator reports the ``tokens_`` ones only), a dense
 #: evaluator's voxel Dice.
-PLOTTED_METRICS = ("auroc", "tokens_auroc", "balanced_accuracy", "tokens_balanced_accuracy", "voxel_dice")
+PLOTTED_METRICS = ("auroc", "tokens_auroc", "balanced_accuracy", "tokens_balanced_accuracy", "voxel_dice",
+                   "mean_dice")
 
 
 def main_metric(metrics: Sequence[str], asked: str | None) -> str:
