@@ -80,6 +80,10 @@ class InitTargets:
     #: V-JEPA 2.1's norms of the intermediate levels its dense loss predicts, by role (``online``,
     #: ``ema``; prefixes ``online_levels``, ``ema_levels``): None where the recipe has none.
     level_norms: Mapping[str, Any] | None = None
+    #: The source whose predictor ``predictor`` is built after: ``"vjepa2.1"`` (V-JEPA 2.1's
+    #: hierarchical predictor, ``dense_predictor = "vjepa2.1"``); None: octfw's masked-token
+    #: predictor, V-JEPA 2's layout.
+    predictor_format: str | None = None
 
 
 def resolve_source(source: str, recipe_dir: Path | None = None) -> Path:

@@ -87,7 +87,7 @@ def convert(state: Mapping[str, Any], targets: Any, report: InitReport) -> None:
         report.notes.append(f"model.norm_eps = {first.norm_eps:g}, V-JEPA 2.1 trained with "
                             f"{vjepa2.REFERENCE_NORM_EPS:g}: set it to compute what the reference computes")
     report.notes.append(f"{first.num_heads} attention heads, from the recipe (a checkpoint does not record them)")
-    if targets.predictor is not None and hasattr(targets.predictor, "embed_out_context"):
+    if targets.predictor is not None and targets.predictor_format == NAME:
         _predictor(groups.get("predictor"), targets, report)
         return
     reason = ("V-JEPA 2.1's predictor reads the encoder's 4 levels concatenated and has separate context and "

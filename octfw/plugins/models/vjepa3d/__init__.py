@@ -45,6 +45,7 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
             predictor=model.predictor if config.init_predictor else None,
             level_norms=({"online": model.level_norms, "ema": model.target_level_norms}
                          if config.dense_predictor == "vjepa2.1" else None),
+            predictor_format="vjepa2.1" if config.dense_predictor == "vjepa2.1" else None,
             prefixes={"online": "context_encoder.", "ema": "target_encoder.", "predictor": "predictor.",
                       "online_levels": "level_norms.", "ema_levels": "target_level_norms."},
             recipe=f"[model] vjepa3d preset {config.preset!r}", predictor_note="model.init_predictor = false")
