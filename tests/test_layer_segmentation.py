@@ -229,6 +229,18 @@ def test_a_random_frozen_encoder_with_the_unetr_decoder_segments_easy_layers():
     assert metrics["labelled_volumes"] == 6 and 1 <= metrics["selected_epoch"] <= 8
 
 
+def test_the_evaluator_fine_tunes_the_last_blocks_and_refuses_more_blocks_than_the_encoder_has():
+    dataset = ToyLayers(8)
+    frozen = _evaluator(dataset, epochs=1)
+    last = _evaluator(dataset, epochs=1, blocks=1)
+    encoder = _encoder(depth=2)
+    trained = [e.score(e.encode(encoder, "cpu"))["trained_parameters"] for e in (frozen, last)]
+    block = sum(p.numel() for p in encoder.blocks[1].parameters()) + sum(p.numel() for p in encoder.norm.parameters())
+    assert trained[1] - trained[0] == block
+    with pytest.raises(UserError, match="blocks = 3, but the encoder has 2 blocks"):
+        _evaluator(dataset, blocks=3).encode(encoder, "cpu")
+
+
 def test_train_domains_trains_on_one_vendor_and_tests_across_the_others():
     dataset = ToyLayers(16, domains=("heidelberg", "topcon"))
     evaluator = _evaluator(dataset, train_domains=["heidelberg"], epochs=2)
