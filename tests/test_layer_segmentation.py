@@ -158,6 +158,11 @@ def test_the_axial_spacing_is_measured_through_the_transform():
     sample = ToyLayers(1, shape=(8, 64, 32)).load(0)
     assert axial_spacing_um(_transform((8, 64, 32)), sample) == pytest.approx(3.9, rel=1e-6)
     assert axial_spacing_um(_transform((8, 32, 32)), sample) == pytest.approx(7.8 * 63 / 62, rel=0.03)
+    cropped = OCTStandardTransform(OCTStandardConfig(image_size=(8, 32, 32), fit="crop_pad"), PATCH)
+    assert axial_spacing_um(cropped, sample) == pytest.approx(3.9, rel=1e-6)  # cropping keeps the spacing
+    resampled = OCTStandardTransform(OCTStandardConfig(image_size=(8, 32, 32), fit="crop_pad",
+                                                       target_spacing=(0.1, 0.0078, 0.01)), PATCH)
+    assert axial_spacing_um(resampled, sample) == pytest.approx(7.8, rel=0.02)
 
 
 # --- decoders and what trains ---------------------------------------------------

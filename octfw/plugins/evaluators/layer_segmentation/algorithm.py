@@ -70,7 +70,7 @@ from octfw.plugins.evaluators.fine_tune.algorithm import ALL_BLOCKS, first_train
 from octfw.schedules import warmup_cosine
 from octfw.types import BlockwiseEncoder
 
-__all__ = ["DECODERS", "tap_depths", "frozen_part", "UNETRDecoder", "LinearDecoder", "SegmentationNetwork",
+__all__ = ["DECODERS", "tap_depths", "frozen_part", "UNETRDecoder", "LinearDecoder", "build_decoder", "SegmentationNetwork",
            "segmentation_groups", "SegmentationResult", "fit_segmentation", "segmentation_counts", "segmentation_metrics"]
 
 DECODERS = ("unetr", "linear")
@@ -116,7 +116,7 @@ class UNETRDecoder(nn.Module):
     def __init__(self, embed_dim: int, taps: int, classes: int, patch_size: tuple[int, int, int],
                  grid: tuple[int, int, int], channels: int, width: int = 16):
         super().__init__()
-        self.grid = grid
+        self.classes, self.grid = classes, grid
         self.norms = nn.ModuleList(nn.LayerNorm(embed_dim) for _ in range(taps - 1))
         self.up = nn.ModuleList(nn.Sequential(nn.Conv3d(embed_dim, width, 1),
                                               nn.ConvTranspose3d(width, width, patch_size, stride=patch_size,
@@ -149,7 +149,7 @@ class LinearDecoder(nn.Module):
 
 
 def build_decoder(kind: str, embed_dim: int, taps: int, classes: int, patch_size: tuple[int, int, int],
-                  grid: tuple[int, int, int], channels: int, width: int) -> nn.Module:
+                  grid: tuple[int, int, int], channels: int, width: int) -> "UNETRDecoder | LinearDecoder":
     if kind == "unetr":
         return UNETRDecoder(embed_dim, taps, classes, patch_size, grid, channels, width)
     return LinearDecoder(embed_dim, classes, patch_size, grid)
@@ -233,7 +233,7 @@ def _predict(network: SegmentationNetwork, inputs: Sequence[torch.Tensor], batch
 
 
 def fit_segmentation(
-    decoder: nn.Module,
+    decoder: "UNETRDecoder | LinearDecoder",
     encoder: BlockwiseEncoder | None,
     fit: Sequence[torch.Tensor],
     fit_labels: torch.Tensor,
@@ -268,7 +268,7 @@ def fit_segmentation(
     batch_size = min(batch_size, n)
     steps_per_epoch = math.ceil(n / batch_size)
     total = epochs * steps_per_epoch
-    classes = _classes(decoder)
+    classes = decoder.classes
     best: tuple[tuple[float, int], list[torch.Tensor]] | None = None
     with torch.enable_grad():
         for epoch in range(epochs):
@@ -286,8 +286,7 @@ def fit_segmentation(
                     sync()
             network.eval()  # a host sync per epoch, to choose the epoch
             predicted = _predict(network, val, eval_batch_size)
-            dice = segmentation_counts(predicted.numpy(), val_labels.cpu().numpy(), classes)["dice"]
-            val_mean = float(np.nan_to_num(np.nanmean(dice[:, 1:], axis=0)).mean()) if classes > 1 else 0.0
+            val_mean = _mean_dice(segmentation_counts(predicted.numpy(), val_labels.cpu().numpy(), classes)["dice"])
             key = (-val_mean, epoch)
             if best is None or key < best[0]:
                 best = (key, [p.detach().clone() for p in trained])
@@ -300,13 +299,16 @@ def fit_segmentation(
                               sum(p.numel() for p in trained))
 
 
-def _classes(decoder: nn.Module) -> int:
-    if isinstance(decoder, LinearDecoder):
-        return decoder.classes
-    return decoder.fuse[-1].out_channels  # type: ignore[index,union-attr]
-
-
 # --- metrics ---------------------------------------------------------------
+
+def _mean_dice(dice: np.ndarray) -> float:
+    """Mean over the foreground layers of each layer's mean over volumes (``dice`` ``[N, K]``);
+    a layer undefined in every volume is left out, and 0 when all are."""
+    with warnings.catch_warnings():  # an all-NaN column is a layer nowhere: left out by design
+        warnings.simplefilter("ignore", RuntimeWarning)
+        value = np.nanmean(np.nanmean(dice[:, 1:], axis=0))
+    return 0.0 if np.isnan(value) else float(value)
+
 
 def segmentation_counts(predicted: np.ndarray, truth: np.ndarray, classes: int) -> dict[str, np.ndarray]:
     """Per volume of ``predicted`` and ``truth`` (int ``[N, D, H, W]``): ``dice`` ``[N, K]`` (NaN

@@ -70,7 +70,7 @@ def axial_spacing_um(transform: Any, sample: Sample) -> float:
     step = 1.0 if rows <= _RAMP_TOP else _RAMP_TOP / (rows - 1)
     ramp_column = 1 + np.floor(np.arange(rows) * step)
     ramp = np.broadcast_to(ramp_column.astype(np.uint8)[None, :, None], shape)
-    probe = Sample(np.zeros(shape, dtype=np.float32), provenance)
+    probe = Sample(np.broadcast_to(np.float32(0), shape), provenance)  # only its shape is read: no memory
     prepared = np.asarray(transform.prepare_labels(ramp, probe))
     column = prepared[prepared.shape[0] // 2, :, prepared.shape[2] // 2].astype(np.float64)
     inside = np.nonzero(column > 0)[0]
