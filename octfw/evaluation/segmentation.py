@@ -24,11 +24,12 @@ import attrs
 import numpy as np
 
 from octfw.errors import ContractError, CorruptFile, UserError
+from octfw.evaluation.classification import build_from_table, check_patients_disjoint
 from octfw.evaluation.features import prepare_volume
 from octfw.tables import counted
 from octfw.types import MaskedDataset, MaskPreparingTransform, NamingDataset, PatientDataset
 
-__all__ = ["MaskedVolumes", "check_masks_early", "load_masked"]
+__all__ = ["DenseInputs", "dense_inputs", "MaskedVolumes", "check_masks_early", "load_masked"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,3 +134,39 @@ def _reversed_hint(source: str | None, shape: tuple[int, ...], sample: Any) -> s
         return (" (reversed: a NIfTI mask's array is indexed (x, y, z) = (W, H, D); write "
                 "mask.transpose(2, 1, 0) of a [D, H, W] array)")
     return ""
+
+
+@attrs.frozen(eq=False)
+class DenseInputs:
+    """What a dense evaluator is built from: the training recipe's transform (volumes prepared
+    as in training), its labelled train and (optional) test datasets, and the patch grid."""
+
+    transform: Any
+    train: Any
+    test: Any | None
+    patch_size: tuple[int, int, int]
+    grid: tuple[int, int, int]
+
+
+def dense_inputs(config: Any, ctx: Any, where: str, check_early: Any) -> DenseInputs:
+    """:class:`DenseInputs` of an evaluator config with ``dataset`` and ``test_dataset`` tables,
+    built in ``ctx`` (a :class:`~octfw.types.BuildContext` carrying the training recipe);
+    ``check_early(dataset, transform, where)`` refuses a dataset without the labels before any
+    volume is read. One-line UserErrors name ``where``."""
+    if "transform" not in ctx.recipe:
+        raise UserError(f"{where}: needs the training recipe's [transform] to prepare volumes as in "
+                        "training, and the build context carries no recipe")
+    if ctx.image_size is None or ctx.patch_size is None:
+        raise UserError(f"{where}: needs the encoder's image_size and patch_size to place its tokens on the "
+                        "volume, and the run declares none")
+    transform = build_from_table("transform", ctx.recipe["transform"], ctx, f"{where}: transform")
+    train = build_from_table("dataset", config.dataset, ctx, f"{where}: dataset")
+    check_early(train, transform, f"{where}: dataset")
+    test = None
+    if config.test_dataset is not None:
+        test = build_from_table("dataset", config.test_dataset, ctx, f"{where}: test_dataset")
+        check_early(test, transform, f"{where}: test_dataset")
+        check_patients_disjoint(train, test, where)
+    patch = tuple(int(p) for p in ctx.patch_size)
+    grid = tuple(int(i) // p for i, p in zip(ctx.image_size, patch))
+    return DenseInputs(transform, train, test, patch, grid)  # type: ignore[arg-type]

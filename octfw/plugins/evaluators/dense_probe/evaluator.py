@@ -10,10 +10,9 @@ import numpy as np
 import torch
 
 from octfw.errors import UserError
-from octfw.evaluation.classification import check_patients_disjoint, build_from_table
 from octfw.evaluation.features import map_volumes, stratified_split, validation_split
 from octfw.evaluation.metrics import overlap_metrics
-from octfw.evaluation.segmentation import MaskedVolumes, check_masks_early, load_masked
+from octfw.evaluation.segmentation import MaskedVolumes, check_masks_early, dense_inputs, load_masked
 from octfw.tables import counted
 from octfw.types import BuildContext, EmbeddingModel
 
@@ -53,24 +52,8 @@ class DenseProbeEvaluator:
 
     @classmethod
     def from_config(cls, config: Any, ctx: BuildContext) -> "DenseProbeEvaluator":
-        where = f"evaluator {cls.component}"
-        if "transform" not in ctx.recipe:
-            raise UserError(f"{where}: needs the training recipe's [transform] to prepare volumes as in "
-                            "training, and the build context carries no recipe")
-        if ctx.image_size is None or ctx.patch_size is None:
-            raise UserError(f"{where}: needs the encoder's image_size and patch_size to place its tokens on the "
-                            "volume, and the run declares none")
-        transform = build_from_table("transform", ctx.recipe["transform"], ctx, f"{where}: transform")
-        train = build_from_table("dataset", config.dataset, ctx, f"{where}: dataset")
-        check_masks_early(train, transform, f"{where}: dataset")
-        test = None
-        if config.test_dataset is not None:
-            test = build_from_table("dataset", config.test_dataset, ctx, f"{where}: test_dataset")
-            check_masks_early(test, transform, f"{where}: test_dataset")
-            check_patients_disjoint(train, test, where)
-        patch = tuple(int(p) for p in ctx.patch_size)
-        grid = tuple(int(i) // p for i, p in zip(ctx.image_size, patch))
-        return cls(config, train, test, transform, patch, grid)
+        inputs = dense_inputs(config, ctx, f"evaluator {cls.component}", check_masks_early)
+        return cls(config, inputs.train, inputs.test, inputs.transform, inputs.patch_size, inputs.grid)
 
     @property
     def split_seed(self) -> int:
