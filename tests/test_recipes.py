@@ -250,6 +250,7 @@ REQUIRED = {
     **{("evaluator", name): {"dataset": {"name": "synthetic-oct", "labels": True}}
        for name in ("attentive-probe", "fine-tune", "knn", "linear-probe")},
     ("evaluator", "dense-probe"): {"dataset": {"name": "phantom-oct", "family": "held-out"}},
+    ("evaluator", "layer-segmentation"): {"dataset": {"name": "synthetic-oct"}},
 }
 
 
