@@ -12,10 +12,9 @@ This script measures it on a real run instead of by reading:
   the :class:`~octfw.engine.plan.RunPlan`, or a location either of them holds
   (the run folder, the checkpoint resumed: the very object, not an equal
   one), as an argument or as an attribute of ``self`` (a method of an object
-  that holds them); the carried
-  values' own accessors (``recipe.name``, ``recipe.model``, in
-  ``octfw/recipe/resolved.py``) read the decisions as an attribute does and
-  are not stays;
+  that holds them); the carried values' own accessors (``recipe.name``,
+  ``recipe.model``, in ``octfw/recipe/resolved.py``) read the decisions as an
+  attribute does and are not stays;
 - the path **moves** when a call on it goes to another file (a call within
   one file is read on the same page); consecutive calls in one file are one
   **stay**, and a move into a file the path had already visited is a **climb
@@ -23,8 +22,8 @@ This script measures it on a real run instead of by reading:
   entered again for its ``run``).
 
 Two starts are traced: a new run of ``recipes/quickstart.toml``, and
-``--resume auto --allow-recipe-change`` extending it by one step (the run folder found, its
-checkpoint read, the recipe compared). ``python scripts/start_path.py``
+``--resume auto --allow-recipe-change`` extending it by one step (the run
+folder found, its checkpoint read, the recipe compared). ``python scripts/start_path.py``
 prints each path, one line per stay, and exits 1 when one exceeds the bounds;
 ``tests/test_architecture.py`` runs it.
 """
