@@ -320,3 +320,21 @@ def test_octfw_eval_shots_on_synthetic_oct_layers_across_vendors_writes_table_cs
     assert set(found) == {(e, s, m) for e in ("pretrained", "random_init") for s in ("1", "2") for m in wanted}
     assert [float(found[("pretrained", s, "labelled_volumes")]["mean"]) for s in ("1", "2")] == [1.0, 2.0]
     assert any(r["metric"].startswith("boundary_error_um_vitreous_nfl") for r in rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/accelerator_suite.sh "
+                    "on a GPU machine)")
+def test_the_evaluator_fine_tunes_on_a_cuda_encoder_as_on_the_cpu():
+    # The frozen part, the decoder and the last block train on the encoder's device; the same fit on
+    # the CPU and the GPU agrees to the nondeterminism of cuDNN's convolutions.
+    dataset = ToyLayers(16)
+
+    def fit(device: str) -> dict[str, float]:
+        evaluator = _evaluator(dataset, epochs=8, fit_batch_size=4, blocks=1)
+        return evaluator.score(evaluator.encode(_encoder(depth=2).to(device), device))
+
+    scores = {device: fit(device) for device in ("cpu", "cuda")}
+    assert scores["cuda"]["mean_dice"] > 0.85
+    assert abs(scores["cuda"]["mean_dice"] - scores["cpu"]["mean_dice"]) < 0.03
+    assert scores["cuda"]["trained_parameters"] == scores["cpu"]["trained_parameters"]

@@ -61,8 +61,9 @@ def _timed_steps(trainer, first_step: int, count: int) -> tuple[float, float]:
 
 def end_to_end(store: Path, device: str, preset: str, image_size: list[int], batch: int, workers: int,
                compiled: bool, steps: int, warm_up: int, peaks: dict[str, float | None],
-               on_result: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """One configuration, measured end to end and then batch-on-device, as described above."""
+               on_result: Callable[[dict[str, Any]], None], profile: bool = False) -> dict[str, Any]:
+    """One configuration, measured end to end and then batch-on-device, as described above; with
+    ``profile``, two more steps on the device under torch's profiler (:func:`kernel_shares`)."""
     from octfw.diagnostics.attention import sdpa_call
     from octfw.diagnostics.memory import estimate_memory
     from octfw.models.flops import training_flops_per_sample
@@ -99,6 +100,9 @@ def end_to_end(store: Path, device: str, preset: str, image_size: list[int], bat
         seconds, _ = _timed_steps(trainer, warm_up + steps + 1, steps)
         row.update(on_device_s=seconds, on_device_samples_per_s=batch * steps / seconds)
         row["end_to_end_ratio"] = row["samples_per_s"] / row["on_device_samples_per_s"]
+        if profile:
+            row["profile"] = kernel_shares(lambda: _timed_steps(trainer, warm_up + 2 * steps + 1, 2),
+                                           cuda=device == "cuda")
         tensors = device_batch["tensors"]
         flops = training_flops_per_sample(trainer.model, {k: v[:1] for k, v in tensors.items()})
         row["flops_per_sample"] = flops
@@ -119,6 +123,34 @@ def end_to_end(store: Path, device: str, preset: str, image_size: list[int], bat
         del trainer
     on_result(row)
     return row
+
+
+#: Kernel families by name, first match wins: where an update step's device time goes.
+KERNEL_FAMILIES = (("attention", ("attn", "fmha", "flash", "cudnn", "sdpa")),
+                   ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "matmul", "aten::mm", "addmm", "bmm")),
+                   ("fused by inductor", ("triton_",)),
+                   ("copy and layout", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter")))
+
+
+def kernel_shares(run: Callable[[], Any], cuda: bool, top: int = 25) -> dict[str, Any]:
+    """Device time of ``run`` by kernel under torch's profiler (on a CPU: operators' own CPU
+    time): the ``top`` kernels and each family's share (:data:`KERNEL_FAMILIES`; the rest is
+    "other"), so a low MFU says what to work on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+    kernels = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in prof.key_averages()]
+    kernels = [(name, t) for name, t in kernels if t > 0]
+    total = sum(t for _, t in kernels) or 1.0
+    families: dict[str, float] = {}
+    for name, t in kernels:
+        lowered = name.lower()
+        family = next((f for f, marks in KERNEL_FAMILIES if any(m in lowered for m in marks)), "other")
+        families[family] = families.get(family, 0.0) + t / total
+    ranked = sorted(kernels, key=lambda k: -k[1])[:top]
+    return {"device_ms": total / 1e3, "families": families,
+            "top": [{"kernel": name[:160], "ms": t / 1e3, "share": t / total} for name, t in ranked]}
 
 
 def attention_kernels(heads: int, head_dim: int, tokens: int, repeats: int = 5) -> list[dict[str, Any]]:

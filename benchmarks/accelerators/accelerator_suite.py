@@ -94,7 +94,8 @@ CUDA_DTYPE = torch.bfloat16
 CPU_PRESETS = ("tiny", "small")
 CPU_IMAGE = [32, 128, 128]  # 512 patches: about 1 s per small update step on 2 cores
 CPU_DTYPE = torch.float32
-CUDA_TESTS = ["tests/test_cuda_paths.py", "tests/test_multiprocess_faults.py"]  # where the cuda-marked tests live
+CUDA_TESTS = ["tests/test_cuda_paths.py", "tests/test_multiprocess_faults.py",
+              "tests/test_layer_segmentation.py"]  # where the cuda-marked tests live
 MMAP_THRESHOLD = "65536"
 
 GIB = 1024**3
@@ -438,6 +439,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="end-to-end: per-device batch (default 48 cuda, 2 cpu)")
     parser.add_argument("--workers", type=int, default=8, help="end-to-end: loader workers")
     parser.add_argument("--volumes", type=int, default=48, help="end-to-end: volumes in the prepared store")
+    parser.add_argument("--store", type=Path, help="end-to-end: a uint8 store prepared before at --image-size "
+                        "(`octfw prepare --dtype uint8`), read instead of preparing one")
+    parser.add_argument("--rows", help="end-to-end: preset:batch:compile,... (e.g. small:48:on,large:8:off), "
+                        "instead of every preset x --compile at one --batch")
+    parser.add_argument("--profile", action="store_true",
+                        help="end-to-end: each row's device time by kernel, from two profiled steps")
+    parser.add_argument("--name", default="", help="suffix of the result file (a run of some rows)")
     args = parser.parse_args()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
@@ -512,7 +520,8 @@ def end_to_end_mode(args, device: str, presets: tuple[str, ...], image_size: lis
     import _end_to_end as e2e
     from octfw.engine.throughput import published_peak
 
-    name = "accelerator_suite_end_to_end" if device == "cuda" else "accelerator_suite_end_to_end_cpu"
+    name = ("accelerator_suite_end_to_end" if device == "cuda" else "accelerator_suite_end_to_end_cpu") + (
+        f"_{args.name}" if args.name else "")
     result["rows"] = []
 
     def save(row: dict[str, Any] | None = None) -> None:
@@ -543,19 +552,29 @@ def end_to_end_mode(args, device: str, presets: tuple[str, ...], image_size: lis
     peaks = {"published_peak": published_peak(result.get("device_name", "CPU")),
              "measured_matmul_peak": matmul_peak(8192 if device == "cuda" else 1024, dtype, device)}
     result["peaks_flops"] = peaks
-    folder = e2e.scratch()
-    store, seconds = e2e.prepare_store(folder, image_size, args.volumes, args.workers)
-    result["prepare"] = {"volumes": args.volumes, "seconds": seconds, "dtype": "uint8"}
-    print(f"prepared {args.volumes} volumes in {seconds:.0f} s", flush=True)
+    if args.store:
+        store = args.store
+        result["prepare"] = {"store": str(store), "dtype": "uint8", "prepared_before": True}
+    else:
+        store, seconds = e2e.prepare_store(e2e.scratch(), image_size, args.volumes, args.workers)
+        result["prepare"] = {"volumes": args.volumes, "seconds": seconds, "dtype": "uint8"}
+        print(f"prepared {args.volumes} volumes in {seconds:.0f} s", flush=True)
     save()
     batch = args.batch or (48 if device == "cuda" else 2)
-    for preset in presets:
-        for compiled in args.compile:
-            row = e2e.end_to_end(store, device, preset, image_size, batch, args.workers, compiled,
-                                 args.steps, 3 if compiled else 2, peaks, save)
-            print(f"  {preset} compile={compiled}: " + ", ".join(
-                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-            release()
+    rows = [(p, int(b), c == "on") for p, b, c in (spec.split(":") for spec in args.rows.split(","))] \
+        if args.rows else [(p, batch, c) for p in presets for c in args.compile]
+    for preset, size, compiled in rows:
+        row = e2e.end_to_end(store, device, preset, image_size, size, args.workers, compiled,
+                             args.steps, 3 if compiled else 2, peaks, save, profile=args.profile)
+        print(f"  {preset} batch={size} compile={compiled}: " + ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            if k != "profile"), flush=True)
+        if "profile" in row:
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in row["profile"]["families"].items())
+            print(f"    device time by kernel family: {shares}", flush=True)
+            for kernel in row["profile"]["top"][:12]:
+                print(f"    {kernel['share']:6.1%} {kernel['ms']:9.2f} ms  {kernel['kernel'][:110]}", flush=True)
+        release()
     print(f"written {write_result(name, result).relative_to(ROOT)}")
 
 
