@@ -61,6 +61,8 @@ the seeds' token count (time and largest difference against fp32 math), then
 on, against the same trainer fed one batch from the device. Its JSON,
 ``accelerator_suite_end_to_end.json``, is rewritten after every measurement,
 so a suite stopped early (SIGTERM, a lease running out) leaves what it had.
+``--store`` reads a store prepared before, ``--rows small:48:on,large:8:off`` picks each row's
+preset, batch and compile, and ``--profile`` adds each row's device time by kernel family.
 
     scripts/accelerator_suite.sh [--device auto|cuda|cpu] [--presets small,base,large] [--steps 5]
     scripts/accelerator_suite.sh --mode end-to-end --batch 48 --workers 8 [--presets small,base,large]
