@@ -195,6 +195,21 @@ def fit_part(args: argparse.Namespace) -> None:
               flush=True)
 
 
+#: What a record keeps in the results file: the overall figures and each vendor's mean Dice (the
+#: per-boundary errors, per-vendor layers and intervals stay in the parts' files).
+KEPT = ("mean_dice", "boundary_error_um", "dice_", "val_mean_dice", "selected_epoch", "labelled_volumes")
+
+
+def compact(metrics: dict[str, float]) -> dict[str, float]:
+    kept = {}
+    for key, value in metrics.items():
+        base = key.removeprefix("in_vendor_").removeprefix("cross_vendor_")
+        overall = "/" not in key and (base.startswith(KEPT) and not base.startswith("boundary_error_um_"))
+        if overall or base.startswith("mean_dice/"):
+            kept[key] = round(value, 4)
+    return kept
+
+
 def report(args: argparse.Namespace) -> None:
     parts = [json.loads(p.read_text()) for p in sorted((args.out / "layer_records").glob("part*.json"))]
     records = [r for part in parts for r in part["records"]]
@@ -208,7 +223,9 @@ def report(args: argparse.Namespace) -> None:
         "pretraining": {k: v for k, v in pretrained.items() if k != "runs"}, "runs": pretrained["runs"],
         "eval": {"family": FAMILY, "volumes": args.volumes, "cohort_seed": COHORT_SEED, "draws": args.draws,
                  "shots": SHOTS, "epochs": args.epochs, "decoder": args.decoder, "vendors": VENDORS, "fitted": done},
-        "summary": summary, "records": records})
+        "summary": summary,
+        "records": [{**r, **{encoder: {count: [compact(m) for m in draws] for count, draws in r[encoder].items()}
+                             for encoder in ("pretrained", "random_init")}} for r in records]})
     print(f"{len(done)} (protocol, seed, split) fitted; wrote {path}")
 
 
