@@ -108,10 +108,10 @@ def summarise(records: list[dict[str, Any]], methods: list[str]) -> dict[str, An
         curves = {encoder: {count: mean_std(values) for count in SHOTS
                             if (values := values_of(method, "all vendors", encoder, count, "mean_dice"))}
                   for encoder in ("pretrained", "random_init")}
-        curves["gap"] = {count: mean_std([p[key] - q[key] for r in records
+        curves["gap"] = {count: mean_std([p["mean_dice"] - q["mean_dice"] for r in records
                                           if r["method"] == method and r["protocol"] == "all vendors"
                                           for p, q in zip(r["pretrained"][str(count)], r["random_init"][str(count)])])
-                         for count in curves["pretrained"] for key in ("mean_dice",)}
+                         for count in curves["pretrained"]}
         if ANCHOR in curves["pretrained"]:
             bar = curves["pretrained"][ANCHOR]["mean"]
             needed = volumes_to_reach({c: s["mean"] for c, s in curves["random_init"].items()}, bar)
@@ -180,15 +180,16 @@ def fit_part(args: argparse.Namespace) -> None:
     for protocol, seed, split in items(seeds, args.protocols, args.splits)[args.part::args.parts]:
         recipe = load_eval_recipe(eval_recipe(work, protocol, split, seed, args.volumes, args.epochs, args.decoder),
                                   [], registry)
-        random_fits = None
-        for run in [r for r in runs if r["seed"] == seed]:
-            target = targets[run["job"]]
-            ((_, evaluator),) = build_evaluators(target, recipe, registry)
-            if random_fits is None:  # the random encoder depends on the seed only
-                random_fits = fits(target.random_init, evaluator, split, SHOTS, args.draws, args.device)
+        seeded = [r for r in runs if r["seed"] == seed]
+        # One evaluator for the seed's encoders (one architecture), and one random encoder's fits:
+        # it depends on the seed only.
+        first = targets[seeded[0]["job"]]
+        ((_, evaluator),) = build_evaluators(first, recipe, registry)
+        random_fits = fits(first.random_init, evaluator, split, SHOTS, args.draws, args.device)
+        for run in seeded:
             records.append({"method": run["method"], "seed": seed, "protocol": protocol, "split": split,
-                            "pretrained": {str(k): v for k, v in fits(target.pretrained, evaluator, split, SHOTS,
-                                                                      args.draws, args.device).items()},
+                            "pretrained": {str(k): v for k, v in fits(targets[run["job"]].pretrained, evaluator,
+                                                                      split, SHOTS, args.draws, args.device).items()},
                             "random_init": {str(k): v for k, v in random_fits.items()}})
         path.write_text(json.dumps({"machine": machine(), "device": args.device, "records": records}))
         print(f"part {args.part}: {protocol} seed {seed} split {split} ({time.perf_counter() - started:.0f} s)",
