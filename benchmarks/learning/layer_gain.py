@@ -154,10 +154,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def items(seeds: list[int], protocols: list[str], splits: int) -> list[tuple[str, int, int]]:
+def items(seeds: list[int], protocols: list[str], splits: range) -> list[tuple[str, int, int]]:
     """(protocol, seed, split) in the order worth having first if a run is cut short: every
-    protocol and seed at split 0, then at split 1, and so on."""
-    return [(protocol, seed, split) for split in range(splits) for seed in seeds for protocol in protocols]
+    protocol and seed at the first split, then at the next, and so on."""
+    return [(protocol, seed, split) for split in splits for seed in seeds for protocol in protocols]
 
 
 def fit_part(args: argparse.Namespace) -> None:
@@ -174,10 +174,10 @@ def fit_part(args: argparse.Namespace) -> None:
     seeds = sorted({r["seed"] for r in runs})
     work = Path(tempfile.mkdtemp(prefix="octfw-layer-gain-"))
     targets = {r["job"]: load_target(args.out / "encoders" / f"{r['job']}.pt", r["seed"], registry) for r in runs}
-    path = args.out / "layer_records" / f"part{args.part}.json"
+    path = args.out / "layer_records" / f"part{args.part}{args.tag}.json"
     path.parent.mkdir(exist_ok=True)
     records: list[dict[str, Any]] = []
-    for protocol, seed, split in items(seeds, args.protocols, args.splits)[args.part::args.parts]:
+    for protocol, seed, split in items(seeds, args.protocols, range(args.first_split, args.splits))[args.part::args.parts]:
         recipe = load_eval_recipe(eval_recipe(work, protocol, split, seed, args.volumes, args.epochs, args.decoder),
                                   [], registry)
         seeded = [r for r in runs if r["seed"] == seed]
@@ -236,6 +236,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="family_gain.py pretrain's --out")
     parser.add_argument("--methods", nargs="+", default=["vjepa3d", "vjepa3d-dense", "mae3d"])
     parser.add_argument("--splits", type=int, default=5)
+    parser.add_argument("--first-split", type=int, default=0, help="fit: splits from this one to --splits - 1 "
+                        "(the rest of a run cut short)")
+    parser.add_argument("--tag", default="", help="fit: suffix of this run's part files, beside earlier ones")
     parser.add_argument("--draws", type=int, default=1, help="seeded draws of the labelled volumes per count")
     parser.add_argument("--volumes", type=int, default=VOLUMES, help="labelled cohort size")
     parser.add_argument("--epochs", type=int, help="the decoder's epochs (default: the evaluator's)")
