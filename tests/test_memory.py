@@ -191,8 +191,12 @@ from memory_estimate import CONFIGS, measure_in_fresh_process  # noqa: E402
 @pytest.fixture(scope="module")
 def measured_steps() -> dict:
     """The engine's real update step on the CPU, each configuration in a fresh
-    process (benchmarks/accelerators/memory_estimate.py: tiny and small at two sizes)."""
-    return {config: measure_in_fresh_process(*config) for config in CONFIGS}
+    process (benchmarks/accelerators/memory_estimate.py: tiny and small at two sizes), two at
+    a time: each measures its own process's peak."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(CONFIGS, pool.map(lambda config: measure_in_fresh_process(*config), CONFIGS)))
 
 
 @pytest.mark.slow

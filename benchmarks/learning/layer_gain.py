@@ -18,10 +18,11 @@ family's labelled cohort (cohort seed 1: no volume shared with pretraining), spl
   so each is the labelled one in some splits), tested on that vendor's held-out patients
   (in-vendor) and on every other vendor (cross-vendor). **Vendor drop**: in-vendor minus
   cross-vendor mean Dice; the target is the pretrained encoder's drop at most half the random
-  encoder's.
+  encoder's (at ``--vendor-shots`` labelled volumes, 5 by default).
 
-Nothing is tuned on the test splits: the decoder's epoch is chosen on each split's validation
-patients, and every option but `--decoder` is the evaluator's default.
+Nothing is tuned on the test splits: the decoder's network is chosen on each split's validation
+patients, and every option but `--decoder` is the evaluator's default (``--min-steps`` and
+``--vendor-shots``, 5 labelled volumes, trade the fits' cost).
 
     OMP_NUM_THREADS=1 PJRT_DEVICE=CPU python benchmarks/learning/family_gain.py pretrain --out /tmp/lg \\
         --methods vjepa3d vjepa3d-dense mae3d --settings in-domain --seeds 0 1 --updates 4000 --jobs 2
@@ -53,7 +54,7 @@ ANCHOR = 5  # labelled volumes at which the pretrained encoder's Dice sets the b
 PROTOCOLS = ("all vendors", "one vendor")
 
 
-def eval_recipe(folder: Path, protocol: str, split: int, seed: int, volumes: int, epochs: int | None,
+def eval_recipe(folder: Path, protocol: str, split: int, seed: int, volumes: int, min_steps: int | None,
                 decoder: str = "unetr") -> Path:
     import tomli_w
 
@@ -62,8 +63,8 @@ def eval_recipe(folder: Path, protocol: str, split: int, seed: int, volumes: int
         "dataset": {"name": "phantom-oct", "family": FAMILY, "n_volumes": volumes, "seed": COHORT_SEED}}
     if protocol == "one vendor":
         evaluator["train_domains"] = [VENDORS[split % len(VENDORS)]]
-    if epochs:
-        evaluator["epochs"] = epochs
+    if min_steps is not None:
+        evaluator["min_steps"] = min_steps
     path = folder / f"eval_{protocol.replace(' ', '_')}_{split}_{seed}.toml"
     path.write_text(tomli_w.dumps({"run": {"seed": seed, "device": "cpu"}, "evaluator": [evaluator]}))
     return path
@@ -170,7 +171,8 @@ def fit_part(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     registry = load_registry()
     runs = [r for r in json.loads((args.out / "pretrain.json").read_text())["runs"]
-            if r["method"] in args.methods and r["setting"] == "in-domain"]
+            if r["method"] in args.methods and r["setting"] == "in-domain"
+            and (args.seeds is None or r["seed"] in args.seeds)]
     seeds = sorted({r["seed"] for r in runs})
     work = Path(tempfile.mkdtemp(prefix="octfw-layer-gain-"))
     targets = {r["job"]: load_target(args.out / "encoders" / f"{r['job']}.pt", r["seed"], registry) for r in runs}
@@ -178,18 +180,19 @@ def fit_part(args: argparse.Namespace) -> None:
     path.parent.mkdir(exist_ok=True)
     records: list[dict[str, Any]] = []
     for protocol, seed, split in items(seeds, args.protocols, range(args.first_split, args.splits))[args.part::args.parts]:
-        recipe = load_eval_recipe(eval_recipe(work, protocol, split, seed, args.volumes, args.epochs, args.decoder),
+        recipe = load_eval_recipe(eval_recipe(work, protocol, split, seed, args.volumes, args.min_steps, args.decoder),
                                   [], registry)
+        shots = SHOTS if protocol == "all vendors" else tuple(args.vendor_shots)
         seeded = [r for r in runs if r["seed"] == seed]
         # One evaluator for the seed's encoders (one architecture), and one random encoder's fits:
         # it depends on the seed only.
         first = targets[seeded[0]["job"]]
         ((_, evaluator),) = build_evaluators(first, recipe, registry)
-        random_fits = fits(first.random_init, evaluator, split, SHOTS, args.draws, args.device)
+        random_fits = fits(first.random_init, evaluator, split, shots, args.draws, args.device)
         for run in seeded:
             records.append({"method": run["method"], "seed": seed, "protocol": protocol, "split": split,
                             "pretrained": {str(k): v for k, v in fits(targets[run["job"]].pretrained, evaluator,
-                                                                      split, SHOTS, args.draws, args.device).items()},
+                                                                      split, shots, args.draws, args.device).items()},
                             "random_init": {str(k): v for k, v in random_fits.items()}})
         path.write_text(json.dumps({"machine": machine(), "device": args.device, "records": records}))
         print(f"part {args.part}: {protocol} seed {seed} split {split} ({time.perf_counter() - started:.0f} s)",
@@ -198,7 +201,7 @@ def fit_part(args: argparse.Namespace) -> None:
 
 #: What a record keeps in the results file: the overall figures and each vendor's mean Dice (the
 #: per-boundary errors, per-vendor layers and intervals stay in the parts' files).
-KEPT = ("mean_dice", "boundary_error_um", "dice_", "val_mean_dice", "selected_epoch", "labelled_volumes")
+KEPT = ("mean_dice", "boundary_error_um", "dice_", "val_mean_dice", "selected_step", "steps", "labelled_volumes")
 
 
 def compact(metrics: dict[str, float]) -> dict[str, float]:
@@ -223,7 +226,8 @@ def report(args: argparse.Namespace) -> None:
         "machine_fitted": parts[0]["machine"] if parts else None, "device": parts[0]["device"] if parts else None,
         "pretraining": {k: v for k, v in pretrained.items() if k != "runs"}, "runs": pretrained["runs"],
         "eval": {"family": FAMILY, "volumes": args.volumes, "cohort_seed": COHORT_SEED, "draws": args.draws,
-                 "shots": SHOTS, "epochs": args.epochs, "decoder": args.decoder, "vendors": VENDORS, "fitted": done},
+                 "shots": SHOTS, "vendor_shots": args.vendor_shots, "min_steps": args.min_steps,
+                 "decoder": args.decoder, "vendors": VENDORS, "fitted": done},
         "summary": summary,
         "records": [{**r, **{encoder: {count: [compact(m) for m in draws] for count, draws in r[encoder].items()}
                              for encoder in ("pretrained", "random_init")}} for r in records]})
@@ -241,7 +245,10 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="fit: suffix of this run's part files, beside earlier ones")
     parser.add_argument("--draws", type=int, default=1, help="seeded draws of the labelled volumes per count")
     parser.add_argument("--volumes", type=int, default=VOLUMES, help="labelled cohort size")
-    parser.add_argument("--epochs", type=int, help="the decoder's epochs (default: the evaluator's)")
+    parser.add_argument("--min-steps", type=int, help="the decoder's least update steps (default: the evaluator's)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="fit: only these pretraining seeds (default: all)")
+    parser.add_argument("--vendor-shots", type=int, nargs="+", default=[ANCHOR],
+                        help="fit: labelled volumes of the one-vendor protocol (default: %(default)s)")
     parser.add_argument("--decoder", default="unetr", choices=["unetr", "linear"],
                         help="the evaluator's decoder (linear: the final tokens alone, no skip from the volume)")
     parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)

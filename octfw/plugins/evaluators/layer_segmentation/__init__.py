@@ -92,8 +92,18 @@ class LayerSegmentationConfig:
         "k blocks and final norm; 'all', the whole encoder, patch embedding included",
         default=0, validator=_blocks,
     )
-    epochs: int = doc("passes over the labelled volumes; the validation split is scored after each",
+    epochs: int = doc("passes over the labelled volumes (or min_steps updates, whichever is more)",
                       default=30, validator=positive)
+    min_steps: int = doc(
+        "update steps at least, whatever the label budget: 1 labelled volume trains min_steps steps, "
+        "not epochs (an epoch of one volume is one step); 0: epochs alone",
+        default=1000, validator=non_negative,
+    )
+    validations: int = doc(
+        "times the validation split is scored, evenly spaced over the fit (the last after its last step); "
+        "the best chooses the network that predicts the test split",
+        default=10, validator=positive,
+    )
     fit_batch_size: int = doc(
         "volumes per update step (capped at the labelled volumes; every step is full)",
         default=4, validator=positive,

@@ -306,7 +306,8 @@ class LayerSegmentationEvaluator:
         result = fit_segmentation(
             decoder, encoder, [x[fit_index] for x in encoded.train], encoded.train_layers[fit_index],
             [x[val_index] for x in encoded.train], encoded.train_layers[val_index], encoded.test,
-            blocks=config.blocks, taps=encoded.taps, epochs=config.epochs, batch_size=config.fit_batch_size,
+            blocks=config.blocks, taps=encoded.taps, epochs=config.epochs, min_steps=config.min_steps,
+            validations=config.validations, batch_size=config.fit_batch_size,
             lr=config.lr, layer_decay=config.layer_decay, weight_decay=config.weight_decay, seed=config.seed,
             eval_batch_size=config.batch_size, sync=sync)
         predicted, truth = result.predictions.numpy(), np.stack(test.layers)
@@ -323,7 +324,8 @@ class LayerSegmentationEvaluator:
                 predicted[keep], truth[keep], keys, test.axial_um[keep], [test.domains[i] for i in keep],
                 prefix=prefix, groups=None if test.groups is None else [test.groups[i] for i in keep],
                 bootstrap=config.bootstrap, seed=config.split_seed))
-        out["selected_epoch"] = float(result.selected_epoch)
+        out["selected_step"] = float(result.selected_step)
+        out["steps"] = float(result.steps)
         out["val_mean_dice"] = result.val_mean_dice
         out["trained_parameters"] = float(result.trained_parameters)
         out["labelled_volumes"] = float(len(positions))
