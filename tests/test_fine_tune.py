@@ -132,7 +132,7 @@ def test_a_fit_is_deterministic_for_a_seed_whatever_the_global_generator():
     test_x, _ = _corners(10, seed=1)
     with torch.no_grad():  # the last block trains: its inputs are the first block's tokens
         train_x, test_x = frozen_prefix(encoder, 1, train_x), frozen_prefix(encoder, 1, test_x)
-    options = dict(blocks=1, epochs=3, batch_size=4, lr=3e-3, seed=5)
+    options = dict(blocks=1, epochs=3, head_epochs=5, batch_size=4, lr=3e-3, seed=5)
     val_x, val_y = train_x[:6], train_y[:6]
     torch.manual_seed(1)
     first = fine_tune(encoder, train_x, train_y, val_x, val_y, test_x, 2, **options).test_probabilities
@@ -207,6 +207,7 @@ def test_shots_run_with_the_fine_tune_evaluator_and_write_its_rows(tmp_path, cap
         dataset = { name = "synthetic-oct", n_volumes = 24, labels = true, seed = 5 }
         blocks = 1
         epochs = 2
+        head_epochs = 5
         bootstrap = 50
     """), encoding="utf-8")
     png = tmp_path / "shots.png"
@@ -229,7 +230,7 @@ def test_a_fit_that_only_ever_answers_one_class_says_so():
         tokens = frozen_prefix(encoder, 1, torch.zeros(16, 1, *IMAGE))
     labels = torch.tensor([0, 0, 0, 1] * 4)
     result = fine_tune(encoder, tokens, labels, tokens[:8], labels[:8], tokens[:4], 2, blocks=1, epochs=3,
-                       batch_size=4, lr=1e-3)
+                       head_epochs=5, batch_size=4, lr=1e-3)
     assert result.single_class
     assert (result.test_probabilities.argmax(dim=1) == 0).all()
 
