@@ -109,6 +109,10 @@ def summarise(records: list[dict[str, Any]], methods: list[str]) -> dict[str, An
         curves = {encoder: {count: mean_std(values) for count in SHOTS
                             if (values := values_of(method, "all vendors", encoder, count, "mean_dice"))}
                   for encoder in ("pretrained", "random_init")}
+        entry["boundary_error_um"] = {
+            encoder: {count: mean_std(values) for count in SHOTS
+                      if (values := values_of(method, "all vendors", encoder, count, "boundary_error_um"))}
+            for encoder in ("pretrained", "random_init")}
         curves["gap"] = {count: mean_std([p["mean_dice"] - q["mean_dice"] for r in records
                                           if r["method"] == method and r["protocol"] == "all vendors"
                                           for p, q in zip(r["pretrained"][str(count)], r["random_init"][str(count)])])
@@ -141,6 +145,10 @@ def format_summary(summary: dict[str, Any]) -> str:
                 g = s["curves"]["gap"][count]
                 lines.append(f"  {count:>3}: {p['mean']:.3f} ± {p['std']:.3f}   {r['mean']:.3f} ± {r['std']:.3f}   "
                              f"gap {g['mean']:+.3f} ± {g['std']:.3f}")
+            errors = s["boundary_error_um"]
+            lines.append("  boundary error (µm), pretrained / random init: " + ", ".join(
+                f"{count}: {errors['pretrained'][count]['mean']:.1f} / {errors['random_init'][count]['mean']:.1f}"
+                for count in errors["pretrained"]))
             lines.append(f"  labels saved: random needs {s['random_volumes_to_reach']:.1f} volumes for the "
                          f"pretrained encoder's {s['pretrained_at_anchor']:.3f} at {ANCHOR}: "
                          f"{s['labels_saved']:.2f}x (target 2x)")
