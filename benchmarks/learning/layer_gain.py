@@ -101,7 +101,7 @@ def summarise(records: list[dict[str, Any]], methods: list[str]) -> dict[str, An
     the vendor drop, for the pretrained and the random encoder."""
     def values_of(method: str, protocol: str, encoder: str, count: int, key: str) -> list[float]:
         return [m[key] for r in records if r["method"] == method and r["protocol"] == protocol
-                for m in r[encoder][str(count)] if key in m]
+                for m in r[encoder].get(str(count), []) if key in m]
 
     summary: dict[str, Any] = {}
     for method in methods:
