@@ -223,6 +223,11 @@ def compact(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def report(args: argparse.Namespace) -> None:
+    import attrs
+
+    from octfw.plugins.evaluators.layer_segmentation import LayerSegmentationConfig
+
+    min_steps = attrs.fields(LayerSegmentationConfig).min_steps.default if args.min_steps is None else args.min_steps
     parts = [json.loads(p.read_text()) for p in sorted((args.out / "layer_records").glob("part*.json"))]
     records = [r for part in parts for r in part["records"]]
     pretrained = json.loads((args.out / "pretrain.json").read_text())
@@ -234,7 +239,7 @@ def report(args: argparse.Namespace) -> None:
         "machine_fitted": parts[0]["machine"] if parts else None, "device": parts[0]["device"] if parts else None,
         "pretraining": {k: v for k, v in pretrained.items() if k != "runs"}, "runs": pretrained["runs"],
         "eval": {"family": FAMILY, "volumes": args.volumes, "cohort_seed": COHORT_SEED, "draws": args.draws,
-                 "shots": SHOTS, "vendor_shots": args.vendor_shots, "min_steps": args.min_steps,
+                 "shots": SHOTS, "vendor_shots": args.vendor_shots, "min_steps": min_steps,
                  "decoder": args.decoder, "vendors": VENDORS, "fitted": done},
         "summary": summary,
         "records": [{**r, **{encoder: {count: [compact(m) for m in draws] for count, draws in r[encoder].items()}
