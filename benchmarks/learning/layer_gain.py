@@ -21,8 +21,7 @@ family's labelled cohort (cohort seed 1: no volume shared with pretraining), spl
   encoder's (at ``--vendor-shots`` labelled volumes, 5 by default).
 
 Nothing is tuned on the test splits: the decoder's network is chosen on each split's validation
-patients, and every option but `--decoder` is the evaluator's default (``--min-steps`` and
-``--vendor-shots``, 5 labelled volumes, trade the fits' cost).
+patients, and every evaluator option but `--decoder` (and `--min-steps`, where given) is its default.
 
     OMP_NUM_THREADS=1 PJRT_DEVICE=CPU python benchmarks/learning/family_gain.py pretrain --out /tmp/lg \\
         --methods vjepa3d vjepa3d-dense mae3d --settings in-domain --seeds 0 1 --updates 4000 --jobs 2
