@@ -122,6 +122,24 @@ def test_a_running_2_worker_cluster_prepares_the_cohort_with_its_quarantine(coho
     assert_views_travel_as_stored(dataset, transform, torch.float16)
 
 
+def test_a_prepare_beside_another_dask_cluster_says_nothing_of_port_8787(write_recipe, tmp_path, recwarn):
+    """Dask's HTTP server takes 8787 by default and warns when another cluster (a second prepare,
+    a notebook's) holds it; a prepare's local cluster takes a free port instead."""
+    import socket
+
+    folder = tmp_path / "cohort"
+    write_synthetic_cohort(folder, 2, shapes=SHAPES, seed=5)
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            holder.bind(("", 8787))
+            holder.listen()
+        except OSError:
+            pass  # another process holds it already: the same case
+        assert prepare(dicom_recipe(write_recipe, folder / "manifest.jsonl"), tmp_path / "prepared", workers=1).volumes == 2
+    assert not [str(w.message) for w in recwarn if "8787" in str(w.message)]
+
+
 def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_output(write_recipe, tmp_path):
     """Devices export 8-bit voxels: stored as uint8 (round(255 x)), at most 1/510 from prepare()."""
     folder = tmp_path / "cohort8"

@@ -332,8 +332,11 @@ def _start_client(scheduler: str | None, workers: int) -> tuple[Any, Any]:
             raise UserError(f"--scheduler {scheduler!r} is not a Dask scheduler address ({exc})") from None
     # Processes, one thread each: prepare is CPU-bound numpy/torch work that
     # holds the GIL in places; separate processes scale it with the cores.
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                           dashboard_address=None, silence_logs=logging.CRITICAL)  # failures: said once, here
+    # No dashboard; the scheduler's HTTP server (health checks) still starts, on a free port
+    # (":0"): by default it takes 8787 and warns when another cluster holds it.
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                           scheduler_kwargs={"dashboard": False},
+                           silence_logs=logging.CRITICAL)  # failures: said once, here
     client = Client(cluster)
     client.run(_quiet_library_logs)  # a store's retries and tracebacks are not the console's
     return client, cluster
