@@ -4,8 +4,8 @@ The encoders are those ``benchmarks/learning/family_gain.py pretrain --settings 
 exports: V-JEPA, its 2.1 dense variant and MAE, each pretrained on 240 unlabelled volumes of
 every vendor of the ``held-out`` phantom family (cohort seed 0), a seed per run. Each is judged
 against a randomly initialised encoder of the same architecture and seed (``octfw eval``'s
-baseline) by the ``layer-segmentation`` evaluator (frozen encoder; ``--decoder``: UNETR-style, the
-default, or linear from the final tokens alone) on the
+baseline) by the ``layer-segmentation`` evaluator (the encoder frozen, or with ``--blocks all`` fine-tuned
+with the decoder; ``--decoder``: UNETR-style, the default, or linear from the final tokens alone) on the
 family's labelled cohort (cohort seed 1: no volume shared with pretraining), split by patient,
 ``--splits`` times:
 
@@ -21,7 +21,8 @@ family's labelled cohort (cohort seed 1: no volume shared with pretraining), spl
   encoder's (at ``--vendor-shots`` labelled volumes, 5 by default).
 
 Nothing is tuned on the test splits: the decoder's network is chosen on each split's validation
-patients, and every evaluator option but `--decoder` (and `--min-steps`, where given) is its default.
+patients, and every evaluator option but `--decoder` (and `--min-steps` and `--blocks`, where given) is its
+default.
 
     OMP_NUM_THREADS=1 PJRT_DEVICE=CPU python benchmarks/learning/family_gain.py pretrain --out /tmp/lg \\
         --methods vjepa3d vjepa3d-dense mae3d --settings in-domain --seeds 0 1 --updates 4000 --jobs 2
@@ -54,7 +55,7 @@ PROTOCOLS = ("all vendors", "one vendor")
 
 
 def eval_recipe(folder: Path, protocol: str, split: int, seed: int, volumes: int, min_steps: int | None,
-                decoder: str = "unetr") -> Path:
+                decoder: str = "unetr", blocks: int | str = 0) -> Path:
     import tomli_w
 
     evaluator: dict[str, Any] = {
@@ -64,6 +65,8 @@ def eval_recipe(folder: Path, protocol: str, split: int, seed: int, volumes: int
         evaluator["train_domains"] = [VENDORS[split % len(VENDORS)]]
     if min_steps is not None:
         evaluator["min_steps"] = min_steps
+    if blocks != 0:
+        evaluator["blocks"] = blocks
     path = folder / f"eval_{protocol.replace(' ', '_')}_{split}_{seed}.toml"
     path.write_text(tomli_w.dumps({"run": {"seed": seed, "device": "cpu"}, "evaluator": [evaluator]}))
     return path
@@ -187,8 +190,8 @@ def fit_part(args: argparse.Namespace) -> None:
     path.parent.mkdir(exist_ok=True)
     records: list[dict[str, Any]] = []
     for protocol, seed, split in items(seeds, args.protocols, range(args.first_split, args.splits))[args.part::args.parts]:
-        recipe = load_eval_recipe(eval_recipe(work, protocol, split, seed, args.volumes, args.min_steps, args.decoder),
-                                  [], registry)
+        recipe = load_eval_recipe(eval_recipe(work, protocol, split, seed, args.volumes, args.min_steps,
+                                              args.decoder, args.blocks), [], registry)
         shots = SHOTS if protocol == "all vendors" else tuple(args.vendor_shots)
         seeded = [r for r in runs if r["seed"] == seed]
         # One evaluator for the seed's encoders (one architecture), and one random encoder's fits:
@@ -239,11 +242,15 @@ def report(args: argparse.Namespace) -> None:
         "pretraining": {k: v for k, v in pretrained.items() if k != "runs"}, "runs": pretrained["runs"],
         "eval": {"family": FAMILY, "volumes": args.volumes, "cohort_seed": COHORT_SEED, "draws": args.draws,
                  "shots": SHOTS, "vendor_shots": args.vendor_shots, "min_steps": min_steps,
-                 "decoder": args.decoder, "vendors": VENDORS, "fitted": done},
+                 "decoder": args.decoder, "blocks": args.blocks, "vendors": VENDORS, "fitted": done},
         "summary": summary,
         "records": [{**r, **{encoder: {count: [compact(m) for m in draws] for count, draws in r[encoder].items()}
                              for encoder in ("pretrained", "random_init")}} for r in records]})
     print(f"{len(done)} (protocol, seed, split) fitted; wrote {path}")
+
+
+def blocks_option(value: str) -> int | str:
+    return value if value == "all" else int(value)
 
 
 def main() -> None:
@@ -263,6 +270,9 @@ def main() -> None:
                         help="fit: labelled volumes of the one-vendor protocol (default: %(default)s)")
     parser.add_argument("--decoder", default="unetr", choices=["unetr", "linear"],
                         help="the evaluator's decoder (linear: the final tokens alone, no skip from the volume)")
+    parser.add_argument("--blocks", type=blocks_option, default=0,
+                        help="what of the encoder trains with the decoder: 0 (frozen, the evaluator's default), "
+                        "the last k blocks or 'all'")
     parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--part", type=int, default=0, help="fit: this process's part, 0 to --parts - 1")
