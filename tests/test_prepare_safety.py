@@ -358,14 +358,15 @@ class DiskEmulator(GCSEmulator):
         meta = self.folder / ".cloudstorage" / ".meta"
         for _ in range(1000):
             os.killpg(self.process.pid, signal.SIGSTOP)  # frozen, the index cannot change under the check
-            if _whole_json_or_absent(meta):
+            whole = _whole_json_or_absent(meta)
+            if whole:
                 break
             os.killpg(self.process.pid, signal.SIGCONT)
             time.sleep(0.001)
-        else:
-            raise RuntimeError(f"{meta} stayed half-written for 1000 tries")
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        if not whole:
+            raise RuntimeError(f"{meta} stayed half-written for 1000 tries")
 
 
 def _whole_json_or_absent(path: Path) -> bool:
