@@ -39,17 +39,24 @@ class GCSEmulator:
             [str(exe), "start", "--host", "127.0.0.1", "--port", str(self.port), "--in-memory"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
-        deadline = time.monotonic() + 30
+        self.wait_until_listening(30)
+        return self
+
+    def wait_until_listening(self, timeout_s: float, log: Path | None = None) -> None:
+        """Return once the started emulator takes connections; raise at once if it exits (with the
+        last line of ``log``, where its output goes), or after ``timeout_s``, stopping it."""
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
+                    return
             except OSError:
                 if self.process.poll() is not None:
-                    raise RuntimeError("gcp-storage-emulator exited at start")
+                    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log else []
+                    raise RuntimeError(f"gcp-storage-emulator exited at start: {tail}")
                 time.sleep(0.1)
         self.stop()
-        raise RuntimeError("gcp-storage-emulator did not open its port within 30 s")
+        raise RuntimeError(f"gcp-storage-emulator did not open its port within {timeout_s} s")
 
     def filesystem(self):
         """A fresh gcsfs filesystem pointed at this emulator (no instance cache)."""

@@ -322,6 +322,7 @@ class DiskEmulator(GCSEmulator):
     def __init__(self, folder: Path):
         super().__init__()
         self.folder = folder
+        self.objects = folder / ".cloudstorage"  # where it keeps each bucket's objects and its index
 
     def start(self) -> "DiskEmulator":
         exe = Path(sys.executable).with_name("gcp-storage-emulator")
@@ -334,17 +335,8 @@ class DiskEmulator(GCSEmulator):
                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         # Restarted mid-prepare, it starts beside a driver and its Dask workers retrying at full
         # speed: on 2 loaded cores its start once took over 30 s (a fresh-clone CI run).
-        deadline = time.monotonic() + START_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return self
-            except OSError:
-                if self.process.poll() is not None:
-                    tail = log.read_text(errors="replace").strip().splitlines()[-1:]
-                    raise RuntimeError(f"gcp-storage-emulator exited at start: {tail}")
-                time.sleep(0.1)
-        raise RuntimeError(f"gcp-storage-emulator did not open its port within {START_WAIT_S} s")
+        self.wait_until_listening(START_WAIT_S, log)
+        return self
 
     def stop(self) -> None:
         """Takes the store down at once, but never while the emulator rewrites its own index.
@@ -355,7 +347,7 @@ class DiskEmulator(GCSEmulator):
         """
         if self.process is None or self.process.poll() is not None:
             return
-        meta = self.folder / ".cloudstorage" / ".meta"
+        meta = self.objects / ".meta"
         for _ in range(1000):
             os.killpg(self.process.pid, signal.SIGSTOP)  # frozen, the index cannot change under the check
             whole = _whole_json_or_absent(meta)
@@ -396,7 +388,7 @@ def _prepare_until_the_store_stops(write_recipe, tmp_path, monkeypatch, bucket: 
     running = subprocess.Popen([sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", location,
                                 "--workers", "1"], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    entries = tmp_path / "gcs" / ".cloudstorage" / bucket / "cohort" / "entries"
+    entries = emulator.objects / bucket / "cohort" / "entries"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(entries.glob("*.json")) if entries.exists() else []) < 2:
         time.sleep(0.05)
