@@ -35,21 +35,24 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a recipe value, e.g. --set engine.base_lr=1e-4 (repeatable)")
 
 
-def load_registry_once() -> Registry:
+def load_registry_once(*, report_failures: bool = True) -> Registry:
     """The command's one registry: plugins are discovered here and passed down.
-    A plugin that failed to load is a warning, not an error (the others still work)."""
+    A plugin that failed to load (or one of its commands) is a warning, not an error (the
+    others still work); ``report_failures=False`` where another process names them (a
+    launched job's worker: its launcher loaded the same plugins and said so once)."""
     from octfw.registry import load_registry
 
     registry = load_registry()
-    for failure in registry.failures:
+    for failure in registry.failures if report_failures else ():
         logging.getLogger(__name__).warning(str(failure))
     return registry
 
 
-def load_recipe_from_args(args: argparse.Namespace) -> tuple[Recipe, Registry]:
+def load_recipe_from_args(args: argparse.Namespace, *, report_failures: bool = True) -> tuple[Recipe, Registry]:
     """(recipe, registry) for a command that takes RECIPE and --set (:func:`add_recipe_arguments`);
-    a bad recipe raises :class:`octfw.errors.RecipeError`, every problem in it listed."""
+    a bad recipe raises :class:`octfw.errors.RecipeError`, every problem in it listed.
+    ``report_failures``: as for :func:`load_registry_once`."""
     from octfw.recipe import load_recipe
 
-    registry = load_registry_once()
+    registry = load_registry_once(report_failures=report_failures)
     return load_recipe(args.recipe, args.set or (), registry), registry

@@ -8,9 +8,12 @@ parsing lives in the feature it serves (:mod:`octfw.engine`,
 :mod:`octfw.diagnostics`, :mod:`octfw.evaluation`, :mod:`octfw.encoder`, a
 component's package). User mistakes (bad recipe, missing file, unknown
 component, two commands of one name) print one readable message per problem and
-exit with code 2; ``--debug`` shows the traceback. A reader of stdout that goes
-away (``octfw list | head -2``) ends the command quietly, exit 141. ``--help``,
-``list``, ``show`` and recipe validation never import torch.
+exit with code 2; ``--debug`` shows the traceback. A plugin's command whose
+arguments cannot be added is left out (a failure of its plugin, as ``octfw list``
+shows), the other commands run, and asking for it says why in one line, exit 2.
+A reader of stdout that goes away (``octfw list | head -2``) ends the command
+quietly, exit 141. ``--help``, ``list``, ``show`` and recipe validation never
+import torch.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 from typing import Sequence
 
 import octfw.commands
-from octfw.errors import UserError
+from octfw.errors import PluginError, UserError
 from octfw.exit_codes import BROKEN_PIPE_EXIT_CODE
 from octfw.version import __version__
 
@@ -64,18 +67,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str], list]:
 
 
 def _add_plugin_command(subparsers: argparse._SubParsersAction, command, *, third_party: bool) -> None:
-    from octfw.errors import PluginError
-
     shown = f"{command.summary} ({command.distribution} {command.version})" if third_party else command.summary
     # argparse %-formats a subcommand's help (for %(prog)s): a plugin's '%' is shown as written.
     parser = subparsers.add_parser(command.name, help=shown.replace("%", "%%"), description=command.summary)
-    try:
-        command.add_arguments(parser)
-    except Exception as exc:  # noqa: BLE001 - named, in one line: the fix is in that plugin
-        if not third_party:
-            raise
-        raise PluginError(f"command {command.name!r} of {command.origin} failed to add its arguments: "
-                          f"{type(exc).__name__}: {exc}; block it with OCTFW_DISABLE_PLUGINS={command.plugin}") from exc
+    # A third-party add_arguments that raises never gets here: load_commands tried it on a parser
+    # of its own and left the command out (a failure of its plugin), so the other commands run.
+    command.add_arguments(parser)
     parser.set_defaults(func=command)
 
 
@@ -104,6 +101,11 @@ def _run_command(argv: Sequence[str] | None) -> int:
         return exc.exit_code
     command = next((word for word in argv if not word.startswith("-")), None)
     if failures and command is not None and command not in commands:
+        failed = next((failure for failure in failures if failure.command == command), None)
+        if failed is not None:  # this very command failed to load (the others run): why, in one line
+            error = PluginError(str(failed))
+            print(error.console_text(), file=sys.stderr)
+            return error.exit_code
         # Perhaps the command of a plugin that failed to load: say so before argparse refuses the name.
         setup_console_logging(debug="--debug" in argv)
         for failure in failures:

@@ -124,7 +124,9 @@ class RegisterCommand(Protocol):
       installed plugin's.
     - ``add_arguments(parser)``: adds the command's arguments to its
       ``argparse.ArgumentParser`` (octfw makes the parser, named and described);
-      called every time ``octfw`` starts, so it only declares arguments.
+      called every time ``octfw`` starts, first on a parser of its own, so it
+      only declares arguments. One that raises leaves that command out, reported
+      like a failed registration; the other commands run.
     - ``run(args) -> int``: does the work with the parsed ``argparse.Namespace``
       and returns the exit code (0: done). A callable or a ``"module:function"``
       string imported only when the command runs. A
@@ -325,8 +327,9 @@ class OctfwSpecs:
         A name taken by one of octfw's own commands or by another plugin's is
         refused when ``octfw`` starts, in one line naming both distributions
         (exit code 2); ``OCTFW_DISABLE_PLUGINS`` blocks a plugin. A plugin that
-        fails to import or whose registration raises is reported by the
-        commands that load the registry (and when its command is asked for),
+        fails to import or whose registration raises, or a command whose
+        ``add_arguments`` raises, is reported by the commands that load the
+        registry (``octfw list`` among them) and when its command is asked for,
         and the other commands still work.
 
         Hot path: no. Commands run outside training; nothing here touches a

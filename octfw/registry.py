@@ -140,14 +140,20 @@ class Component:
 
 @attrs.frozen
 class PluginFailure:
-    """A third-party plugin that could not be imported or registered."""
+    """A third-party plugin that could not be imported or registered, or, with ``command``, one
+    of its commands that could not add its arguments (left out; the plugin's other commands and
+    its components work)."""
 
     distribution: str
     entry_point: str
     error: str
+    command: str | None = None
 
     def __str__(self) -> str:
-        return f"plugin {self.entry_point!r} from {self.distribution} failed to load: {self.error}"
+        if self.command is None:
+            return f"plugin {self.entry_point!r} from {self.distribution} failed to load: {self.error}"
+        return (f"command {self.command!r} of plugin {self.entry_point!r} from {self.distribution} failed to "
+                f"load: {self.error}; block the plugin with {DISABLE_ENV}={self.entry_point}")
 
 
 @attrs.define
@@ -263,10 +269,13 @@ def load_registry(
     """Build a plugin manager and collect every component it registers.
 
     A third-party plugin whose registration raises is reported as a failure
-    and its components are dropped; a duplicate name is an error.
+    and its components are dropped; a duplicate name is an error. The failures
+    include those of the plugins' commands (:func:`load_commands`), so that
+    ``octfw list`` and every command that loads the registry name them.
     """
     pm, failures, origins = make_plugin_manager(builtins, entry_points)
     registry = Registry(failures=failures)
+    list(_commands(pm, origins, failures))  # for their failures: the commands themselves are the CLI's
     for plugin_name, (dist, version) in origins.items():
         if dist != BUILTIN_DISTRIBUTION:
             registry.distributions[dist] = version
@@ -342,6 +351,39 @@ class Command:
         return run(args)
 
 
+def _command(origin: tuple[str, str, str], name: Any, add_arguments: Any, run: Any, summary: str) -> Command:
+    """The :class:`Command` of one ``register(name, add_arguments, run, summary)`` call; a
+    malformed one raises (its plugin's registration fails)."""
+    if not isinstance(name, str) or not _COMMAND_NAME.fullmatch(name):
+        raise TypeError(f"command name {name!r}: lower-case letters, digits and '-', starting with a letter")
+    if not callable(add_arguments):
+        raise TypeError(f"command {name!r}: add_arguments must be a callable taking the command's parser")
+    if not (callable(run) or (isinstance(run, str) and ":" in run)):
+        raise TypeError(f"command {name!r}: run must be a callable or a 'module:function' string")
+    dist, version, plugin = origin
+    return Command(name, add_arguments, run, summary.strip(), dist, version, plugin)
+
+
+def _commands(pm: pluggy.PluginManager, origins: dict[str, tuple[str, str]],
+              failures: list[PluginFailure]) -> Iterable[Command]:
+    """Every command the plugins register, in registration order, less those that fail.
+
+    A third-party command's ``add_arguments`` is tried on a parser of its own first: one that
+    raises would leave a half-built subcommand in ``octfw``'s parser and stop every command
+    (``octfw run`` and a job's workers too), so it is a failure of that command alone, which
+    is left out. A built-in's is not tried: its failure is octfw's bug, raised where it runs."""
+    for registered in _registrations(pm, hookspecs.COMMANDS_HOOK, origins, failures, _command):
+        for item in registered:
+            if item.distribution != BUILTIN_DISTRIBUTION:
+                try:
+                    item.add_arguments(argparse.ArgumentParser(prog=f"octfw {item.name}"))
+                except Exception as exc:  # noqa: BLE001 - the fix is in that plugin; the rest works
+                    failures.append(PluginFailure(item.distribution, item.plugin,
+                                                  f"add_arguments raised {type(exc).__name__}: {exc}", item.name))
+                    continue
+            yield item
+
+
 def load_commands(
     reserved: Iterable[str] = (),
     builtins: Iterable[str] | None = None,
@@ -352,37 +394,27 @@ def load_commands(
     ``reserved`` are the names of octfw's own commands. A command named like one of them or
     like another plugin's command is a :class:`~octfw.errors.PluginError` naming both
     distributions. A third-party plugin that fails to import, registers a command with a
-    malformed name or whose registration raises is a failure (its commands dropped); the
-    caller decides when to report failures (the registry's commands report them already).
+    malformed name or whose registration raises is a failure (its commands dropped); a
+    third-party command whose ``add_arguments`` raises is a failure of that command alone
+    (dropped, :attr:`PluginFailure.command` naming it). The caller decides when to report
+    failures (the registry's commands report them already: :func:`load_registry` has them too).
     """
     pm, failures, origins = make_plugin_manager(builtins, entry_points)
-
-    def command(origin, name, add_arguments, run, summary):
-        if not isinstance(name, str) or not _COMMAND_NAME.fullmatch(name):
-            raise TypeError(f"command name {name!r}: lower-case letters, digits and '-', starting with a letter")
-        if not callable(add_arguments):
-            raise TypeError(f"command {name!r}: add_arguments must be a callable taking the command's parser")
-        if not (callable(run) or (isinstance(run, str) and ":" in run)):
-            raise TypeError(f"command {name!r}: run must be a callable or a 'module:function' string")
-        dist, version, plugin = origin
-        return Command(name, add_arguments, run, summary.strip(), dist, version, plugin)
-
     reserved = set(reserved)
     commands: dict[str, Command] = {}
-    for registered in _registrations(pm, hookspecs.COMMANDS_HOOK, origins, failures, command):
-        for item in registered:
-            if item.name in reserved:
-                raise PluginError(
-                    f"command {item.name!r} is registered twice: by octfw {_octfw_version()} (one of its own "
-                    f"commands) and by {item.origin}; uninstall {item.distribution} or block it with "
-                    f"{DISABLE_ENV}={item.plugin}"
-                )
-            existing = commands.get(item.name)
-            if existing is not None:
-                remedy = (f"uninstall {item.distribution} or block it with {DISABLE_ENV}={item.plugin}"
-                          if existing.distribution == BUILTIN_DISTRIBUTION
-                          else f"uninstall one or block it with {DISABLE_ENV}")
-                raise PluginError(f"command {item.name!r} is registered twice: by {existing.origin} and by "
-                                  f"{item.origin}; {remedy}")
-            commands[item.name] = item
+    for item in _commands(pm, origins, failures):
+        if item.name in reserved:
+            raise PluginError(
+                f"command {item.name!r} is registered twice: by octfw {_octfw_version()} (one of its own "
+                f"commands) and by {item.origin}; uninstall {item.distribution} or block it with "
+                f"{DISABLE_ENV}={item.plugin}"
+            )
+        existing = commands.get(item.name)
+        if existing is not None:
+            remedy = (f"uninstall {item.distribution} or block it with {DISABLE_ENV}={item.plugin}"
+                      if existing.distribution == BUILTIN_DISTRIBUTION
+                      else f"uninstall one or block it with {DISABLE_ENV}")
+            raise PluginError(f"command {item.name!r} is registered twice: by {existing.origin} and by "
+                              f"{item.origin}; {remedy}")
+        commands[item.name] = item
     return list(commands.values()), failures

@@ -9,6 +9,7 @@ same way.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from octfw.cli import build_parser, main
 from octfw.errors import PluginError
 from octfw.registry import DISABLE_ENV, load_commands
 
-from conftest import make_dist
+from conftest import TINY_RECIPE, make_dist
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,6 +57,40 @@ from octfw.hookspecs import hookimpl
 def octfw_register_commands(register):
     register("{name}", lambda parser: None, "plug_lazy_work:run", "A command named {name}.")
 '''
+
+
+#: A plugin one of whose commands cannot add its arguments (argparse refuses a second --x);
+#: its other command and its guard are fine.
+TANGLED_PLUGIN = '''
+import attrs
+from octfw.hookspecs import hookimpl
+
+
+@attrs.frozen
+class QuietConfig:
+    pass
+
+
+def two_xs(parser):
+    parser.add_argument("--x")
+    parser.add_argument("--x")
+
+
+@hookimpl
+def octfw_register_commands(register):
+    register("tangle", two_xs, lambda args: 0, "Never gets its arguments.")
+    register("tidy", lambda parser: None, lambda args: print("tidied") or 0, "Works.")
+
+
+@hookimpl
+def octfw_register_guards(register):
+    register("quiet", QuietConfig, "plug_tangled:build", "A guard of the same plugin.")  # listed, not built
+'''
+
+#: How the tangled command's failure reads, warned or, when it is asked for, as the error.
+TANGLED = ("command 'tangle' of plugin 'plug_tangled' from octfw-tangled failed to load: add_arguments raised "
+           "ArgumentError: argument --x: conflicting option string: --x; block the plugin with "
+           f"{DISABLE_ENV}=plug_tangled")
 
 
 def _octfw(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -152,6 +187,48 @@ def test_a_broken_plugin_leaves_the_other_commands_and_is_named_when_its_command
     err = capsys.readouterr().err
     assert "plugin 'plug_broken' from octfw-broken failed to load: RuntimeError: half installed" in err
     assert "invalid choice: 'tidy'" in err
+
+
+def test_a_plugin_command_that_cannot_add_its_arguments_is_listed_as_failed_and_every_other_command_runs(tmp_path):
+    make_dist(tmp_path, "octfw-tangled", "plug_tangled", TANGLED_PLUGIN)
+
+    listed = _octfw(tmp_path, "list", "--stage", "guard")
+    assert listed.returncode == 0, listed.stderr
+    assert "quiet" in listed.stdout  # the plugin's component is there
+    assert listed.stderr.splitlines() == [f"octfw: warning: {TANGLED}"]
+    as_json = _octfw(tmp_path, "list", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["failures"] == [{
+        "distribution": "octfw-tangled", "entry_point": "plug_tangled", "command": "tangle",
+        "error": "add_arguments raised ArgumentError: argument --x: conflicting option string: --x"}]
+
+    shown = _octfw(tmp_path, "show", str(REPO / "recipes" / "quickstart.toml"))
+    assert shown.returncode == 0 and "[model]" in shown.stdout, shown.stderr
+    assert shown.stderr.splitlines() == [f"octfw: warning: {TANGLED}"]
+
+    other = _octfw(tmp_path, "tidy")  # the plugin's other command (it loads no registry: no warning)
+    assert (other.returncode, other.stdout, other.stderr) == (0, "tidied\n", "")
+    helped = _octfw(tmp_path, "--help")
+    assert helped.returncode == 0 and "Works." in helped.stdout and "Never gets" not in helped.stdout
+
+    asked = _octfw(tmp_path, "tangle", "--x", "1")
+    assert (asked.returncode, asked.stdout, asked.stderr) == (2, "", f"octfw: error: {TANGLED}\n")
+
+
+@pytest.mark.slow
+def test_a_plugin_command_that_cannot_add_its_arguments_leaves_run_and_a_launched_jobs_workers_training(tmp_path):
+    """``octfw run`` alone and as a launched job of two processes (each a ``python -m octfw.cli``
+    of its own, building the parser anew): the run finishes, and the failure is named once."""
+    make_dist(tmp_path, "octfw-tangled", "plug_tangled", TANGLED_PLUGIN)
+    (tmp_path / "tiny.toml").write_text(TINY_RECIPE)
+    for launch in ([], ["--nproc-per-node=2"]):
+        done = _octfw(tmp_path, "run", "tiny.toml", *launch, "--set=run.max_steps=2",
+                      "--set=engine.per_device_batch=1", f"--set=run.output_dir={tmp_path / 'runs'}",
+                      PJRT_DEVICE="CPU", OMP_NUM_THREADS="1")
+        assert done.returncode == 0, (launch, done.stderr[-3000:])
+        output = done.stdout + done.stderr
+        assert output.count(TANGLED) == 1, (launch, output[-3000:])
+    assert len(list((tmp_path / "runs" / "tiny").iterdir())) == 2  # both trained a run of their own
 
 
 def test_a_command_given_as_module_and_function_is_imported_only_when_it_runs(site, capsys):

@@ -146,7 +146,8 @@ def _crash(bug: Exception, again: str) -> str:
 def _train(args: argparse.Namespace, stop_requests) -> Outcome:
     """How this process ended: its code, its final line, whether it is a cause of the job's end
     rather than a lost peer's consequence, and the newest checkpoint it knows."""
-    recipe, registry = load_recipe_from_args(args)
+    # A launched job's worker: its launcher loaded the same plugins and named their failures once.
+    recipe, registry = load_recipe_from_args(args, report_failures=not os.environ.get(JOB_STATUS_ENV))
     from octfw.engine.distributed import PeerLost
     from octfw.engine.launch import AlreadyFinished, launch  # imports torch: only when the command runs
 
