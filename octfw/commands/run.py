@@ -8,7 +8,8 @@ import shlex
 import sys
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
-from octfw.engine.launcher import JOB_STATUS_ENV, Outcome, job_command, report_outcome  # light: no torch
+from octfw.engine.launcher import (JOB_STATUS_ENV, Outcome, die_with_launcher, job_command,  # light: no torch
+                                   report_outcome)
 from octfw.errors import UserError
 from octfw.exit_codes import (CRASHED, FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     # recipe builds or a cohort is written ends the start cleanly (exit 75), never with 143.
     from octfw.engine.preemption import StoppedBeforeTraining, StopRequests
 
+    die_with_launcher()  # a worker of `--nproc-per-node`: never outlives its launcher
     with StopRequests(exit_before_training=True) as stop_requests:
         # A stop while starting ends the process from the handler: it says so first.
         stop_requests.abandon_hooks.append(

@@ -189,7 +189,8 @@ def join(kind: str, timeout_s: float) -> tuple[Processes, "Peers"]:
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         os.environ.setdefault("RANK", str(rank))  # srun's tasks: env:// reads these
         os.environ.setdefault("WORLD_SIZE", str(world))
         if kind == "cuda":
@@ -201,7 +202,8 @@ def join(kind: str, timeout_s: float) -> tuple[Processes, "Peers"]:
             dist.init_process_group("nccl", timeout=timeout, device_id=device)
         else:
             dist.init_process_group("gloo", timeout=timeout)
-    return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
+    return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s,
+                            owns_process_group=created)
 
 
 #: torch's NCCL settings that :func:`nccl_environment` gives a CUDA job, each with the older names
@@ -284,13 +286,15 @@ def _join_xla(timeout_s: float) -> tuple[Processes, "Peers"]:
     import torch_xla.distributed.xla_backend  # noqa: F401 - registers the xla:// init method
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo", init_method="xla://", timeout=timeout)
     if (dist.get_rank(), dist.get_world_size()) != (processes.rank, processes.world_size):
         raise UserError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, but torch_xla "
                         f"reports host {processes.rank} of {processes.world_size}: was torch.distributed "
                         "initialised before octfw, or without SPMD? (docs/tpu-pods.md)")
-    return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s)
+    return processes, Peers(processes, dist.new_group(backend="gloo", timeout=timeout), timeout_s,
+                            owns_process_group=created)
 
 
 def all_reduce_(*tensors: torch.Tensor) -> None:
@@ -329,8 +333,10 @@ class Peers:
     marking themselves alive in the job's store.
     """
 
-    def __init__(self, processes: Processes, group: Any = None, timeout_s: float = 0.0):
+    def __init__(self, processes: Processes, group: Any = None, timeout_s: float = 0.0, *,
+                 owns_process_group: bool = False):
         self.processes, self.group, self.timeout_s = processes, group, timeout_s
+        self.owns_process_group = owns_process_group  #: :func:`join` created the default group: close ends it
         self._liveness = _Liveness(processes) if group is not None else None
 
     @property
@@ -353,10 +359,16 @@ class Peers:
         text = str(exc)
         if isinstance(exc, dist.DistError) or any(word in text for word in _COLLECTIVE_ERRORS):
             return PeerLost(self._lost(exc))
-        return None
-
-    def _lost(self, exc: BaseException) -> str:
+        # A message octfw does not know (gloo inside DDP's all-reduce may say only "Application
+        # timeout caused pair closure"): the liveness marks decide. A peer that stopped marking
+        # itself alive was lost, whatever this process's collective said; with every peer alive,
+        # it is this process's own bug.
         missing = self._liveness.missing() if self._liveness else None
+        return PeerLost(self._lost(exc, missing)) if missing else None
+
+    def _lost(self, exc: BaseException, missing: list[int] | None = None) -> str:
+        if missing is None and self._liveness is not None:
+            missing = self._liveness.missing()
         who = (f"the {'process' if len(missing) == 1 else 'processes'} of rank {', '.join(map(str, missing))}"
                if missing else "a process of the job")
         seen = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -418,8 +430,20 @@ class Peers:
         self.max([0])
 
     def close(self) -> None:
+        """Stop marking this process alive and end the process groups :func:`join` created. Left to
+        the interpreter's exit, their threads ended the process in ``std::terminate`` ("terminate
+        called without an active exception") on some runs; destroying a gloo group is local to this
+        process, never a collective, so a peer lost does not hold it up."""
         if self._liveness is not None:
             self._liveness.stop()
+        if self.owns_process_group:
+            import torch.distributed as dist
+
+            self.owns_process_group = False
+            try:
+                dist.destroy_process_group()  # the default group and every group made after it
+            except Exception as exc:  # noqa: BLE001 - the process is ending; its outcome is decided
+                logger.debug("ending the process group failed", exc_info=exc)
 
 
 class _Liveness:

@@ -42,25 +42,30 @@ continues it. What octfw decides itself:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
+from octfw.engine.preemption import STOP_SIGNALS
 from octfw.errors import UserError, one_line
 from octfw.exit_codes import FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, describe
 
-__all__ = ["launch_job", "processes_per_node", "report_outcome", "job_command", "JOB_STATUS_ENV",
-           "JOB_COMMAND_ENV", "Outcome", "job_outcome"]
+__all__ = ["launch_job", "processes_per_node", "report_outcome", "job_command", "die_with_launcher",
+           "rendezvous_endpoint", "JOB_STATUS_ENV", "JOB_COMMAND_ENV", "LAUNCHER_PID_ENV", "Outcome",
+           "job_outcome"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,9 @@ JOB_STATUS_ENV = "OCTFW_JOB_STATUS_DIR"
 #: Set for the workers: the command that runs the whole job again (``--nproc-per-node`` and the
 #: nodes included), for the "resume with" line of every worker.
 JOB_COMMAND_ENV = "OCTFW_JOB_COMMAND"
+
+#: Set for the workers: the launcher's pid, which each worker follows (:func:`die_with_launcher`).
+LAUNCHER_PID_ENV = "OCTFW_LAUNCHER_PID"
 
 #: Seconds a process needs, beyond the collective timeout, to name a lost peer and end (the liveness
 #: census, the newest checkpoint read back, the interpreter's exit).
@@ -119,6 +127,43 @@ def report_outcome(outcome: Outcome) -> None:
     tmp.write_text(attrs.evolve(outcome, line=one_line(outcome.line), at=time.time(), rank=rank).to_json(),
                    encoding="utf-8")
     tmp.replace(path)
+
+
+def die_with_launcher() -> None:
+    """In a worker this launcher started: end when the launcher ends, however it ends.
+
+    torch starts each worker in a session of its own, so a signal to the launcher's process
+    group never reaches it, and a launcher killed with SIGKILL (an out-of-memory kill, a
+    ``kill -9``) would leave it training with parent pid 1, holding the run folder and its
+    devices. Linux sends SIGKILL to this process when its parent dies (``PR_SET_PDEATHSIG``):
+    SIGKILL, not SIGTERM, because nobody is left to hear how the job ended and the newest
+    complete checkpoint is what ``--resume auto`` continues. Elsewhere a thread watches the
+    parent pid. A launcher that died before this call is found by its pid."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher:
+        return
+    if not sys.platform.startswith("linux") or not _parent_death_signal(signal.SIGKILL):
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == int(launcher):
+                time.sleep(POLL_S)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="octfw-launcher-watch", daemon=True).start()
+    if os.getppid() != int(launcher):  # it ended before the line above took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, signum)``; whether it took."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signum), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
+    except (OSError, AttributeError):
+        return False
 
 
 def job_command(fallback: str) -> str:
@@ -223,50 +268,125 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
                rdzv_endpoint: str | None = None, rdzv_id: str | None = None, command: str = "") -> int:
     """Run ``octfw <worker_argv>`` in ``nproc_per_node`` processes of a job of ``nnodes`` nodes
     and wait for them; the job's exit code (see the module docstring). ``command``: the
-    command line that runs the job again, for the lines that say so."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
-
+    command line that runs the job again, for the lines that say so. The caller's handlers of
+    the stop signals are its own again when this returns, however it returns."""
     from octfw.engine.backend import resolve_device
 
     nproc = processes_per_node(nproc_per_node, resolve_device(recipe.run.device))
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node "
                         "(the first node's address and a free port)")
+    endpoint = rendezvous_endpoint(rdzv_endpoint) if rdzv_endpoint else None
     _quiet_torch_logs()
     timeout_s = recipe.engine.collective_timeout_s
     run_id = rdzv_id or (recipe.name if nnodes > 1 else str(uuid.uuid4()))
-    handler = rendezvous_registry.get_rendezvous_handler(RendezvousParameters(
-        backend="c10d", endpoint=rdzv_endpoint or "localhost:0", run_id=run_id,
-        min_nodes=nnodes, max_nodes=nnodes, join_timeout=str(int(timeout_s))))
+    callers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    watch = _Watch(grace_s=timeout_s + LOST_PEER_REPORT_S)
     status_dir = Path(tempfile.mkdtemp(prefix="octfw-job-"))
+    meeting = None
     try:
-        try:
-            rendezvous = handler.next_rendezvous()
-        except Exception as exc:  # noqa: BLE001 - the nodes did not all come: one line
-            detail = (str(exc).strip().splitlines() or [""])[0]
-            log.debug("the job's rendezvous failed", exc_info=exc)
-            print(f"octfw: error: the job's processes could not start: not all {nnodes} nodes met at "
-                  f"{rdzv_endpoint or 'this node'} within engine.collective_timeout_s = {timeout_s:g} s "
-                  f"({type(exc).__name__}{': ' + one_line(detail) if detail else ''})", file=sys.stderr)
-            return PEER_LOST_EXIT_CODE
-        node = _Node(rendezvous, nproc, run_id, handler.use_agent_store)
-        log.info("job: %s on this node%s", _processes(nproc),
-                 f", {node.nodes} nodes meeting at {rdzv_endpoint}" if node.nodes > 1 else "")
-        local = _run_workers(node, worker_argv, status_dir, command, timeout_s)
-        # A node waits for the others as long as their workers may take to end (the grace included).
-        outcome = node.agree(local, timeout_s + LOST_PEER_REPORT_S, command)
+        meeting = _Rendezvous(endpoint, rdzv_endpoint, run_id, nnodes, timeout_s)
+        rendezvous = meeting.meet()
+        if isinstance(rendezvous, Outcome):  # the nodes did not all come
+            outcome = rendezvous
+        else:
+            node = _Node(rendezvous, nproc, run_id, meeting.handler.use_agent_store)
+            log.info("job: %s on this node%s", _processes(nproc),
+                     f", {node.nodes} nodes meeting at {rdzv_endpoint}" if node.nodes > 1 else "")
+            local = _run_workers(node, worker_argv, status_dir, command, watch)
+            # A node waits for the others as long as their workers may take to end (the grace included);
+            # a stop signal meanwhile ends the wait with what is known.
+            outcome = node.agree(local, timeout_s + LOST_PEER_REPORT_S, command, stopped=lambda: watch.signals > 0)
     finally:
-        # Close the rendezvous as torchrun does: its store thread left running at exit would end the
-        # launcher in std::terminate ("terminate called without an active exception", SIGABRT).
-        try:
-            handler.shutdown()
-        except Exception as exc:  # noqa: BLE001 - the job's outcome is known; this is tidying up
-            log.debug("closing the rendezvous failed", exc_info=exc)
+        if meeting is not None:
+            meeting.close()
         shutil.rmtree(status_dir, ignore_errors=True)
+        for sig, handler in callers.items():
+            signal.signal(sig, handler)
     if outcome.line:
         print(outcome.line, file=sys.stderr)
     return outcome.code
+
+
+def rendezvous_endpoint(text: str) -> tuple[str, int]:
+    """``--rdzv-endpoint HOST:PORT`` read and its host looked up, or one line naming what is wrong
+    (exit 2): a typo never becomes a wait, a traceback or a retry."""
+    host, sep, port_text = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:29400
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise UserError(f"--rdzv-endpoint {text!r}: expected HOST:PORT with a port from 1 to 65535, "
+                        "e.g. node0.cluster:29400")
+    try:
+        socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UserError(f"--rdzv-endpoint {text}: the host {host!r} does not resolve ({exc}); give the first "
+                        "node's address, the same on every node") from None
+    return host, int(port_text)
+
+
+class _Rendezvous:
+    """Where the job's nodes meet (torch's c10d rendezvous and the store it shares), every wait
+    bounded by ``engine.collective_timeout_s``; a node count this node can report when they do not."""
+
+    def __init__(self, endpoint: tuple[str, int] | None, written: str | None, run_id: str, nnodes: int,
+                 timeout_s: float):
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+        self.written, self.nnodes, self.timeout_s = written or "this node", nnodes, timeout_s
+        self.key = f"octfw/joining/{run_id}"
+        seconds = str(max(int(math.ceil(timeout_s)), 1))
+        params = RendezvousParameters(
+            backend="c10d", endpoint=f"{endpoint[0]}:{endpoint[1]}" if endpoint else "localhost:0", run_id=run_id,
+            min_nodes=nnodes, max_nodes=nnodes, join_timeout=seconds, read_timeout=seconds)
+        try:
+            backend, self.store = create_backend(params)
+        except Exception as exc:  # noqa: BLE001 - torch's RendezvousConnectionError: nothing answered there
+            raise UserError(f"--rdzv-endpoint {self.written}: nothing answered there within "
+                            f"engine.collective_timeout_s = {timeout_s:g} s ({_cause(exc)}); give the first node's "
+                            "address and a free port on it, the same on every node, and start the first node "
+                            "too") from None
+        self.handler = create_handler(self.store, backend, params)
+        self.store.add(self.key, 1)  # this node came: a timeout says how many did
+
+    def meet(self) -> Any:
+        """The rendezvous (which node this is, the store), or the job's outcome when not every node
+        came within the timeout: 76, which a requeue loop retries a bounded number of times."""
+        try:
+            return self.handler.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - the nodes did not all come: one line
+            log.debug("the job's rendezvous failed", exc_info=exc)
+            came = self._came()
+            counted_nodes = f"{came} of {self.nnodes} nodes" if came is not None else f"not all {self.nnodes} nodes"
+            return Outcome(PEER_LOST_EXIT_CODE,
+                           f"octfw: error: the job's processes could not start: {counted_nodes} met at "
+                           f"{self.written} within engine.collective_timeout_s = {self.timeout_s:g} s "
+                           f"({_cause(exc)}); start every node with the same --nnodes, --rdzv-endpoint and "
+                           "--rdzv-id")
+
+    def _came(self) -> int | None:
+        try:
+            return int(self.store.add(self.key, 0))
+        except Exception:  # noqa: BLE001 - the node that hosted the store has gone already
+            return None
+
+    def close(self) -> None:
+        # Close the rendezvous as torchrun does: its store thread left running at exit would end the
+        # launcher in std::terminate ("terminate called without an active exception", SIGABRT).
+        with contextlib.suppress(Exception):
+            self.store.add(self.key, -1)
+        try:
+            self.handler.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the job's outcome is known; this is tidying up
+            log.debug("closing the rendezvous failed", exc_info=exc)
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of what torch said, and of the error behind it (torch wraps the reason)."""
+    said = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}".rstrip(": ")
+            for e in (exc, exc.__cause__) if e is not None]
+    return one_line("; ".join(said))
 
 
 def _processes(n: int) -> str:
@@ -311,61 +431,72 @@ class _Node:
                 "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": str(self.use_agent_store),
                 "OMP_NUM_THREADS": threads}
 
-    def agree(self, local: Outcome, wait_s: float, command: str) -> Outcome:
+    def agree(self, local: Outcome, wait_s: float, command: str, stopped: Callable[[], bool]) -> Outcome:
         """The job's outcome, the same on every node: each node's own goes to the store, and
-        :func:`job_outcome` decides over them (a node that never reports within ``wait_s`` was lost)."""
+        :func:`job_outcome` decides over them (a node that never reports within ``wait_s`` was lost).
+        A stop signal (``stopped()``) ends the wait: the agreed outcome if every node has reported,
+        else 130 with this node's own line."""
         if self.nodes == 1:
             return local
         try:
             self.store.set(f"octfw/outcome/{self.index}", attrs.evolve(local, rank=self.index).to_json())
-            _count_up(self.store, "octfw/reported", self.nodes, wait_s)
+            _count_up(self.store, "octfw/reported", self.nodes, wait_s, stopped)
             outcomes = {i: Outcome.from_json(self.store.get(f"octfw/outcome/{i}").decode())
                         for i in range(self.nodes) if self.store.check([f"octfw/outcome/{i}"])}
         except Exception as exc:  # noqa: BLE001 - the store's node is gone: this node's own view
             log.debug("the nodes' outcomes could not be exchanged", exc_info=exc)
             return local
+        if stopped() and len(outcomes) < self.nodes:
+            return Outcome(INTERRUPTED_EXIT_CODE, f"octfw: stopped while the nodes agreed on how the job ended; "
+                           f"this node's processes ended with {local.code}"
+                           + (f": {local.line.removeprefix('octfw: ')}" if local.line else ""),
+                           checkpoint=local.checkpoint, at=time.time(), rank=self.index)
         for missing in (i for i in range(self.nodes) if i not in outcomes):
             outcomes[missing] = Outcome(
                 PEER_LOST_EXIT_CODE, f"octfw: error: node {missing} of the job never said how it ended (waited "
                 f"{wait_s:g} s); nothing after the newest checkpoint is saved. Run again: {command}",
                 at=time.time(), rank=missing)
         try:  # the node that hosts the store (whichever bound the endpoint) keeps it up until all have read
-            _count_up(self.store, "octfw/read", self.nodes, READ_WAIT_S)
+            _count_up(self.store, "octfw/read", self.nodes, READ_WAIT_S, stopped)
         except Exception as exc:  # noqa: BLE001 - read already: the decision stands
             log.debug("the store closed after this node read the outcomes", exc_info=exc)
         return job_outcome(outcomes, {}, {}, command)
 
 
-def _count_up(store: Any, key: str, target: int, timeout_s: float) -> bool:
-    """Add this node to the counter ``key``, then wait (at most ``timeout_s``) for it to reach
-    ``target``; whether it did."""
+def _count_up(store: Any, key: str, target: int, timeout_s: float, stopped: Callable[[], bool]) -> bool:
+    """Add this node to the counter ``key``, then wait (at most ``timeout_s``, and not once
+    ``stopped()``) for it to reach ``target``; whether it did."""
     deadline = time.monotonic() + timeout_s
     count = store.add(key, 1)
-    while count < target and time.monotonic() < deadline:
+    while count < target and time.monotonic() < deadline and not stopped():
         time.sleep(POLL_S)
         count = store.add(key, 0)
     return count >= target
 
 
-def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command: str, timeout_s: float) -> Outcome:
+def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command: str, watch: "_Watch") -> Outcome:
     """Start this node's workers, watch them until every one has ended, and say how this
-    node's part of the job ended."""
+    node's part of the job ended. No worker outlives this call: whatever ends it (a bug, a
+    third Ctrl-C), the workers still running are closed; and each worker ends itself when the
+    launcher dies (:func:`die_with_launcher`: a SIGKILL, an out-of-memory kill)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     threads = threads_per_process(node.nproc, dict(os.environ))
-    envs = {local: {**node.environment(local, threads), JOB_STATUS_ENV: str(status_dir), JOB_COMMAND_ENV: command}
+    envs = {local: {**node.environment(local, threads), JOB_STATUS_ENV: str(status_dir), JOB_COMMAND_ENV: command,
+                    LAUNCHER_PID_ENV: str(os.getpid())}
             for local in range(node.nproc)}
     context = start_processes(
         name="octfw", entrypoint=sys.executable,
         args={local: ("-m", "octfw.cli", *worker_argv) for local in range(node.nproc)}, envs=envs,
         logs_specs=DefaultLogsSpecs(log_dir=str(status_dir / "torch")))
-    pids = context.pids()
-    ranks = {local: node.index * node.nproc + local for local in pids}
-    watch = _Watch(pids, grace_s=timeout_s + LOST_PEER_REPORT_S)
-    with watch:  # our signal handlers over torch's, from the workers' first instant
+    try:
+        pids = context.pids()
+        watch.start(pids)  # our signal handlers over those torch's start just installed
         watch.until_all_ended()
-    result = context.wait(0)  # every worker has ended: their exit codes and error files
-    context.close()
+        result = context.wait(0)  # every worker has ended: their exit codes and error files
+    finally:
+        context.close(timeout=int(STOP_NOW_GRACE_S))  # on every path out: none left running
+    ranks = {local: node.index * node.nproc + local for local in pids}
     failures = result.failures if result is not None else {}
     exit_codes = {ranks[local]: code for local, code in watch.exit_codes.items()}
     messages = {ranks[local]: failure.message for local, failure in failures.items()
@@ -382,28 +513,23 @@ def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command:
 
 class _Watch:
     """The workers, watched without reaping them (``waitid`` with ``WNOWAIT``: torch's process
-    context reads their exit codes after), and the launcher's handler of the stop signals."""
+    context reads their exit codes after), and the launcher's handler of the stop signals from
+    the workers' start to the end of :func:`launch_job` (the nodes' agreement included)."""
 
-    #: What the launcher forwards to the workers (over torch's handlers, which would raise).
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-    def __init__(self, pids: dict[int, int], grace_s: float):
-        self.pids, self.grace_s = pids, grace_s
+    def __init__(self, grace_s: float):
+        self.pids: dict[int, int] = {}
+        self.grace_s = grace_s
         self.exit_codes: dict[int, int] = {}
         self.ended_at: dict[int, float] = {}  #: local rank -> when the launcher saw it end (time.time())
         self.killed: set[int] = set()  #: local ranks the launcher itself killed
         self.signals = 0
         self._kill_at: float | None = None
 
-    def __enter__(self) -> "_Watch":
-        for sig in self.SIGNALS:
+    def start(self, pids: dict[int, int]) -> None:
+        """Watch ``pids`` (local rank -> pid) and handle the stop signals (over torch's, which raise)."""
+        self.pids = dict(pids)
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # The job is over: the launcher ignores signals while it says how it ended.
-        for sig in self.SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
 
     def _running(self) -> dict[int, int]:
         return {local: pid for local, pid in self.pids.items() if local not in self.exit_codes}
@@ -413,7 +539,8 @@ class _Watch:
         if self.signals >= 2:  # stop now: the workers stop where they are, what is left is killed
             deadline = time.monotonic() + (STOP_NOW_GRACE_S if self.signals == 2 else 0.0)
             self._kill_at = min(self._kill_at or deadline, deadline)
-        forwarded = signal.SIGTERM if signum == signal.SIGHUP else signum  # a closed terminal: a stop request
+        # A closed terminal (SIGHUP) or Ctrl-\ (SIGQUIT): a stop request, as SIGTERM is.
+        forwarded = signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM
         for pid in self._running().values():
             _kill(pid, forwarded)
 

@@ -2,7 +2,8 @@
 
 Spot and preemptible VMs get a SIGTERM about 30 s before they stop; Slurm's
 ``scancel``, a Kubernetes pod stop and Ctrl-C reach every process of the job.
-:class:`StopRequests` owns SIGTERM and SIGINT from the first instruction of
+:class:`StopRequests` owns SIGTERM and SIGINT (and SIGHUP and SIGQUIT, which
+mean the same: :data:`STOP_SIGNALS`) from the first instruction of
 ``octfw run`` to its last, and what a signal means depends on where the run
 is (:attr:`StopRequests.phase`):
 
@@ -52,11 +53,15 @@ from typing import Any
 from octfw.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 __all__ = ["StopRequests", "StoppedBeforeTraining", "StopNow", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE",
-           "STARTING", "TRAINING", "CLOSING", "DONE"]
+           "STARTING", "TRAINING", "CLOSING", "DONE", "STOP_SIGNALS"]
 
 logger = logging.getLogger(__name__)
 
 STARTING, TRAINING, CLOSING, DONE = "starting", "training", "closing", "done"
+#: The signals that ask a run to stop. SIGHUP (the terminal closed) and SIGQUIT (Ctrl-\\, a stop some
+#: schedulers send) mean what SIGTERM means: their default, death on the spot, would lose the step
+#: in progress and, in a launcher, leave its workers behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: A repeat of the same signal within this many seconds, in a process that is one of several,
 #: is the launcher forwarding what the process group already delivered: counted once.
 DUPLICATE_WINDOW_S = 1.0
@@ -81,7 +86,7 @@ def _launched() -> bool:
 
 
 class StopRequests:
-    """SIGTERM and SIGINT while ``octfw run`` lives (main thread only); see the module docstring.
+    """The stop signals while ``octfw run`` lives (main thread only); see the module docstring.
 
     Use as a context manager around the whole command; :meth:`start_training`,
     :meth:`closing` and :meth:`done` move it through the phases.
@@ -104,7 +109,7 @@ class StopRequests:
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
