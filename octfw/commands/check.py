@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"recipe    {recipe.source}: valid")
     from octfw.engine.cadence import cadence_warnings
 
-    for warning in cadence_warnings(recipe.engine):
+    for warning in (*recipe.warnings(), *cadence_warnings(recipe.engine)):
         logging.getLogger(__name__).warning(warning)
     for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
         if value < 1:

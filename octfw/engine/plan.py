@@ -205,7 +205,9 @@ def planned_run(recipe: Recipe, registry: Registry, *, resume: str | None, proce
 
     def decide() -> tuple[Path, dict[str, Any] | None]:  # rank 0: (the run folder, its summary if finished)
         nonlocal run_dir, owner, created
-        for warning in cadence_warnings(recipe.engine):
+        # Once per run, here on rank 0: what the extends chain dropped, a missing safety guard,
+        # a checkpoint cadence in step with another.
+        for warning in (*recipe.warnings(), *cadence_warnings(recipe.engine)):
             logger.warning(warning)
         finished = None
         if resume == "auto":

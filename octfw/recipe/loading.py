@@ -4,17 +4,26 @@ The result is plain recipe data (dicts, lists, values); nothing is typed or
 validated here. Every string remembers the folder of the file (or the
 current directory, for ``--set``) that wrote it, so relative paths resolve
 against it later.
+
+**Arrays of tables and** ``extends``. A child's ``[[guard]]``, ``[[logger]]``
+or ``[[evaluator]]`` replaces the parent's whole array, unless the child says
+``append = ["guard"]``. Replacing is what Hydra (OmegaConf) and Lightning's CLI
+do with a list a later config sets, and it keeps every existing recipe meaning
+what it meant: a child that lists its guards gets exactly those. What a
+replacement drops is never silent: :func:`read_with_extends` records each
+parent component the child's array leaves out (:class:`Dropped`), and
+``octfw show``, ``octfw check`` and the start of ``octfw run`` name them.
 """
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from octfw.errors import UserError
 
-__all__ = ["SourcedStr", "read_with_extends", "merge", "parse_override", "apply_overrides"]
+__all__ = ["SourcedStr", "Dropped", "read_with_extends", "merge", "parse_override", "apply_overrides"]
 
 
 class SourcedStr(str):
@@ -61,8 +70,27 @@ def _mark_strings(value: Any, base_dir: Path) -> Any:
     return value
 
 
-def read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The recipe at ``path`` merged over the chain of files it ``extends``."""
+class Dropped(NamedTuple):
+    """Components of a parent recipe's array of tables that a child's own array replaced."""
+
+    file: Path  #: the child recipe whose ``[[table]]`` replaced the parent's
+    table: str  #: ``guard``, ``logger``, ``evaluator``
+    parent: str  #: the parent, as the child's ``extends`` names it
+    names: tuple[str, ...]  #: the parent's components the child's array does not list
+
+    def describe(self) -> str:
+        return (f"{self.file}: its [[{self.table}]] replaces those of {self.parent}, dropping "
+                f"{', '.join(self.names)}; to keep them, add append = [\"{self.table}\"] before its first "
+                f"table (or list them again)")
+
+
+def read_with_extends(path: Path, seen: tuple[Path, ...] = (),
+                      dropped: list[Dropped] | None = None) -> dict[str, Any]:
+    """The recipe at ``path`` merged over the chain of files it ``extends``.
+
+    ``dropped``: where a child's array of tables replaces its parent's, a
+    :class:`Dropped` naming the parent's components it leaves out is added to
+    this list (for every file of the chain)."""
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
@@ -79,7 +107,7 @@ def read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]
     parent_path = path.parent / parent_ref
     if not parent_path.exists():
         raise UserError(f"{path}: extends: {parent_ref!r} not found (looked for {parent_path})")
-    parent = read_with_extends(parent_path, (*seen, path))
+    parent = read_with_extends(parent_path, (*seen, path), dropped)
     if not isinstance(append, list) or not all(isinstance(key, str) for key in append):
         raise UserError(f"{path}: append: expected a list of array names, e.g. append = [\"guard\"]")
     for key in append:
@@ -87,7 +115,28 @@ def read_with_extends(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]
             raise UserError(f"{path}: append = [{key!r}]: this file has no [[{key}]] tables to append")
         if not isinstance(parent.get(key, []), list):
             raise UserError(f"{path}: append = [{key!r}]: {parent_ref} has no array {key!r} to append to")
+    if dropped is not None:
+        dropped += _replaced(parent, data, append, path, parent_ref)
     return merge(parent, data, append=tuple(append))
+
+
+def _name(table: Any) -> Any:
+    return table.get("name") if isinstance(table, dict) else None
+
+
+def _replaced(parent: Mapping[str, Any], child: Mapping[str, Any], append: Sequence[str], path: Path,
+              parent_ref: str) -> list[Dropped]:
+    """What each of the child's arrays of tables that replaces the parent's leaves out."""
+    out = []
+    for key, value in child.items():
+        old = parent.get(key)
+        if key in append or not isinstance(value, list) or not isinstance(old, list):
+            continue
+        kept = [_name(table) for table in value]
+        names = tuple(str(_name(table)) for table in old if _name(table) is not None and _name(table) not in kept)
+        if names:
+            out.append(Dropped(path, key, parent_ref, names))
+    return out
 
 
 def merge(base: Mapping[str, Any], child: Mapping[str, Any], append: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -114,12 +163,9 @@ def merge(base: Mapping[str, Any], child: Mapping[str, Any], append: tuple[str, 
 
 
 def _appended(parent: list[Any], child: list[Any]) -> list[Any]:
-    def name(table: Any) -> Any:
-        return table.get("name") if isinstance(table, dict) else None
-
     out = list(parent)
     for table in child:
-        same = [i for i, kept in enumerate(out) if name(kept) is not None and name(kept) == name(table)]
+        same = [i for i, kept in enumerate(out) if _name(kept) is not None and _name(kept) == _name(table)]
         if same:
             out[same[0]] = table  # the child's options for a component the parent lists
         else:

@@ -21,7 +21,7 @@ import tomli_w
 from octfw.config import EngineConfig, RunConfig
 from octfw.errors import RecipeError, UserError
 from octfw.hookspecs import STAGES
-from octfw.recipe.loading import apply_overrides, parse_override, read_with_extends
+from octfw.recipe.loading import Dropped, apply_overrides, parse_override, read_with_extends
 from octfw.recipe.structuring import (
     Problem, StageSpec, describe, plain, structure_config, structure_stage, structure_stage_array,
 )
@@ -29,7 +29,7 @@ from octfw.registry import Registry, did_you_mean
 from octfw.storage.files import require_writable_folder
 from octfw.types import BuildContext, MaskingConfig
 
-__all__ = ["Recipe", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS", "stage_attribute",
+__all__ = ["Recipe", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS", "SAFETY_GUARDS", "stage_attribute",
            "validate", "load_recipe", "to_toml", "cache_dir_for"]
 
 #: Components used when a recipe leaves a stage out. dataset, transform and
@@ -42,6 +42,12 @@ DEFAULT_STAGES: dict[str, Any] = {
     "evaluator": [],
 }
 CORE_TABLES = {"run": RunConfig, "engine": EngineConfig}
+#: The guards that keep one bad update out of the weights, and what a run without one risks:
+#: a run that lacks any is warned about at its start (:meth:`Recipe.warnings`).
+SAFETY_GUARDS = {
+    "nan-skip": "an update with a non-finite loss or gradient reaches the weights",
+    "grad-clip": "one gradient spike moves the weights without bound",
+}
 TOP_LEVEL_KEYS = ["extends", "append", *CORE_TABLES, *(table for _hook, table, _many in STAGES.values())]
 
 
@@ -78,6 +84,8 @@ class Recipe(ByStage):
     run: RunConfig
     engine: EngineConfig
     by_stage: Mapping[str, Any]  #: stage -> StageSpec or tuple of StageSpec, in STAGES order
+    #: the parents' components an ``extends`` chain dropped that the recipe still lacks
+    dropped: tuple[Dropped, ...] = ()
 
     @property
     def name(self) -> str:
@@ -90,6 +98,20 @@ class Recipe(ByStage):
     def stages(self) -> Iterator[StageSpec]:
         for value in self.by_stage.values():
             yield from value if isinstance(value, tuple) else (value,)
+
+    def warnings(self) -> list[str]:
+        """One line per thing a user should hear before the run trains on: each parent component
+        the ``extends`` chain dropped, and the :data:`SAFETY_GUARDS` the recipe lacks. Logged once
+        at the start of ``octfw run`` (rank 0), by ``octfw check``, and shown by ``octfw show``."""
+        lines = [drop.describe() for drop in self.dropped]
+        guards = {spec.name for spec in self.guards}
+        missing = [name for name in SAFETY_GUARDS if name not in guards]
+        if missing:
+            risks = "; ".join(f"without {name}, {SAFETY_GUARDS[name]}" for name in missing)
+            tables = " and ".join(f'[[guard]] with name = "{name}"' for name in missing)
+            lines.append(f"{self.source}: no {' or '.join(missing)} guard: {risks}; add {tables} "
+                         "(as recipes/quickstart.toml does)")
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe with every default filled in (unset values as None)."""
@@ -211,11 +233,25 @@ def load_recipe(path: str | Path, overrides: Sequence[str], registry: Registry) 
     source = Path(path)
     if source.is_dir():
         raise UserError(f"{source}: is a folder; give a recipe file (.toml)")
-    data = read_with_extends(source)
+    dropped: list[Dropped] = []
+    data = read_with_extends(source, dropped=dropped)
     for stage, default in DEFAULT_STAGES.items():
         data.setdefault(STAGES[stage][1], copy.deepcopy(default))
     data = apply_overrides(data, overrides)
-    return validate(data, registry, source.resolve(), overrides)
+    recipe = validate(data, registry, source.resolve(), overrides)
+    return attrs.evolve(recipe, dropped=_still_dropped(recipe, dropped))
+
+
+def _still_dropped(recipe: Recipe, dropped: list[Dropped]) -> tuple[Dropped, ...]:
+    """``dropped`` less the components a later file of the chain (or a ``--set``) listed again."""
+    stage_of_table = {table: stage for stage, (_hook, table, _many) in STAGES.items()}
+    out = []
+    for drop in dropped:
+        specs = recipe.by_stage[stage_of_table[drop.table]] if drop.table in stage_of_table else ()
+        names = tuple(name for name in drop.names if name not in {spec.name for spec in specs})
+        if names:
+            out.append(drop._replace(names=names))
+    return tuple(out)
 
 
 def _without_none(value: Any) -> Any:

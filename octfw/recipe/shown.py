@@ -6,7 +6,9 @@ option, so here each one is a comment in its place, saying what it becomes:
 
     # num_workers = 0  (derived: 0 on the cpu device, where training itself uses the cores)
 
-The comments change nothing: the text loads back to the same recipe.
+The comments change nothing: the text loads back to the same recipe. Below
+the header, one ``# warning:`` line per :meth:`octfw.recipe.Recipe.warnings`
+(a parent's component the ``extends`` chain dropped, a safety guard missing).
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ def annotated_toml(recipe: Recipe, registry: Registry) -> str:
         for spec in specs:
             header = f"[[{table}]]" if many else f"[{table}]"
             tables += _table(header, table, spec.to_table(), spec.component.config, recipe, registry)
-    return HEADER + "\n".join(top + [""] + tables if top else tables)
+    # What the extends chain dropped and the safety guards missing, where a reader of the
+    # resolved recipe looks first (octfw run logs the same lines at its start).
+    warnings = "".join(f"# warning: {line}\n" for line in recipe.warnings())
+    return HEADER + warnings + "\n".join(top + [""] + tables if top else tables)
 
 
 def _table(header: str, path: str, values: Mapping[str, Any], cls: type | None, recipe: Recipe,
