@@ -352,9 +352,10 @@ def embed_to_csv(encoder: PretrainedEncoder, location: str | Path, out: str | Pa
 
 
 def find_checkpoint(source: str | Path, registry: Registry) -> tuple[str, dict[str, Any]]:
-    """The checkpoint ``source`` names and its contents: a run folder gives its
-    latest complete checkpoint (through the checkpointer its recipe records),
-    a file is read as a checkpoint. Raises UserError for anything else."""
+    """The checkpoint ``source`` names and its contents: a run folder gives the checkpoint
+    it stands at (:func:`octfw.rundir.run_checkpoint`: its fallback copy where the final save
+    failed, else the newest complete checkpoint of the checkpointer its recipe records), a file
+    is read as a checkpoint. Raises UserError for anything else."""
     from octfw.storage.checkpoints import load_checkpoint
 
     path = Path(source)
@@ -367,6 +368,7 @@ def find_checkpoint(source: str | Path, registry: Registry) -> tuple[str, dict[s
 
 def _latest_in_run(run_dir: Path, registry: Registry) -> tuple[str, dict[str, Any]]:
     from octfw.recipe import load_recipe
+    from octfw.rundir import run_checkpoint
 
     recorded = run_dir / "recipe.toml"
     if not recorded.is_file():
@@ -374,7 +376,7 @@ def _latest_in_run(run_dir: Path, registry: Registry) -> tuple[str, dict[str, An
                         "give a run folder or a checkpoint file")
     recipe = load_recipe(recorded, (), registry)
     checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
-    location = checkpointer.latest()
+    location, _ = run_checkpoint(run_dir, checkpointer)
     if location is None:
         raise UserError(f"{run_dir}: no complete checkpoint found "
                         f"(checkpointer {recipe.checkpointer.name!r})")
@@ -437,6 +439,23 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
         raise UserError(f"--format {export_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
     check_output(out, export_format, force)
+    location, encoder, info = checkpoint_encoder(source, registry, license=license, datasets=datasets)
+    write_export(export_format, out, encoder, info)
+    return {
+        "out": str(out),
+        "format": export_format,
+        "checkpoint": location,
+        "update_step": info["update_step"],
+        "config": info["config"],
+        "parameters": sum(p.numel() for p in encoder.parameters()),
+        "metrics": len(info["metrics"]),
+    }
+
+
+def checkpoint_encoder(source: str | Path, registry: Registry, *, license: str = DEFAULT_LICENSE,
+                       datasets: Sequence[str] | None = None) -> tuple[str, ViT3DEncoder, dict[str, Any]]:
+    """(where the checkpoint ``source`` names is (:func:`find_checkpoint`), its target encoder,
+    what an export records beside the weights (:func:`octfw.formats.encoder_info`))."""
     location, state = find_checkpoint(source, registry)
     if not isinstance(state, Mapping) or "model" not in state or "recipe" not in state:
         raise UserError(f"{location}: not an octfw training checkpoint (it lacks 'model' or 'recipe')")
@@ -454,16 +473,7 @@ def export_encoder(source: str | Path, out: str | Path, registry: Registry, expo
     metrics = evaluator_results(run_dir, state["recipe"], update_step) if in_a_run else []
     info = encoder_info(encoder.architecture(), state["recipe"], location, update_step, state.get("versions"),
                         license=license, datasets=datasets, metrics=metrics)
-    write_export(export_format, out, encoder, info)
-    return {
-        "out": str(out),
-        "format": export_format,
-        "checkpoint": str(location),
-        "update_step": info["update_step"],
-        "config": info["config"],
-        "parameters": sum(p.numel() for p in encoder.parameters()),
-        "metrics": len(metrics),
-    }
+    return str(location), encoder, info
 
 
 def check_output(out: Path, export_format: str, force: bool) -> None:
@@ -530,12 +540,19 @@ def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> 
     """Rebuild an exported encoder: a :class:`PretrainedEncoder` in eval mode.
 
     ``path``: what ``octfw export`` writes, in any ``--format``: an ``octfw``
-    or ``torchscript`` file, a ``safetensors`` or ``monai-bundle`` folder. ``encoder(volume)`` -> ``[B, N, E]``
+    or ``torchscript`` file, a ``safetensors`` or ``monai-bundle`` folder; or a run folder,
+    whose encoder is the one ``octfw export RUN`` would write: of the checkpoint the run stands
+    at (:func:`octfw.rundir.run_checkpoint`). ``encoder(volume)`` -> ``[B, N, E]``
     patch tokens; ``encoder.pool(volume)`` -> ``[B, E]``; ``encoder.embed(...)``
     takes volumes as users have them. Raises UserError for a missing path or
     one that is not an octfw encoder export.
     """
     path = Path(path)
+    if path.is_dir() and (path / "recipe.toml").is_file():  # a run folder
+        from octfw.registry import load_registry
+
+        _, encoder, info = checkpoint_encoder(path, load_registry())
+        return PretrainedEncoder(encoder, info).to(map_location).eval()
     if path.is_dir():
         data = _read_bundle(path) if (path / BUNDLE_METADATA).is_file() else _read_safetensors(path)
     elif path.is_file() and _is_torchscript(path):

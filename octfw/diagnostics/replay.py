@@ -20,8 +20,9 @@ import torch
 from octfw.errors import UserError
 from octfw.recipe import load_recipe
 from octfw.registry import Registry
+from octfw.rundir import run_checkpoints
 from octfw.tables import render_table
-from octfw.types import GuardInputs, ListingCheckpointer
+from octfw.types import GuardInputs
 from octfw.tables import counted
 
 __all__ = ["replay"]
@@ -32,14 +33,10 @@ REPLAY_OVERRIDES = ["run.device=cpu", "engine.num_workers=0", "engine.precision=
 
 
 def _nearest_checkpoint(recipe: Any, registry: Registry, run_dir: Path, step: int) -> tuple[int, str | None]:
-    """(update step, location) of the newest checkpoint at or before ``step``."""
+    """(update step, location) of the newest checkpoint before ``step``, among the run's
+    (:func:`octfw.rundir.run_checkpoints`: its fallback copy included); (0, None) when none is."""
     checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
-    listing = isinstance(checkpointer, ListingCheckpointer)
-    candidates = checkpointer.checkpoints() if listing else []
-    latest = checkpointer.latest() if not listing else None
-    if latest:
-        candidates = [(int(checkpointer.load(latest)["update_step"]), latest)]
-    usable = [(s, loc) for s, loc in candidates if s < step]
+    usable = [(s, loc) for s, loc in run_checkpoints(run_dir, checkpointer) if s < step]
     return max(usable) if usable else (0, None)
 
 

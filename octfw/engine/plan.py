@@ -8,8 +8,10 @@ every process of the job hears the same plan
 (:meth:`octfw.engine.distributed.Peers.decide`), and the trainer receives it
 and decides nothing about folders. ``octfw run``, ``octfw.train``,
 ``octfw bench`` and every process a launcher starts come through here
-(:func:`planned_run`); code that already has its folder (a replay, the
-tests) makes the plan with :func:`plan_for_folder`.
+(:func:`planned_run`); :func:`octfw.engine.trainer.train`, given a folder
+already made, holds it the same way (:func:`planned_folder`); code that
+trains in a folder of its own (a replay's scratch folder, the tests) makes the
+plan with :func:`plan_for_folder`.
 
 One process writes a run folder: rank 0 holds it for the run's life
 (:class:`octfw.storage.owner.FolderOwner`), and a second ``octfw run`` into
@@ -39,9 +41,11 @@ script, a queued job that is requeued), and never goes backwards:
 "Newest" is the run started last by its recorded sequence
 (:func:`octfw.rundir.run_dirs`), never a folder name or a clock.
 
-**The checkpoint continued** is, with ``auto``, the fallback copy of the
-final state where the checkpointer could not take it (``RUN/fallback``), else
-the checkpointer's newest complete checkpoint; with a PATH, that checkpoint.
+**The checkpoint continued** is, with ``auto``, the one the run stands at
+(:func:`octfw.rundir.run_checkpoint`, which ``octfw export``, ``eval`` and
+``replay`` ask too): the fallback copy of the final state the checkpointer
+could not take (``RUN/fallback``) where it is newer than the checkpointer's
+newest complete checkpoint, else that one; with a PATH, that checkpoint.
 Every process must be able to read it, or the run is refused before anyone
 loads anything. **A resumed run is the run that was started**: the trainer
 compares the recipe with the one that trained that checkpoint
@@ -63,14 +67,13 @@ from octfw.engine.backend import this_process
 from octfw.engine.cadence import cadence_warnings
 from octfw.engine.distributed import Peers, Processes
 from octfw.engine.preemption import StopRequests
-from octfw.engine.run_end import fallback_storage
 from octfw.errors import UserError
 from octfw.recipe import Recipe, read_with_extends
 from octfw.registry import Registry
-from octfw.rundir import START_FILES, create_run_dir, run_dirs
+from octfw.rundir import START_FILES, create_run_dir, run_checkpoint, run_dirs
 from octfw.storage.owner import FolderInUse, FolderOwner, describe_owner, is_owned
 
-__all__ = ["RunPlan", "AlreadyFinished", "planned_run", "plan_for_folder"]
+__all__ = ["RunPlan", "AlreadyFinished", "planned_run", "planned_folder", "plan_for_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +115,10 @@ def _finished(run_dir: Path, recipe: Recipe) -> dict[str, Any] | None:
     return None if extended else summary
 
 
-def _has_checkpoint(run_dir: Path, recipe: Recipe, registry: Registry) -> bool:
-    """Whether ``run_dir`` can be continued: a complete, intact checkpoint, or a fallback copy."""
-    if fallback_storage(run_dir).latest() is not None:
-        return True
+def _checkpoint(run_dir: Path, recipe: Recipe, registry: Registry) -> tuple[str | None, bool]:
+    """The checkpoint ``run_dir`` stands at, as every command sees it (:func:`octfw.rundir.run_checkpoint`)."""
     ctx = recipe.build_context(registry=registry, run_dir=run_dir)
-    return recipe.by_stage["checkpointer"].build(ctx).latest() is not None
+    return run_checkpoint(run_dir, recipe.by_stage["checkpointer"].build(ctx))
 
 
 def _resumable_run(recipe: Recipe, registry: Registry) -> tuple[Path | None, dict[str, Any] | None]:
@@ -133,7 +134,7 @@ def _resumable_run(recipe: Recipe, registry: Registry) -> tuple[Path | None, dic
         summary = _finished(run_dir, recipe)
         if summary is not None:
             return run_dir, summary
-        if _has_checkpoint(run_dir, recipe, registry):
+        if _checkpoint(run_dir, recipe, registry)[0] is not None:
             logger.info("--resume auto: continuing %s", run_dir)
             return run_dir, None
         logger.info("--resume auto: skipping %s (no complete checkpoint: it never saved one)", run_dir)
@@ -152,20 +153,14 @@ def plan_for_folder(recipe: Recipe, registry: Registry, run_dir: Path, resume: s
                     processes: Processes | None = None, peers: Peers | None = None,
                     allow_recipe_change: bool = False) -> RunPlan:
     """The plan of a run in ``run_dir``, a folder already chosen; ``resume``: None, ``"auto"``
-    (its fallback copy, else the checkpointer's newest checkpoint) or a checkpoint location.
+    (the checkpoint the folder stands at: :func:`octfw.rundir.run_checkpoint`) or a checkpoint location.
     Rank 0 decides which checkpoint; every process must be able to read it. ``processes``:
     who this process is in a job (default: alone on ``run.device``)."""
     processes = processes or this_process(recipe.run.device)
     peers = peers or Peers(processes)
 
     def checkpoint() -> tuple[str | None, bool]:
-        if resume != "auto":
-            return resume, False
-        found = fallback_storage(run_dir).latest()
-        if found is not None:
-            return found, True
-        ctx = recipe.build_context(registry=registry, run_dir=run_dir)
-        return recipe.by_stage["checkpointer"].build(ctx).latest(), False
+        return _checkpoint(run_dir, recipe, registry) if resume == "auto" else (resume, False)
 
     location, from_fallback = peers.decide(checkpoint)
     if location is not None and not peers.all_agree(_readable(location)):
@@ -177,6 +172,27 @@ def plan_for_folder(recipe: Recipe, registry: Registry, run_dir: Path, resume: s
     elif resume == "auto" and location is None:  # a new run, or one killed before its first save
         logger.info("--resume auto: no complete checkpoint yet; training from the start")
     return RunPlan(recipe, run_dir, processes, location, from_fallback, allow_recipe_change)
+
+
+def _held(run_dir: Path) -> FolderOwner:
+    """``run_dir``, held by this process (its one writer) until released; FolderInUse, one line
+    naming the owner, when another live process holds it."""
+    owner = FolderOwner(run_dir, "run folder")
+    owner.acquire()
+    return owner
+
+
+@contextlib.contextmanager
+def planned_folder(recipe: Recipe, registry: Registry, run_dir: Path, resume: str | None = None, *,
+                   allow_recipe_change: bool = False) -> Iterator[RunPlan]:
+    """The plan of a run in ``run_dir``, a folder already made, trained by this process alone,
+    the folder held while the block runs as :func:`planned_run` holds it: a second trainer
+    into it, from Python or ``octfw run``, is refused."""
+    owner = _held(run_dir)
+    try:
+        yield plan_for_folder(recipe, registry, run_dir, resume, allow_recipe_change=allow_recipe_change)
+    finally:
+        owner.release()
 
 
 def _readable(location: str) -> bool:
@@ -217,8 +233,7 @@ def planned_run(recipe: Recipe, registry: Registry, *, resume: str | None, proce
             # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
             run_dir, created = create_run_dir(recipe, registry), True
         if finished is None:  # rank 0 writes the folder: it holds it until the run ends
-            owner = FolderOwner(run_dir, "run folder")
-            owner.acquire()
+            owner = _held(run_dir)
         return run_dir, finished
 
     if stop_requests is not None:

@@ -31,6 +31,7 @@ from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.preemption import StopRequests
 from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.recipe import Recipe
+from octfw.rundir import FALLBACK_DIR, fallback_storage
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.failures import storage_cause
 from octfw.types import EncoderModel, ExportableEncoder
@@ -40,8 +41,6 @@ __all__ = ["FALLBACK_DIR", "SAVE_FAILED_EXIT_CODE", "START_FILES_KEPT", "Ending"
 
 #: What a run folder cannot lose while it trains; gone, the run stops (exit 74) and puts them back.
 START_FILES_KEPT = ("recipe.toml", "run.json", "versions.json", "git.json")
-#: Folder of the run directory that takes the final state when the checkpointer cannot.
-FALLBACK_DIR = "fallback"
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +97,6 @@ class Ending:
     #: rank 0's failed saves, heard by every process with the final save's outcome (None: this
     #: process's own saver's list, which holds rank 0's alone)
     failed_saves: list[str] | None = None
-
-
-def fallback_storage(run_dir: Path) -> CheckpointStorage:
-    """RUN/fallback: the final state, when the checkpointer could not take it (a full disk, a store away)."""
-    return CheckpointStorage(str(run_dir / FALLBACK_DIR), keep_last=1)
 
 
 class RunEnd:

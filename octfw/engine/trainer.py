@@ -38,7 +38,7 @@ from octfw.engine.metrics import log_metrics
 from octfw.engine.optim import apply_schedule, make_optimizer, seed_everything
 from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
 from octfw.engine.records import DeviceTotals, GuardLog, device_metrics, model_metrics
-from octfw.engine.plan import RunPlan, plan_for_folder
+from octfw.engine.plan import RunPlan, planned_folder
 from octfw.engine.resume import check_recipe_change
 from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, RunEnd, RunSummary, fallback_storage
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
@@ -392,6 +392,8 @@ class Trainer:
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,
           stop_requests: StopRequests | None = None, allow_recipe_change: bool = False) -> RunSummary:
     """Train ``recipe`` in ``run_dir``, a folder already made, as this process alone (tests,
-    notebooks with their own folders; ``octfw run`` and ``octfw.train`` plan the folder too)."""
-    plan = plan_for_folder(recipe, registry, run_dir, resume, allow_recipe_change=allow_recipe_change)
-    return Trainer(plan, registry, stop_requests=stop_requests).run()
+    notebooks with their own folders; ``octfw run`` and ``octfw.train`` plan the folder too).
+    The folder is held while it trains, as ``octfw run`` holds it: a second trainer into it is
+    refused (:class:`~octfw.storage.owner.FolderInUse`)."""
+    with planned_folder(recipe, registry, run_dir, resume, allow_recipe_change=allow_recipe_change) as plan:
+        return Trainer(plan, registry, stop_requests=stop_requests).run()

@@ -32,7 +32,6 @@ from octfw.evaluation.target import (
 from octfw.registry import Registry
 from octfw.tables import render_table
 from octfw.tables import counted
-from octfw.types import ListingCheckpointer
 
 __all__ = ["CheckpointsReport", "run_checkpoints", "select_checkpoints", "compare_checkpoints",
            "format_checkpoints", "plot_checkpoints"]
@@ -66,8 +65,11 @@ class CheckpointsReport:
 
 def run_checkpoints(run_dir: Path, registry: Registry) -> tuple[Any, list[tuple[int, str]]]:
     """(checkpointer, every complete checkpoint as (update step, location), oldest first)
-    of a run folder, through the checkpointer its recorded recipe names."""
+    of a run folder, through the checkpointer its recorded recipe names; the newest is the
+    one the run stands at (:func:`octfw.rundir.run_checkpoints`): its fallback copy, where
+    the final save failed, is the run's last step and is listed."""
     from octfw.recipe import load_recipe
+    from octfw.rundir import run_checkpoints as saved
 
     recorded = run_dir / "recipe.toml"
     if not run_dir.is_dir() or not recorded.is_file():
@@ -75,15 +77,10 @@ def run_checkpoints(run_dir: Path, registry: Registry) -> tuple[Any, list[tuple[
                         "checkpoints of a run folder")
     recipe = load_recipe(recorded, (), registry)
     checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
-    found = list(checkpointer.checkpoints()) if isinstance(checkpointer, ListingCheckpointer) else []
-    if not found:
-        # A checkpointer that cannot list still names its newest checkpoint.
-        latest = checkpointer.latest()
-        if latest is not None:
-            found = [(int(checkpointer.load(latest)["update_step"]), latest)]
+    found = saved(run_dir, checkpointer)
     if not found:
         raise UserError(f"{run_dir}: no complete checkpoint found (checkpointer {recipe.checkpointer.name!r})")
-    return checkpointer, sorted(found)
+    return checkpointer, found
 
 
 def select_checkpoints(available: Sequence[tuple[int, str]], spec: str) -> list[tuple[int, str]]:
