@@ -94,6 +94,10 @@ def _run_command(argv: Sequence[str] | None) -> int:
     from octfw.logs import setup_console_logging
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(word.split("=", 1)[0] == "--nproc-per-node" for word in argv):
+        from octfw.engine.launcher import quiet_torch_cpp_logs
+
+        quiet_torch_cpp_logs()  # a launcher: before a plugin may import torch
     try:
         parser, commands, failures = _build_parser()
     except UserError as exc:  # two commands of one name: nothing can be parsed

@@ -43,6 +43,7 @@ continues it. What octfw decides itself:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import math
@@ -64,7 +65,7 @@ from octfw.errors import UserError, one_line
 from octfw.exit_codes import FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, describe
 
 __all__ = ["launch_job", "processes_per_node", "report_outcome", "job_command", "die_with_launcher",
-           "rendezvous_endpoint", "JOB_STATUS_ENV", "JOB_COMMAND_ENV", "LAUNCHER_PID_ENV", "Outcome",
+           "rendezvous_endpoint", "quiet_torch_cpp_logs", "JOB_STATUS_ENV", "JOB_COMMAND_ENV", "LAUNCHER_PID_ENV", "Outcome",
            "job_outcome"]
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ LOST_PEER_REPORT_S = 20.0
 STOP_NOW_GRACE_S = 5.0
 #: Seconds the nodes wait for one another to have read the job's outcome (the store's host leaves last).
 READ_WAIT_S = 10.0
+#: The longest one call to the job's store may take while the nodes agree (a stop signal waits for it).
+STORE_CALL_S = 5.0
 #: How often the launcher looks at its workers.
 POLL_S = 0.1
 
@@ -343,10 +346,9 @@ class _Rendezvous:
         try:
             backend, self.store = create_backend(params)
         except Exception as exc:  # noqa: BLE001 - torch's RendezvousConnectionError: nothing answered there
-            raise UserError(f"--rdzv-endpoint {self.written}: nothing answered there within "
+            raise UserError(f"--rdzv-endpoint {self.written}: no rendezvous answered there within "
                             f"engine.collective_timeout_s = {timeout_s:g} s ({_cause(exc)}); give the first node's "
-                            "address and a free port on it, the same on every node, and start the first node "
-                            "too") from None
+                            "address and a free port on it, the same on every node") from None
         self.handler = create_handler(self.store, backend, params)
         self.store.add(self.key, 1)  # this node came: a timeout says how many did
 
@@ -383,14 +385,31 @@ class _Rendezvous:
 
 
 def _cause(exc: BaseException) -> str:
-    """The first line of what torch said, and of the error behind it (torch wraps the reason)."""
-    said = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}".rstrip(": ")
-            for e in (exc, exc.__cause__) if e is not None]
-    return one_line("; ".join(said))
+    """The first line of what went wrong: the error torch wrapped ("see inner exception"), if any."""
+    reason = exc.__cause__ or exc
+    return one_line(f"{type(reason).__name__}: {(str(reason).strip().splitlines() or [''])[0]}".rstrip(": "))
 
 
 def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def quiet_torch_cpp_logs() -> None:
+    """For a launcher, before anything imports torch: torch's C++ store prints a warning with a
+    stack trace for every retry of a connection to a rendezvous that does not answer ("TCP
+    client failed to connect/validate ... retrying"), where the launcher's one line says what
+    failed. torch reads its C++ log level once, when it is imported, so the CLI calls this
+    before it loads the plugins (which may import torch). FATAL for the launcher only, unless
+    the user chose a level; the workers' environment leaves it out, they log as usual."""
+    global _QUIETED_CPP_LOGS
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    _QUIETED_CPP_LOGS = True
+
+
+#: Whether :func:`quiet_torch_cpp_logs` set this process's C++ log level (the workers' is theirs).
+_QUIETED_CPP_LOGS = False
 
 
 def _quiet_torch_logs() -> None:
@@ -422,7 +441,8 @@ class _Node:
         """A worker's environment, as torchrun documents it for its workers."""
         world = self.nodes * self.nproc
         rank = self.index * self.nproc + local_rank
-        return {**os.environ,
+        inherited = {k: v for k, v in os.environ.items() if not (_QUIETED_CPP_LOGS and k == "TORCH_CPP_LOG_LEVEL")}
+        return {**inherited,
                 "LOCAL_RANK": str(local_rank), "RANK": str(rank), "GROUP_RANK": str(self.index),
                 "ROLE_RANK": str(rank), "ROLE_NAME": "octfw", "LOCAL_WORLD_SIZE": str(self.nproc),
                 "WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": str(self.nodes), "ROLE_WORLD_SIZE": str(world),
@@ -438,19 +458,23 @@ class _Node:
         else 130 with this node's own line."""
         if self.nodes == 1:
             return local
+        interrupted = Outcome(INTERRUPTED_EXIT_CODE, f"octfw: stopped while the nodes agreed on how the job ended; "
+                              f"this node's processes ended with {local.code}"
+                              + (f": {local.line.removeprefix('octfw: ')}" if local.line else ""),
+                              checkpoint=local.checkpoint, at=time.time(), rank=self.index)
+        # A signal is handled between two calls to the store, never inside one: no call may block
+        # longer than a stop should wait (the store's node may be frozen, or gone).
+        self.store.set_timeout(datetime.timedelta(seconds=min(STORE_CALL_S, wait_s)))
         try:
             self.store.set(f"octfw/outcome/{self.index}", attrs.evolve(local, rank=self.index).to_json())
             _count_up(self.store, "octfw/reported", self.nodes, wait_s, stopped)
             outcomes = {i: Outcome.from_json(self.store.get(f"octfw/outcome/{i}").decode())
                         for i in range(self.nodes) if self.store.check([f"octfw/outcome/{i}"])}
-        except Exception as exc:  # noqa: BLE001 - the store's node is gone: this node's own view
+        except Exception as exc:  # noqa: BLE001 - the store's node is gone or frozen: this node's own view
             log.debug("the nodes' outcomes could not be exchanged", exc_info=exc)
-            return local
+            return interrupted if stopped() else local
         if stopped() and len(outcomes) < self.nodes:
-            return Outcome(INTERRUPTED_EXIT_CODE, f"octfw: stopped while the nodes agreed on how the job ended; "
-                           f"this node's processes ended with {local.code}"
-                           + (f": {local.line.removeprefix('octfw: ')}" if local.line else ""),
-                           checkpoint=local.checkpoint, at=time.time(), rank=self.index)
+            return interrupted
         for missing in (i for i in range(self.nodes) if i not in outcomes):
             outcomes[missing] = Outcome(
                 PEER_LOST_EXIT_CODE, f"octfw: error: node {missing} of the job never said how it ended (waited "
