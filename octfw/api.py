@@ -75,7 +75,7 @@ def train(recipe: Recipe | str | Path, *, resume: str | Path | None = None,
     ``resume``: None (a new run), ``"auto"`` (continue the newest run of this
     recipe from its last complete checkpoint; a run that finished is returned
     as it is) or a checkpoint file. A resumed run is the run that was started: a recipe
-    that trains otherwise is refused (:class:`~octfw.errors.RecipeError`, one line per key)
+    that trains otherwise is refused (:class:`~octfw.errors.RecipeError`, one problem per key)
     unless ``allow_recipe_change``. Raises :class:`~octfw.errors.RunNotFinished`
     when a guard stopped the run, it was preempted or interrupted, or its
     final checkpoint could not be written.

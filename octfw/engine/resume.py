@@ -15,37 +15,49 @@ import attrs
 
 from octfw.engine.build import Components
 from octfw.engine.distributed import BatchLayout
-from octfw.errors import RecipeError, UserError
+from octfw.errors import RecipeError, UserError, one_line
 from octfw.recipe import Recipe, to_toml
 from octfw.recipe.changes import recipe_changes
 from octfw.registry import Registry
 from octfw.types import WarmupSchedule
 
-__all__ = ["check_recipe_change"]
+__all__ = ["check_recipe_change", "BATCH_KEYS", "RecipeChangeRefused"]
 
 log = logging.getLogger(__name__)
+
+#: Keys that only say how the global batch is made up over the devices: a resumed run whose
+#: global batch is the checkpoint's trains the same whichever of them says it.
+BATCH_KEYS = ("engine.global_batch", "engine.grad_accum_steps")
 
 
 def check_recipe_change(trained_with: dict[str, Any] | None, recipe: Recipe, registry: Registry, allow: bool, *,
                         resumed_from: str, start_step: int, parts: Components, layout: BatchLayout, run_dir: Path,
-                        writes: bool) -> None:
+                        writes: bool, trained_batch: int | None = None) -> None:
     """A resumed run is the run that was started. The recipe is compared key by key with the
     one that trained the checkpoint (:mod:`octfw.recipe.changes`); every process holds that
-    checkpoint, so every process decides alike. A change that shapes training is refused, one
-    line per key with the old and new value, unless ``allow`` (``--allow-recipe-change``), and
+    checkpoint, so every process decides alike. A change that shapes training is refused in one
+    line naming each key with its old and new value, unless ``allow`` (``--allow-recipe-change``), and
     then the whole schedule (the old one up to the resumed step, the new one after it) must
     pass the pre-flight check: a longer cosine that would rise again is still refused. Every
     change is listed; the run folder keeps each recipe it ran with, by the update step it
-    began at (``RUN/recipes/step_N.toml``), written where ``writes`` (rank 0)."""
+    began at (``RUN/recipes/step_N.toml``), written where ``writes`` (rank 0).
+
+    ``trained_batch``: the global batch the checkpoint recorded (None: not recorded). Where this
+    run's is the same, :data:`BATCH_KEYS` only restate it (``engine.global_batch`` pinned to it,
+    as the refusal of another device count advises, in place of ``grad_accum_steps``): listed
+    and taken, not a change of training. Pinned to another batch, the checkpoint is refused
+    before this (:func:`octfw.engine.state.restore`)."""
     if not trained_with:  # a checkpoint of an octfw that did not record its recipe
         return
-    changes = recipe_changes(trained_with, recipe.to_dict())
+    restated = BATCH_KEYS if trained_batch is not None and trained_batch == layout.global_batch else ()
+    changes = recipe_changes(trained_with, recipe.to_dict(), also_untrained=restated)
     trains = [str(c) for c in changes if c.trains]
     where = f"--resume {resumed_from}"
     if trains and not allow:
-        raise RecipeError(f"{where}: the checkpoint was trained with another recipe; these changes would change "
-                          "its training (resume with the recipe it began with, start a new run, or accept them "
-                          "with --allow-recipe-change)", trains)
+        raise RecipeChangeRefused(where, trains, (
+            f"{where}: the checkpoint was trained with another recipe; these changes would change its training: "
+            f"{'; '.join(trains)} (resume with the recipe it began with, start a new run, or accept them with "
+            "--allow-recipe-change)"))
     if trains:
         problem = _changed_schedule_problem(trained_with, recipe, registry, parts, layout, start_step)
         if problem is not None:
@@ -54,8 +66,9 @@ def check_recipe_change(trained_with: dict[str, Any] | None, recipe: Recipe, reg
         return
     if writes:
         for change in changes:
-            (log.warning if change.trains else log.info)("resumed with a changed recipe: %s%s", change,
-                                                         " (changes training; accepted)" if change.trains else "")
+            note = (" (changes training; accepted)" if change.trains else
+                    " (restates the global batch it trained at)" if change.key in restated else "")
+            (log.warning if change.trains else log.info)("resumed with a changed recipe: %s%s", change, note)
         history = run_dir / "recipes"
         history.mkdir(exist_ok=True)
         if not any(history.iterdir()):  # the recipe the run began with
@@ -63,6 +76,18 @@ def check_recipe_change(trained_with: dict[str, Any] | None, recipe: Recipe, reg
         text = to_toml(recipe.to_dict())
         (history / f"step_{start_step:08d}.toml").write_text(text, encoding="utf-8")
         (run_dir / "recipe.toml").write_text(text, encoding="utf-8")
+
+
+class RecipeChangeRefused(RecipeError):
+    """The changes of training a resume refuses: a :class:`RecipeError` (``problems``: one
+    ``key: old -> new`` each, as ``octfw.train``'s callers read them) said in one line, as
+    every refusal is (a job's launcher prints one line for the job)."""
+
+    def __init__(self, source: str, problems: list[str], message: str):
+        UserError.__init__(self, message)
+        self.source, self.problems = source, [one_line(p) for p in problems]
+
+    console_text = UserError.console_text  # one line, whatever the values hold
 
 
 class _ResumedSchedule:

@@ -132,12 +132,20 @@ def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
         raise UserError(f"--resume {where}: the checkpoint was trained with another model ({diff})")
     saved_batch, saved_devices = state.get("global_batch"), state.get("devices")
     if saved_batch is not None and saved_batch != layout.global_batch:
-        if saved_devices is not None and saved_devices != layout.devices:  # another launch, not another recipe
+        engine = parts.ctx.recipe.get("engine") or {}
+        pinned = engine.get("global_batch")
+        if saved_devices is not None and saved_devices != layout.devices and pinned is None:
+            # Another launch, not another recipe. Both ways out are runs the next check takes.
             raise UserError(
                 f"--resume {where}: the checkpoint was trained on {counted(saved_devices, 'device')} (global batch "
                 f"{saved_batch}), this run has {counted(layout.devices, 'device')} (global batch "
-                f"{layout.global_batch}); run it as it was launched (--nproc-per-node), or pin engine.global_batch = "
-                f"{saved_batch} to derive the accumulation on any number of devices")
+                f"{layout.global_batch}); run it on {counted(saved_devices, 'device')} as it was launched "
+                f"(--nproc-per-node){_keep_batch(saved_batch, layout, engine, ', or ')}")
+        if pinned is not None:
+            raise UserError(
+                f"--resume {where}: the checkpoint was trained with a global batch of "
+                f"{counted(saved_batch, 'sample')}, this run pins engine.global_batch = {pinned}; the schedule and "
+                f"the data order count in it{_keep_batch(saved_batch, layout, engine, '; ')}")
         raise UserError(
             f"--resume {where}: the checkpoint was trained with a global batch of {counted(saved_batch, 'sample')}, "
             f"this run has {layout.global_batch} (per_device_batch x devices x grad_accum_steps); "
@@ -155,6 +163,21 @@ def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
                        "training continues with them in the same order", where)
 
 
+def _keep_batch(saved_batch: int, layout: BatchLayout, engine: dict[str, Any], joined: str) -> str:
+    """How this run keeps the checkpoint's global batch on its devices, after ``joined``: the
+    settings to pin (``engine.grad_accum_steps`` back to 1 where the recipe sets it, as a pinned
+    batch requires; neither is a change of training: :func:`octfw.engine.resume.check_recipe_change`);
+    or, in brackets, why pinning cannot (the batch does not divide over these devices)."""
+    per_micro_step = layout.per_device_batch * layout.devices
+    if saved_batch % per_micro_step:
+        return (f" (pinning engine.global_batch = {saved_batch} cannot keep it here: it does not divide over "
+                f"{counted(layout.devices, 'device')} x engine.per_device_batch {layout.per_device_batch})")
+    settings = f"engine.global_batch = {saved_batch}"
+    if engine.get("global_batch") is None and engine.get("grad_accum_steps", 1) != 1:
+        settings += " and engine.grad_accum_steps = 1"
+    return f"{joined}pin {settings} to derive the accumulation from the devices"
+
+
 def _names(recipe: Any, stage: str) -> list[str] | None:
     """The component names of a stage array in a resolved recipe (None: not recorded)."""
     if not isinstance(recipe, dict):
@@ -165,9 +188,10 @@ def _names(recipe: Any, stage: str) -> list[str] | None:
 def restore(location: str, parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             layout: BatchLayout, fingerprint: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Load the checkpoint at ``location`` into the built components; returns
-    (update_step, the run's record: ``capture``'s ``run`` and, as ``recipe``, the resolved
-    recipe that trained it). A file that cannot be read (cut short, not a checkpoint) is a
-    user error naming it, never a partial load."""
+    (update_step, the run's record: ``capture``'s ``run`` and, as ``recipe`` and
+    ``global_batch``, the resolved recipe that trained it and the global batch it trained at).
+    A file that cannot be read (cut short, not a checkpoint) is a user error naming it, never a
+    partial load."""
     try:
         state = parts.checkpointer.load(location)
     except FileNotFoundError:
@@ -193,4 +217,5 @@ def restore(location: str, parts: Components, model: torch.nn.Module, optimizer:
             if saved is not None and isinstance(component, Stateful):
                 component.load_state_dict(saved)
     _set_rng_state(state["rng"])
-    return int(state["update_step"]), {**(state.get("run") or {}), "recipe": state.get("recipe")}
+    return int(state["update_step"]), {**(state.get("run") or {}), "recipe": state.get("recipe"),
+                                       "global_batch": state.get("global_batch")}

@@ -98,7 +98,8 @@ class Trainer:
             if compare_recipe:
                 check_recipe_change(run_record.get("recipe"), recipe, registry, plan.allow_recipe_change,
                                     resumed_from=self.resumed_from, start_step=self.start_step, parts=parts,
-                                    layout=layout, run_dir=run_dir, writes=backend.is_main_process)
+                                    layout=layout, run_dir=run_dir, writes=backend.is_main_process,
+                                    trained_batch=run_record.get("global_batch"))
         self.throughput = Throughput(backend, layout, engine, self.start_step)
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)

@@ -31,13 +31,14 @@ UNTRAINED = (
 
 
 class RecipeChange:
-    """One changed key: ``key: old -> new``; ``trains`` when it changes the training."""
+    """One changed key: ``key: old -> new``; ``trains`` when it changes the training
+    (``untrained``: keys and tables taken as :data:`UNTRAINED` is)."""
 
-    def __init__(self, key: str, old: Any, new: Any):
+    def __init__(self, key: str, old: Any, new: Any, untrained: tuple[str, ...] = UNTRAINED):
         self.key, self.old, self.new = key, old, new
         table = key.split(".", 1)[0].split("[", 1)[0]
         plain = ".".join(part.split("[", 1)[0] for part in key.split("."))
-        self.trains = not (table in UNTRAINED or plain in UNTRAINED)
+        self.trains = not (table in untrained or plain in untrained)
 
     def __str__(self) -> str:
         return f"{self.key}: {_show(self.old)} -> {_show(self.new)}"
@@ -61,15 +62,18 @@ def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix, value
 
 
-def recipe_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[RecipeChange]:
+def recipe_changes(recorded: Mapping[str, Any], current: Mapping[str, Any],
+                   also_untrained: tuple[str, ...] = ()) -> list[RecipeChange]:
     """Every key whose value differs between two resolved recipes, in key order. Lists and
-    tuples compare by value (TOML writes tuples as arrays)."""
+    tuples compare by value (TOML writes tuples as arrays). ``also_untrained``: keys that leave
+    this comparison's training as it was, besides :data:`UNTRAINED` (a caller that knows more
+    than the two recipes: the resumed run's global batch)."""
     old, new = dict(_flatten(recorded)), dict(_flatten(current))
     changes = []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
         if _normal(a) != _normal(b):
-            changes.append(RecipeChange(key, a, b))
+            changes.append(RecipeChange(key, a, b, UNTRAINED + also_untrained))
     return changes
 
 
