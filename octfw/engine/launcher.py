@@ -23,10 +23,17 @@ continues it. What octfw decides itself:
   ``engine.collective_timeout_s`` (and :data:`LOST_PEER_REPORT_S`) to notice
   and end by themselves; a stopped (SIGSTOP) one is continued so that it
   finds its peer gone; what is left is killed.
+- **No worker outlives the job.** torch starts each worker in a session of its
+  own; each worker ends itself when the launcher dies, however it dies
+  (:func:`die_with_launcher`), and the launcher closes its workers on every
+  path out of :func:`launch_job`.
 - **Signals forwarded once.** SIGTERM and SIGINT received by the launcher go
-  to every worker as they came, SIGHUP (a closed terminal) as SIGTERM
-  (Kubernetes stops a pod with a SIGTERM to its first process only); a worker counts a repeat that the process group had
-  already delivered once (:data:`octfw.engine.preemption.DUPLICATE_WINDOW_S`).
+  to every worker as they came, SIGHUP (a closed terminal) and SIGQUIT as
+  SIGTERM (Kubernetes stops a pod with a SIGTERM to its first process only);
+  a worker counts a repeat that the process group had already delivered once
+  (:data:`octfw.engine.preemption.DUPLICATE_WINDOW_S`). They are heard until
+  :func:`launch_job` returns (the nodes' agreement included), and the
+  caller's handlers are then its own again.
   A second signal stops the job at once: the workers stop where they are and
   whatever still runs after :data:`STOP_NOW_GRACE_S` is killed; exit 130, the
   last complete checkpoint kept.
@@ -35,9 +42,11 @@ continues it. What octfw decides itself:
   of a job exits with the same code and line.
 - **The machine shared fairly.** ``OMP_NUM_THREADS`` is the process's share
   of this node's cores unless the user set it (torchrun sets 1).
-- **No unbounded wait.** The rendezvous of the nodes waits at most
-  ``engine.collective_timeout_s``; the grace above and the nodes' exchange of
-  outcomes at most that plus :data:`LOST_PEER_REPORT_S`.
+- **No unbounded wait, no retried typo.** The rendezvous of the nodes waits at
+  most ``engine.collective_timeout_s``; the grace above and the nodes' exchange
+  of outcomes at most that plus :data:`LOST_PEER_REPORT_S`. An endpoint that is
+  malformed, does not resolve, or where no rendezvous answers is a user's
+  mistake (exit 2, one line); only nodes that do not all come make a 76.
 """
 
 from __future__ import annotations
