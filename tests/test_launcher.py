@@ -44,6 +44,16 @@ def test_a_process_killed_without_a_word_is_named_by_its_signal_exit_76_with_the
     assert outcome.line.endswith(f"Run again: {AGAIN}")
 
 
+def test_a_process_ended_while_waiting_for_a_silent_one_names_the_silent_one_first():
+    """NCCL's watchdog ends (SIGABRT) the rank whose collective timed out, not the one that went
+    silent: the line names the rank whose liveness marks had stopped, and the job is 76."""
+    outcome = job_outcome({}, {0: -signal.SIGABRT, 1: -signal.SIGKILL}, {}, AGAIN,
+                          ended_at={0: 1.0, 1: 9.0}, ended_by_launcher=frozenset({1}), unresponsive=frozenset({1}))
+    assert outcome.code == PEER_LOST_EXIT_CODE
+    assert outcome.line.startswith("octfw: error: the process of rank 1 stopped answering (rank 0, waiting for it, "
+                                   "was killed by SIGABRT);"), outcome.line
+
+
 def test_a_crash_before_octfw_could_report_it_is_named_from_torchs_error_file():
     outcome = job_outcome({}, {0: 0, 1: 1}, {1: "ImportError: no module named plug"}, AGAIN)
     assert outcome.code == PEER_LOST_EXIT_CODE and "rank 1 ended with exit code 1 (ImportError" in outcome.line

@@ -272,6 +272,27 @@ def test_a_lost_rank_ends_the_job_in_bounded_time_naming_it_and_resume_auto_cont
     resume_until_done(job, out, reference)
 
 
+def test_a_rank_ended_by_a_watchdog_while_its_peer_is_silent_names_the_silent_peer(job):
+    """What NCCL's watchdog does on a GPU node: the rank that waited in a collective for a silent
+    peer is ended with SIGABRT, saying nothing. The job's line names the silent rank (its liveness
+    marks stopped), not only the one the watchdog ended; 76."""
+    out = "watchdog"
+    process = job.start(out, "--set=run.max_steps=100000")
+    job.wait_for_step(out, 4, process)
+    silent, waiting = job.rank_pid(out, 1), job.rank_pid(out, 0)
+    os.kill(silent, signal.SIGSTOP)
+    time.sleep(2)  # rank 0 waits in the next collective
+    os.kill(waiting, signal.SIGABRT)
+    try:
+        _out, err = process.communicate(timeout=TIMEOUT_S + 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(silent, signal.SIGKILL)
+    assert process.returncode == PEER_LOST_EXIT_CODE, err[-3000:]
+    [line] = job_lines(err)
+    assert "the process of rank 1 stopped answering (rank 0, waiting for it, was killed by SIGABRT)" in line, line
+
+
 # --- decisions taken on one rank ----------------------------------------------------------
 
 

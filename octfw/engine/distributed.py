@@ -37,7 +37,7 @@ from octfw.errors import UserError
 from octfw.tables import counted
 
 __all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "nccl_environment", "xla_processes", "xla_spmd",
-           "all_reduce_", "min_across_ranks", "layout_for", "step_time"]
+           "all_reduce_", "min_across_ranks", "layout_for", "step_time", "silent_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -471,36 +471,44 @@ class _Liveness:
             logger.debug("no liveness marks: the job's store at %s:%s did not answer", host, port, exc_info=exc)
             return None
 
-    def _key(self, rank: int) -> str:
-        return f"octfw/alive/{rank}"
-
     def _mark(self) -> None:
         beat = 0
         while not self._stopped.wait(LIVENESS_INTERVAL_S):
             beat += 1
             try:
-                self._store.set(self._key(self.processes.rank), str(beat))
+                self._store.set(_alive_key(self.processes.rank), str(beat))
             except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to mark
                 return
-
-    def _read(self) -> dict[int, str | None]:
-        marks: dict[int, str | None] = {}
-        for rank in range(self.processes.world_size):
-            key = self._key(rank)
-            marks[rank] = self._store.get(key).decode() if self._store.check([key]) else None
-        return marks
 
     def missing(self) -> list[int] | None:
         """The ranks whose mark did not move in three intervals; None when the store is gone too."""
         if self._store is None:
             return None
-        try:
-            before = self._read()
-            time.sleep(3 * LIVENESS_INTERVAL_S)
-            after = self._read()
-        except Exception:  # noqa: BLE001 - the store lived with a lost process
-            return None
-        return [rank for rank in after if rank != self.processes.rank and after[rank] == before[rank]]
+        others = [rank for rank in range(self.processes.world_size) if rank != self.processes.rank]
+        return silent_ranks(self._store, others)
 
     def stop(self) -> None:
         self._stopped.set()
+
+
+def _alive_key(rank: int) -> str:
+    return f"octfw/alive/{rank}"
+
+
+def silent_ranks(store: Any, ranks: Sequence[int], *, marked_only: bool = False) -> list[int] | None:
+    """Which of ``ranks`` stopped marking themselves alive in the job's ``store`` (their mark did
+    not move in three intervals: stopped, hung, killed, their host gone); None when the store
+    cannot be read. The processes' own view after a failed collective, and the launcher's when
+    a worker ends without a word (NCCL's watchdog ends the rank that waited, not the silent one).
+    ``marked_only``: a rank that never marked is not counted (it may be starting)."""
+    def read() -> dict[int, str | None]:
+        return {rank: store.get(_alive_key(rank)).decode() if store.check([_alive_key(rank)]) else None
+                for rank in ranks}
+
+    try:
+        before = read()
+        time.sleep(3 * LIVENESS_INTERVAL_S)
+        after = read()
+    except Exception:  # noqa: BLE001 - the store lived with a lost process
+        return None
+    return [rank for rank in ranks if after[rank] == before[rank] and (before[rank] is not None or not marked_only)]

@@ -187,14 +187,17 @@ def job_command(fallback: str) -> str:
 
 
 def job_outcome(reports: dict[int, Outcome], exit_codes: dict[int, int], messages: dict[int, str],
-                command: str, ended_at: dict[int, float] | None = None, ended_by_launcher: frozenset = frozenset()
-                ) -> Outcome:
+                command: str, ended_at: dict[int, float] | None = None, ended_by_launcher: frozenset = frozenset(),
+                unresponsive: frozenset = frozenset()) -> Outcome:
     """The job's outcome from every process's report (rank -> :class:`Outcome`), exit code, torch
-    error-file message (a crash before octfw could report it), when each ended, and which ranks
-    the launcher itself ended (after the grace, or a second signal):
+    error-file message (a crash before octfw could report it), when each ended, which ranks
+    the launcher itself ended (after the grace, or a second signal), and which had stopped
+    answering (their liveness marks still) when the first process failed:
 
     1. a process that failed with no report: killed by a signal (named), or an exit code that
-       octfw did not choose; a cause, dated when it ended (one the launcher ended is not a cause);
+       octfw did not choose; a cause, dated when it ended (one the launcher ended is not a cause).
+       Where others had stopped answering, those are named: the process that ended waited for
+       them (NCCL's watchdog ends a rank whose collective timed out, SIGABRT);
     2. the first *cause* in time decides: a silent death is named itself; otherwise its code
        (a crash, a refusal, a stop, a failed save) is the job's, and the lowest rank that said
        that code says the line (a shared decision: rank 0's, which knows the checkpoint);
@@ -205,7 +208,8 @@ def job_outcome(reports: dict[int, Outcome], exit_codes: dict[int, int], message
     newest = max((r.checkpoint for r in reports.values() if r.checkpoint), default=None)  # step_N: sortable
     for rank, code in exit_codes.items():
         if code != 0 and rank not in reports:
-            silent = _silent_failure(rank, code, messages.get(rank, ""), newest, command)
+            silent = _silent_failure(rank, code, messages.get(rank, ""), newest, command,
+                                     sorted(unresponsive - {rank}))
             reports[rank] = attrs.evolve(silent, at=(ended_at or {}).get(rank, silent.at),
                                          cause=rank not in ended_by_launcher)
     causes = sorted((r for r in reports.values() if r.cause and r.code != FINISHED), key=lambda r: r.at)
@@ -220,15 +224,22 @@ def job_outcome(reports: dict[int, Outcome], exit_codes: dict[int, int], message
     return reports[min(reports)] if reports else Outcome(FINISHED, "")
 
 
-def _silent_failure(rank: int, code: int, message: str, newest: str | None, command: str) -> Outcome:
+def _silent_failure(rank: int, code: int, message: str, newest: str | None, command: str,
+                    unresponsive: list[int]) -> Outcome:
     """A process that ended without a word from octfw: the job lost it (76). ``newest``: the
-    newest complete checkpoint the others know."""
+    newest complete checkpoint the others know; ``unresponsive``: the ranks that had stopped
+    answering when it ended, named first."""
     if code < 0:
         what = f"was {describe(code)}"  # "was killed by SIGKILL": an out-of-memory kill, a kill -9
     else:
         what = f"ended with exit code {code}" + (f" ({one_line(message)})" if message else "")
+    who = f"the process of rank {rank} {what}"
+    if unresponsive:
+        silent = ", ".join(map(str, unresponsive))
+        who = (f"the {'process' if len(unresponsive) == 1 else 'processes'} of rank {silent} stopped answering "
+               f"(rank {rank}, waiting for it, {what})")
     return Outcome(PEER_LOST_EXIT_CODE,
-                   f"octfw: error: the process of rank {rank} {what}; the job stopped, and nothing after the newest "
+                   f"octfw: error: {who}; the job stopped, and nothing after the newest "
                    f"checkpoint ({newest or 'none yet'}) is saved. Run again: {command}", checkpoint=newest, at=time.time(),
                    rank=rank)
 
@@ -460,6 +471,23 @@ class _Node:
                 "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": str(self.use_agent_store),
                 "OMP_NUM_THREADS": threads}
 
+    def silent(self, ranks: list[int]) -> list[int]:
+        """Which of ``ranks`` stopped marking themselves alive in the job's store (the workers mark
+        it every second: :func:`octfw.engine.distributed.silent_ranks`); none where it cannot tell."""
+        import torch.distributed as dist
+
+        from octfw.engine.distributed import silent_ranks
+
+        if not ranks:
+            return []
+        try:
+            store = dist.TCPStore(self.master.master_addr, self.master.master_port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=STORE_CALL_S))
+        except Exception as exc:  # noqa: BLE001 - the store's node is gone: no names
+            log.debug("the job's store did not answer for the liveness marks", exc_info=exc)
+            return []
+        return silent_ranks(store, ranks, marked_only=True) or []
+
     def agree(self, local: Outcome, wait_s: float, command: str, stopped: Callable[[], bool]) -> Outcome:
         """The job's outcome, the same on every node: each node's own goes to the store, and
         :func:`job_outcome` decides over them (a node that never reports within ``wait_s`` was lost).
@@ -524,19 +552,21 @@ def _run_workers(node: _Node, worker_argv: list[str], status_dir: Path, command:
         logs_specs=DefaultLogsSpecs(log_dir=str(status_dir / "torch")))
     try:
         pids = context.pids()
-        watch.start(pids)  # our signal handlers over those torch's start just installed
+        ranks = {local: node.index * node.nproc + local for local in pids}
+        watch.start(pids, lambda running: [local for local in running if ranks[local] in
+                                           node.silent([ranks[local] for local in running])])
         watch.until_all_ended()
         result = context.wait(0)  # every worker has ended: their exit codes and error files
     finally:
         context.close(timeout=int(STOP_NOW_GRACE_S))  # on every path out: none left running
-    ranks = {local: node.index * node.nproc + local for local in pids}
     failures = result.failures if result is not None else {}
     exit_codes = {ranks[local]: code for local, code in watch.exit_codes.items()}
     messages = {ranks[local]: failure.message for local, failure in failures.items()
                 if os.path.isfile(failure.error_file)}  # a crash before octfw could report it (torch's error file)
     outcome = job_outcome(_read_reports(status_dir), exit_codes, messages, command,
                           ended_at={ranks[local]: at for local, at in watch.ended_at.items()},
-                          ended_by_launcher=frozenset(ranks[local] for local in watch.killed))
+                          ended_by_launcher=frozenset(ranks[local] for local in watch.killed),
+                          unresponsive=frozenset(ranks[local] for local in watch.unresponsive))
     if watch.signals >= 2:  # stopped at once: whatever the workers managed to say
         return Outcome(INTERRUPTED_EXIT_CODE, outcome.line if outcome.code == INTERRUPTED_EXIT_CODE else
                        f"octfw: stopped at once by a second signal; the last complete checkpoint is kept. "
@@ -555,12 +585,15 @@ class _Watch:
         self.exit_codes: dict[int, int] = {}
         self.ended_at: dict[int, float] = {}  #: local rank -> when the launcher saw it end (time.time())
         self.killed: set[int] = set()  #: local ranks the launcher itself killed
+        self.unresponsive: set[int] = set()  #: local ranks that had stopped answering at the first failure
         self.signals = 0
         self._kill_at: float | None = None
+        self._silent: Callable[[list[int]], list[int]] = lambda running: []
 
-    def start(self, pids: dict[int, int]) -> None:
-        """Watch ``pids`` (local rank -> pid) and handle the stop signals (over torch's, which raise)."""
-        self.pids = dict(pids)
+    def start(self, pids: dict[int, int], silent: Callable[[list[int]], list[int]]) -> None:
+        """Watch ``pids`` (local rank -> pid) and handle the stop signals (over torch's, which raise).
+        ``silent``: which of the given local ranks stopped answering (asked at the first failure)."""
+        self.pids, self._silent = dict(pids), silent
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
 
@@ -586,7 +619,10 @@ class _Watch:
                         self.exit_codes[local], self.ended_at[local] = code, time.time()
             if self._kill_at is None and any(code != 0 for code in self.exit_codes.values()):
                 # A worker failed: the others get the time to notice and say why; a stopped one
-                # is continued, so that it finds its peer gone.
+                # is continued, so that it finds its peer gone; but first, which had stopped
+                # answering (the one that failed may only have waited for them).
+                if self.signals == 0:
+                    self.unresponsive = set(self._silent(list(self._running())))
                 self._kill_at = time.monotonic() + self.grace_s
                 for pid in self._running().values():
                     _kill(pid, signal.SIGCONT)
