@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from octfw.plugins.datasets.dicom.dataset import DicomDataset
+from octfw.dicom.dataset import DicomDataset
 from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build
 from octfw.plugins.transforms.oct_standard.cache import PreparedCache
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort

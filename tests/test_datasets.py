@@ -19,8 +19,8 @@ import numpy as np
 import pydicom
 import pytest
 
-from octfw.plugins.datasets.dicom.dataset import DicomDataset, list_dicom_files
-from octfw.plugins.datasets.dicom.reader import read_oct_volume, write_oct_dicom
+from octfw.dicom.dataset import DicomDataset, list_dicom_files
+from octfw.dicom.reader import read_oct_volume, write_oct_dicom
 from octfw.plugins.datasets.synthetic.cohort import (
     CORRUPTION_KINDS,
     PROFILES,
@@ -531,7 +531,7 @@ def _write_series(folder, volume, *, series_uid="1.2.3.4.5", manufacturer="Heide
     """One single-frame OPT file per B-scan, written in a shuffled file-name order."""
     import io
 
-    from octfw.plugins.datasets.dicom.reader import encode_oct_dicom
+    from octfw.dicom.reader import encode_oct_dicom
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -21,10 +21,10 @@ from octfw.cli import main
 from octfw.errors import ContractError, CorruptFile, UserError
 from octfw.formats import encoder_info, write_export
 from octfw.models.vit3d import ViT3DEncoder
-from octfw.plugins.datasets.dicom.dataset import DicomDataset
-from octfw.plugins.datasets.dicom.manifest import ManifestRow, read_manifest, write_manifest
-from octfw.plugins.datasets.dicom.masks import SEGMENTATION_SOP_CLASS, read_finding_mask
-from octfw.plugins.datasets.dicom.reader import write_oct_dicom
+from octfw.dicom.dataset import DicomDataset
+from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest
+from octfw.dicom.masks import SEGMENTATION_SOP_CLASS, read_finding_mask
+from octfw.dicom.reader import write_oct_dicom
 from octfw.registry import load_registry
 from octfw.types import BuildContext, MaskedDataset, MaskPreparingTransform
 

@@ -11,7 +11,7 @@ import pytest
 from pydicom.data import get_testdata_file
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, JPEGLSLossless, RLELossless
 
-from octfw.plugins.datasets.dicom.reader import (
+from octfw.dicom.reader import (
     OCT_SOP_CLASS_UID,
     SpacingDefaulted,
     normalise_manufacturer,

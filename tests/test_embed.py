@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from octfw.cli import main
-from octfw.plugins.datasets.dicom.reader import read_oct_volume
+from octfw.dicom.reader import read_oct_volume
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.encoder import load_encoder
 from octfw.errors import UserError

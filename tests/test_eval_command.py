@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from octfw.cli import main
-from octfw.plugins.datasets.dicom.manifest import ManifestRow, read_manifest, write_manifest
+from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest
 from octfw.engine.build import build_components
 from octfw.engine.trainer import train
 from octfw.errors import UserError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from octfw.plugins.datasets.dicom.manifest import ManifestRow, read_manifest, write_manifest
+from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest
 from octfw.errors import UserError
 from octfw.evaluation.features import stratified_split
 from octfw.evaluation.metrics import auprc, auroc, bootstrap_weights, classification_metrics, one_vs_rest

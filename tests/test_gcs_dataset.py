@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from octfw.cli import main
-from octfw.plugins.datasets.dicom.dataset import DicomDataset
+from octfw.dicom.dataset import DicomDataset
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.errors import CorruptFile
 

@@ -13,8 +13,8 @@ import pytest
 from conftest import TINY_RECIPE
 from test_user_mistakes import octfw, refused
 from octfw.types import BuildContext
-from octfw.plugins.datasets.dicom.dataset import DicomDataset
-from octfw.plugins.datasets.dicom.manifest import read_manifest
+from octfw.dicom.dataset import DicomDataset
+from octfw.dicom.manifest import read_manifest
 from octfw.registry import load_registry
 
 PACKAGE = Path(__file__).resolve().parents[1] / "octfw" / "data" / "phantom"

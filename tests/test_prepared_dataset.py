@@ -23,7 +23,7 @@ import torch
 import pytest
 
 from octfw.cli import main
-from octfw.plugins.datasets.dicom.dataset import DicomDataset
+from octfw.dicom.dataset import DicomDataset
 from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
 from octfw.plugins.datasets.prepared.dataset import PreparedDataset
 from octfw.plugins.datasets.prepared.prepare import prepare_dataset

@@ -124,7 +124,7 @@ def _specs(built, stage):
 
 @pytest.mark.parametrize("stage, module, name", [
     ("model", "octfw.plugins.models.mae3d.model", "MAE3D"),
-    ("dataset", "octfw.plugins.datasets.dicom.dataset", "DicomDataset"),
+    ("dataset", "octfw.dicom.dataset", "DicomDataset"),
     ("dataset", "octfw.plugins.datasets.vendor.reader", "VendorDataset"),
     ("dataset", "octfw.plugins.datasets.prepared.dataset", "PreparedDataset"),
     ("logger", "octfw.plugins.loggers.wandb", "WandbLogger"),
@@ -147,7 +147,7 @@ def test_each_built_in_class_not_built_above_has_its_stages_methods(stage, modul
 
 
 def test_the_labelled_datasets_say_labels_and_patients_without_decoding():
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
     from octfw.plugins.datasets.prepared.dataset import PreparedDataset
 
     for cls in (DicomDataset, PreparedDataset):

@@ -11,7 +11,7 @@ import numpy as np
 import pydicom
 import pytest
 
-from octfw.plugins.datasets.dicom.reader import encode_oct_dicom, read_header, read_oct_volume
+from octfw.dicom.reader import encode_oct_dicom, read_header, read_oct_volume
 from octfw.plugins.datasets.synthetic.cohort import (
     _LOG_FLOOR,
     CORRUPTION_KINDS,

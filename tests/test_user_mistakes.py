@@ -258,7 +258,7 @@ def mixed_cohort(tmp_path):
     import numpy as np
     from pydicom.data import get_testdata_file
 
-    from octfw.plugins.datasets.dicom.reader import write_oct_dicom
+    from octfw.dicom.reader import write_oct_dicom
 
     folder = tmp_path / "cohort"
     folder.mkdir()
@@ -274,7 +274,7 @@ def mixed_cohort(tmp_path):
 
 
 def test_single_frame_2d_files_are_quarantined_as_not_a_3d_volume(mixed_cohort):
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
     from octfw.errors import CorruptFile
 
     dataset = DicomDataset.from_location(mixed_cohort)
@@ -303,7 +303,7 @@ def test_each_broken_file_is_in_quarantine_jsonl_once_across_epochs_workers_and_
     import itertools
     import json
 
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
     from octfw.engine.data import Quarantine, SampleSource, make_loader
 
     dataset = DicomDataset.from_location(mixed_cohort)
@@ -331,8 +331,8 @@ def test_a_quarantine_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
 def test_counts_before_reading_say_files_and_series(tmp_path, mixed_cohort):
     import numpy as np
 
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
-    from octfw.plugins.datasets.dicom.reader import write_oct_dicom
+    from octfw.dicom.dataset import DicomDataset
+    from octfw.dicom.reader import write_oct_dicom
     from octfw.engine.data import domain_report
 
     # Three B-scans of one series, one file each: one series entry.
@@ -365,7 +365,7 @@ def test_a_set_value_that_is_not_utf8_is_refused_not_a_crash_when_printed(tmp_pa
 
 
 def test_a_manifest_label_beyond_any_float_is_a_user_error(tmp_path):
-    from octfw.plugins.datasets.dicom.manifest import read_manifest
+    from octfw.dicom.manifest import read_manifest
     from octfw.errors import UserError
 
     manifest = write(tmp_path / "m.jsonl", '{"path": "a.dcm", "label": 1' + "0" * 400 + "}\n")
@@ -374,7 +374,7 @@ def test_a_manifest_label_beyond_any_float_is_a_user_error(tmp_path):
 
 
 def test_a_manifest_series_row_of_an_unknown_protocol_is_a_user_error(tmp_path):
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
     from octfw.errors import UserError
 
     manifest = write(tmp_path / "m.csv", "path\nnosuch://bucket/scan/\n")
@@ -397,7 +397,7 @@ def test_a_recipe_key_with_a_newline_stays_on_its_problem_line(tmp_path):
 
 
 def test_a_csv_manifest_with_a_lone_carriage_return_in_a_cell_is_a_user_error(tmp_path):
-    from octfw.plugins.datasets.dicom.manifest import read_manifest
+    from octfw.dicom.manifest import read_manifest
     from octfw.errors import UserError
 
     manifest = tmp_path / "m.csv"

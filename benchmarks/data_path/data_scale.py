@@ -204,7 +204,7 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
 
 def header_scan(folder: str) -> dict[str, Any]:
     """Today's build of a folder dataset: list it, read every header (series grouping, domains)."""
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
 
     started = time.perf_counter()
     dataset = DicomDataset.from_location(folder)

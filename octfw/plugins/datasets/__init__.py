@@ -5,7 +5,8 @@ what validating a recipe imports), its code, and in ``__init__.py`` its
 factory and registration:
 
 - :mod:`octfw.plugins.datasets.dicom`: OCT DICOM volumes from a folder, glob or
-  manifest; the DICOM reader the others build on.
+  manifest, read by the core's :mod:`octfw.dicom`, which the others build on
+  too (no dataset imports another).
 - :mod:`octfw.plugins.datasets.synthetic`: a synthetic multi-vendor cohort written as
   DICOM.
 - :mod:`octfw.plugins.datasets.phantom`: two more synthetic families written as DICOM

@@ -1,9 +1,11 @@
 """The ``dicom`` dataset: OCT volumes from a folder, a glob or a manifest.
 
 Multi-frame files are volumes; single-frame files of one series in one
-folder are read as one volume (see :mod:`octfw.plugins.datasets.dicom.dataset`).
+folder are read as one volume (see :mod:`octfw.dicom.dataset`).
 
-Registration and factory; the config lives in :mod:`octfw.plugins.datasets.dicom.config`.
+Registration and factory; the config lives in :mod:`octfw.plugins.datasets.dicom.config`,
+the reading in the core's :mod:`octfw.dicom`, which ``synthetic-oct``, ``phantom-oct``,
+``oct-vendor`` and a third-party dataset share.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ __all__ = ['DicomConfig', 'build']
 
 
 def build(config: DicomConfig, ctx: BuildContext) -> Dataset:
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
     from octfw.storage.reach import require_reachable
 
     require_reachable(str(config.path), "dataset.path")  # seconds, not gcsfs's minute of retries

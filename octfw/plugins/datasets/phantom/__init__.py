@@ -24,7 +24,7 @@ __all__ = ["PhantomOctConfig", "build"]
 
 
 def build(config: PhantomOctConfig, ctx: BuildContext) -> Dataset:
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
     from octfw.plugins.datasets.phantom.cohort import cohort_key, cohort_options, write_phantom_cohort
 
     seed = ctx.seed if config.seed is None else config.seed

@@ -2,7 +2,7 @@
 
 The cohort is written once as Ophthalmic Tomography DICOM files (and reused
 while its options are unchanged), then read back by the same
-:class:`~octfw.plugins.datasets.dicom.dataset.DicomDataset` as the ``dicom`` dataset, so
+:class:`~octfw.dicom.dataset.DicomDataset` as the ``dicom`` dataset, so
 a quickstart on synthetic data exercises the real DICOM path end to end.
 
 Registration and factory; the config lives in :mod:`octfw.plugins.datasets.synthetic.config`.
@@ -18,7 +18,7 @@ __all__ = ['SyntheticOctConfig', 'build']
 
 
 def build(config: SyntheticOctConfig, ctx: BuildContext) -> Dataset:
-    from octfw.plugins.datasets.dicom.dataset import DicomDataset
+    from octfw.dicom.dataset import DicomDataset
     from octfw.plugins.datasets.synthetic.cohort import MANIFEST_FILE, cohort_key, cohort_options, write_synthetic_cohort
 
     seed = ctx.seed if config.seed is None else config.seed

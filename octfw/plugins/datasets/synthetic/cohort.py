@@ -52,8 +52,8 @@ from typing import Any, Mapping, Sequence
 import attrs
 import numpy as np
 
-from octfw.plugins.datasets.dicom.manifest import ManifestRow, write_manifest
-from octfw.plugins.datasets.dicom.reader import encode_oct_dicom, open_file, write_bytes
+from octfw.dicom.manifest import ManifestRow, write_manifest
+from octfw.dicom.reader import encode_oct_dicom, open_file, write_bytes
 from octfw.plugins.datasets.synthetic.config import DOMAINS
 from octfw.progress import progress_bar
 from octfw.storage.files import open_filesystem

@@ -5,7 +5,7 @@ OCT archives hold the devices' own formats as often as DICOM: Heidelberg
 ``oct-converter`` (the ``vendor`` extra) parses them; this module turns its
 result into a :class:`~octfw.types.Sample` ``[D, H, W]`` (B-scans, axial,
 lateral) with the same checks, provenance and quarantine behaviour as
-:mod:`octfw.plugins.datasets.dicom.reader`:
+:mod:`octfw.dicom.reader`:
 
 - every failure is a :class:`~octfw.errors.CorruptFile` whose reason is
   written here (never an exception's text, which may quote file contents).
@@ -15,7 +15,7 @@ lateral) with the same checks, provenance and quarantine behaviour as
   read; provenance is the file URL, the domain and the geometry;
 - spacing ``(dz, dy, dx)`` comes from the file for each axis the format
   records, else from ``default_spacing``, else 1.0 mm with a
-  :class:`~octfw.plugins.datasets.dicom.reader.SpacingDefaulted` warning. Topcon ``.fds`` /
+  :class:`~octfw.dicom.reader.SpacingDefaulted` warning. Topcon ``.fds`` /
   ``.fda`` record all three; Heidelberg ``.e2e`` only the axial one as
   oct-converter reads it; Zeiss ``.img`` and Bioptigen ``.OCT`` none (see
   :func:`_recorded_spacing`). Zeiss ``.img`` files record no B-scan size
@@ -43,8 +43,8 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from octfw.plugins.datasets.dicom.manifest import is_manifest, read_manifest
-from octfw.plugins.datasets.dicom.reader import UNKNOWN_DOMAIN, SpacingDefaulted
+from octfw.dicom.manifest import is_manifest, read_manifest
+from octfw.dicom.reader import UNKNOWN_DOMAIN, SpacingDefaulted
 from octfw.plugins.datasets.vendor.config import DOMAIN_SOURCES, FORMATS, VENDOR_EXTENSIONS
 from octfw.errors import CorruptFile, UserError
 from octfw.storage.files import is_local, local_path
@@ -276,7 +276,7 @@ class VendorDataset:
                       **options: Any) -> "VendorDataset":
         """List vendor files at ``path`` (folder, glob or manifest); ``options``
         go to the constructor (``img_shape``, ``img_interlaced``, ``default_spacing``)."""
-        from octfw.plugins.datasets.dicom.dataset import list_dicom_files
+        from octfw.dicom.dataset import list_dicom_files
 
         path = os.fspath(path)
         if domain_from not in DOMAIN_SOURCES:

@@ -7,9 +7,9 @@ columns are ignored, so a manifest may carry bookkeeping of its own.
 pseudonym): evaluation splits keep a patient's volumes on one side. It is
 only compared, never written to a run's outputs. ``mask`` is the volume's
 binary finding mask, of the volume's shape, for dense evaluation (``.npy``,
-NIfTI ``.nii``/``.nii.gz`` or a DICOM SEG file: :mod:`octfw.plugins.datasets.dicom.masks`).
+NIfTI ``.nii``/``.nii.gz`` or a DICOM SEG file: :mod:`octfw.dicom.masks`).
 ``layers`` is the volume's retinal layer labels, uint8 ``[D, H, W]`` of the volume's
-shape (``.npy``: :func:`octfw.plugins.datasets.dicom.masks.read_layer_labels`), and
+shape (``.npy``: :func:`octfw.dicom.masks.read_layer_labels`), and
 ``layer_names`` what each value means, top to bottom, as one text joined by ``|``
 (``vitreous|NFL|...``; value ``k`` is the ``k``-th name); written by ``synthetic-oct``
 and ``phantom-oct``, read by dense layer evaluators. A relative ``path``, ``mask`` or
@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import attrs
 
-from octfw.plugins.datasets.dicom.reader import open_file, write_bytes
+from octfw.dicom.reader import open_file, write_bytes
 from octfw.errors import UserError
 
 __all__ = ["MANIFEST_SUFFIXES", "ManifestRow", "is_manifest", "read_manifest", "write_manifest"]

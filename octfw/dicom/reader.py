@@ -274,7 +274,7 @@ def write_oct_dicom(path: str | os.PathLike[str], volume: np.ndarray, *args: Any
 
 # warnings.catch_warnings() is not thread-safe before Python 3.14: it saves the
 # process-wide warnings.filters on entry and puts that list back on exit. The
-# header threads of octfw.plugins.datasets.dicom.dataset interleave, so one thread saves
+# header threads of octfw.dicom.dataset interleave, so one thread saves
 # the list another has just extended with "ignore" and restores it after that
 # one has left: "ignore all warnings" stays installed for the rest of the
 # process and silences every later warning (SpacingDefaulted, the prepared

@@ -26,8 +26,8 @@ import io
 
 import numpy as np
 
+from octfw.dicom.reader import open_file
 from octfw.errors import CorruptFile
-from octfw.plugins.datasets.dicom.reader import open_file
 
 __all__ = ["SEGMENTATION_SOP_CLASS", "NIFTI_SUFFIXES", "read_finding_mask", "read_layer_labels"]
 
