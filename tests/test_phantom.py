@@ -270,3 +270,16 @@ def test_a_recipe_of_the_context_family_validates_and_builds_a_labelled_cohort(t
     dataset = _build(tmp_path, family="context", n_volumes=6, labels=True)
     assert {dataset.load(i).provenance.domain for i in range(6)} == {"tomey", "visionix", "thorlabs"}
     assert {dataset.load(i).provenance.label for i in range(6)} <= {0, 1}
+
+
+def test_the_listing_names_each_familys_layer_labels_as_its_cohort_writes_them(tmp_path):
+    """``octfw list --name phantom-oct`` names the layers every volume is labelled with, in label
+    order, for each family: the names a written cohort's manifest gives (label k, the k-th)."""
+    from octfw.plugins.datasets.phantom.cohort import write_phantom_cohort
+    from octfw.plugins.datasets.phantom.config import FAMILY_TASKS
+
+    listing = " ".join(octfw("list", "--name", "phantom-oct", cwd=tmp_path).stdout.split())
+    for family in FAMILY_TASKS:
+        manifest = write_phantom_cohort(str(tmp_path / family), family, 2, seed=1)
+        names = DicomDataset.from_location(manifest, domain_from="header").layer_names(0)
+        assert f"{family}: {', '.join(names)}" in listing, (family, names)

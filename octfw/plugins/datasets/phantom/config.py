@@ -14,6 +14,14 @@ from octfw.fields import Location, choices, doc, non_negative, positive
 
 #: Each family's one binary task: the finding its positive volumes carry.
 FAMILY_TASKS: dict[str, str] = {"tuning": "drusen", "held-out": "cysts", "context": "reversal"}
+#: The layers each family labels in every volume, top to bottom: voxel label k is the k-th name (the
+#: manifest's ``layers`` and ``layer_names``, which the layer-segmentation evaluator reads). Here,
+#: not beside each family's drawing code, so that a listing names them without importing numpy.
+FAMILY_LAYERS: dict[str, tuple[str, ...]] = {
+    "tuning": ("vitreous", "NFL", "GCL", "IPL", "INL", "OPL", "ONL", "photoreceptors", "RPE", "drusen", "choroid"),
+    "held-out": ("vitreous", "NFL", "GCL", "IPL", "INL", "OPL", "ONL", "IS/OS", "RPE", "choroid"),
+    "context": ("vitreous", "NFL", "GCL+IPL", "INL", "OPL", "ONL", "photoreceptors", "RPE", "choroid"),
+}
 
 
 def _task(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
@@ -30,7 +38,10 @@ class PhantomOctConfig:
         "moptim) or context (reversal: a normal eye's inner retina is brighter below the fovea than "
         "above it, a positive eye's the other way round (the same reflectivities, halves swapped); vendors "
         "tomey, visionix, thorlabs; sized by benchmarks/learning/context_task.py). Drawn by code that shares "
-        "nothing with synthetic-oct's renderer, so a lever tuned on one family can be checked on the others.",
+        "nothing with synthetic-oct's renderer, so a lever tuned on one family can be checked on the others. "
+        "Every volume also carries voxel labels of its retinal layers (for the layer-segmentation evaluator), "
+        "label k the k-th of: " + "; ".join(f"{family}: {', '.join(names)}" for family, names in FAMILY_LAYERS.items())
+        + ".",
         default="tuning",
         validator=choices(*FAMILY_TASKS),
     )

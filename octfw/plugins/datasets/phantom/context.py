@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from octfw.plugins.datasets.phantom.config import FAMILY_LAYERS
 from octfw.plugins.datasets.phantom.devices import Vendor, layer_labels
 
 __all__ = ["TASK", "VENDORS", "LAYER_NAMES", "Shape", "FINDING", "draw_patient", "render", "render_labelled"]
@@ -49,7 +50,7 @@ LAYER_SHARE = np.array([0.10, 0.22, 0.10, 0.08, 0.30, 0.12, 0.08])
 LAYER_LEVEL = np.array([0.75, 0.40, 0.15, 0.45, 0.10, 0.55, 1.0])
 #: Layer labels (value = index): the vitreous, the seven layers, the choroid (all below the RPE);
 #: each voxel the layer its centre lies in (the boundary ramps' midpoints).
-LAYER_NAMES = ("vitreous", "NFL", "GCL+IPL", "INL", "OPL", "ONL", "photoreceptors", "RPE", "choroid")
+LAYER_NAMES = FAMILY_LAYERS["context"]
 CHOROID_LEVEL = 0.35
 VITREOUS_LEVEL = 0.01
 #: Range of the inner surface's depth in the window (mm); sized with the finding (benchmark HISTORY).

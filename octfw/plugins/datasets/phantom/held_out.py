@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from octfw.plugins.datasets.phantom.config import FAMILY_LAYERS
 from octfw.plugins.datasets.phantom.devices import Vendor, layer_labels
 
 __all__ = ["TASK", "VENDORS", "LAYER_NAMES", "draw_patient", "render", "render_labelled"]
@@ -34,7 +35,7 @@ LAYER_SHARE = np.array([0.12, 0.14, 0.12, 0.11, 0.10, 0.26, 0.07, 0.08])
 LAYER_LEVEL = np.array([0.8, 0.35, 0.55, 0.12, 0.5, 0.08, 0.75, 1.0])
 #: Layer labels (value = index): the vitreous, the eight layers, the choroid (all below the RPE);
 #: each voxel the layer between whose sigmoid edges its centre lies. The cysts stay INL (the finding mask).
-LAYER_NAMES = ("vitreous", "NFL", "GCL", "IPL", "INL", "OPL", "ONL", "IS/OS", "RPE", "choroid")
+LAYER_NAMES = FAMILY_LAYERS["held-out"]
 INNER_LAYERS = 5  # NFL to OPL: they thin away in the fovea
 INL = 3  # the inner nuclear layer, where the cysts form
 LOG_RANGE = 200.0  # the log compression's dynamic range (intensity 1 -> full scale)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from octfw.plugins.datasets.phantom.config import FAMILY_LAYERS
 from octfw.plugins.datasets.phantom.devices import Vendor, layer_labels
 
 __all__ = ["TASK", "VENDORS", "LAYER_NAMES", "LAYER_DEPTH", "draw_patient", "render", "render_labelled"]
@@ -35,7 +36,7 @@ KNOT_LEVEL = np.array([0.5, 0.9, 0.6, 0.3, 0.45, 0.12, 0.4, 0.06, 0.5, 0.25, 0.7
 #: next dark one (or back): the midpoints of those knots' depths (:data:`LAYER_DEPTH`). Then the
 #: photoreceptors (ELM to IS/OS) down to the epithelium's surface, the RPE band, the drusen
 #: deposit under a lifted epithelium (empty without drusen) and the choroid.
-LAYER_NAMES = ("vitreous", "NFL", "GCL", "IPL", "INL", "OPL", "ONL", "photoreceptors", "RPE", "drusen", "choroid")
+LAYER_NAMES = FAMILY_LAYERS["tuning"]
 #: The normalised depth of the inner surface and of each boundary inside the retina (NFL/GCL ...
 #: ONL/photoreceptors): 0, then between the knots at 0.03 and 0.2, 0.2 and 0.35, 0.35 and 0.45,
 #: 0.45 and 0.55, 0.55 and 0.8, 0.8 and 0.84.
