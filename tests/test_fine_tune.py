@@ -28,7 +28,8 @@ from octfw.plugins.evaluators.fine_tune.evaluator import FineTuneEvaluator
 from octfw.plugins.evaluators.fine_tune import FineTuneConfig
 from octfw.evaluation.features import LabelledVolumes
 from octfw.evaluation.attentive import layout
-from octfw.plugins.evaluators.fine_tune.algorithm import FineTuneNetwork, fine_tune, frozen_prefix, parameter_groups
+from octfw.evaluation.fine_tuning import parameter_groups
+from octfw.plugins.evaluators.fine_tune.algorithm import FineTuneNetwork, fine_tune, frozen_prefix
 from octfw.formats import encoder_info, write_export
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import load_recipe

@@ -24,7 +24,7 @@ the test volumes.
 
 Frozen: the heads on cached tokens. Fine-tuned: a copy of the encoder trained
 with the heads, with layer-wise learning-rate decay
-(:func:`octfw.plugins.evaluators.fine_tune.algorithm.parameter_groups`), starting
+(:func:`octfw.evaluation.fine_tuning.parameter_groups`), starting
 from the frozen fit's selected heads (linear probing, then fine-tuning: heads
 that start at zero would hand the encoder noise to follow; Kumar et al. 2022). Dice and
 IoU need only counts per volume (voxels both predicted and true, predicted, true),
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from octfw.plugins.evaluators.fine_tune.algorithm import parameter_groups
+from octfw.evaluation.fine_tuning import parameter_groups
 from octfw.schedules import warmup_cosine
 
 __all__ = ["TOKEN_TARGETS", "patchify", "token_truth", "DenseHeads", "DenseNetwork", "DenseResult", "fit_dense"]

@@ -121,7 +121,7 @@ class DenseProbeEvaluator:
 
     def encode(self, model: Any, device: Any) -> DenseEncoded:
         """Frozen tokens of both splits and, for fine-tuning, a snapshot of the encoder."""
-        from octfw.plugins.evaluators.fine_tune.algorithm import encoder_to_fine_tune
+        from octfw.evaluation.fine_tuning import encoder_to_fine_tune
 
         train, test = self.split()
         tokens = (self._tokens(model, train, device), self._tokens(model, test, device))

@@ -26,7 +26,9 @@ network. The protocol, scaled to the CPU:
   an int ``k`` only the last ``k`` blocks, the final norm and the head. The
   frozen part (patch embedding, positions and the blocks before them) then
   runs once, in :func:`frozen_prefix`, and only its output tokens are kept;
-- AdamW with layer-wise learning-rate decay (BEiT, RETFound): block ``i``
+- AdamW with layer-wise learning-rate decay (BEiT, RETFound;
+  :func:`octfw.evaluation.fine_tuning.parameter_groups`, which the dense
+  evaluators share with this one, as they share ``blocks``): block ``i``
   (0-based) of ``L`` gets ``lr x layer_decay ** (L - i)``, the patch
   embedding ``lr x layer_decay ** (L + 1)``, the final norm and the head
   ``lr``: layers near the input, which transfer best, move least. No weight
@@ -60,38 +62,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from octfw.evaluation.attentive import AttentiveHead, decayed, epoch_order
+from octfw.evaluation.fine_tuning import ALL_BLOCKS, first_trained_block, parameter_groups, unfreeze_trained_part
 from octfw.evaluation.metrics import balanced_accuracy
 from octfw.schedules import warmup_cosine
-from octfw.errors import UserError
-from octfw.types import BlockwiseEncoder, EncoderModel, missing_members
+from octfw.types import BlockwiseEncoder
 
-# The encoder is any :class:`octfw.types.BlockwiseEncoder` (the built-in 3D ViT): evaluation
-# may not import a model package (the components of different stages stay independent,
-# pyproject.toml), and the encoder's own input step (standardising, positions) must run.
+__all__ = ["FineTuneNetwork", "FineTuneResult", "frozen_prefix", "fine_tune"]
 
-__all__ = ["ALL_BLOCKS", "encoder_to_fine_tune", "FineTuneNetwork", "FineTuneResult", "first_trained_block", "frozen_prefix",
-           "layer_exponent", "parameter_groups", "fine_tune"]
-
-#: ``blocks`` value that trains the whole encoder, patch embedding included.
-ALL_BLOCKS = "all"
 _BETAS = (0.9, 0.999)
-
-
-def encoder_to_fine_tune(model: Any, where: str, otherwise: str = "") -> BlockwiseEncoder:
-    """The encoder an evaluator fine-tunes: ``model`` itself, or its ``.encoder``
-    (:class:`~octfw.types.EncoderModel`); a one-line UserError (ending with ``otherwise``)
-    when neither runs block by block (:class:`~octfw.types.BlockwiseEncoder`)."""
-    encoder = model.encoder if isinstance(model, EncoderModel) and not isinstance(model, BlockwiseEncoder) else model
-    if not isinstance(encoder, BlockwiseEncoder):
-        missing = ", ".join(missing_members(encoder, BlockwiseEncoder))
-        raise UserError(f"{where}: fine-tunes an encoder that runs block by block (octfw.types.BlockwiseEncoder, "
-                        f"a model's .encoder); {type(encoder).__name__} lacks {missing}{otherwise}")
-    return encoder
-
-
-def first_trained_block(depth: int, blocks: int | str) -> int:
-    """Index of the first block that trains: 0 for ``"all"``, ``depth - k`` for ``k``."""
-    return 0 if blocks == ALL_BLOCKS else depth - int(blocks)
 
 
 def frozen_prefix(encoder: BlockwiseEncoder, blocks: int | str, volumes: torch.Tensor) -> torch.Tensor:
@@ -117,14 +95,8 @@ class FineTuneNetwork(nn.Module):
         super().__init__()
         self.encoder = encoder
         self.blocks = blocks
-        self.start = first_trained_block(len(encoder.blocks), blocks)
         self.head = AttentiveHead(encoder.embed_dim, n_classes, num_heads, generator)
-        encoder.requires_grad_(False)  # a target encoder arrives frozen; unfreeze what trains
-        trained = [encoder.norm, *encoder.blocks[self.start:]]
-        if blocks == ALL_BLOCKS:
-            trained.append(encoder.patch_embed)
-        for module in trained:
-            module.requires_grad_(True)
+        self.start = unfreeze_trained_part(encoder, blocks)
 
     def tokens(self, inputs: torch.Tensor) -> torch.Tensor:
         """``[B, N, E]``: the encoder's output tokens."""
@@ -138,36 +110,6 @@ class FineTuneNetwork(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.head(self.tokens(inputs))
-
-
-def layer_exponent(name: str, depth: int) -> int:
-    """``e`` in ``lr x layer_decay ** e`` for the parameter ``name`` of a :class:`FineTuneNetwork`."""
-    if name.startswith("encoder.patch_embed."):
-        return depth + 1
-    if name.startswith("encoder.blocks."):
-        return depth - int(name.split(".")[2])
-    return 0  # the final norm and the head
-
-
-def parameter_groups(network: FineTuneNetwork, lr: float, layer_decay: float,
-                     weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups of the trained parameters: one per (layer exponent, decayed or not).
-
-    Each group carries ``lr_scale`` (``layer_decay ** exponent``, which the
-    schedule multiplies) and ``exponent``; frozen parameters are in no group.
-    """
-    depth = len(network.encoder.blocks)
-    groups: dict[tuple[int, bool], dict[str, Any]] = {}
-    for name, param in network.named_parameters():
-        if not param.requires_grad:
-            continue
-        exponent, decays = layer_exponent(name, depth), decayed(param.shape)
-        group = groups.setdefault((exponent, decays), {
-            "params": [], "names": [], "exponent": exponent, "lr_scale": layer_decay ** exponent,
-            "lr": lr * layer_decay ** exponent, "weight_decay": weight_decay if decays else 0.0})
-        group["params"].append(param)
-        group["names"].append(name)
-    return [groups[key] for key in sorted(groups)]
 
 
 @attrs.frozen(eq=False)

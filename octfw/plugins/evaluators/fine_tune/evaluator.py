@@ -23,7 +23,8 @@ class FineTuneEvaluator(ValidatedClassificationEvaluator):
     def encode(self, model: Any, device: Any) -> Encoded:
         import copy
 
-        from octfw.plugins.evaluators.fine_tune.algorithm import ALL_BLOCKS, encoder_to_fine_tune, frozen_prefix
+        from octfw.evaluation.fine_tuning import ALL_BLOCKS, encoder_to_fine_tune
+        from octfw.plugins.evaluators.fine_tune.algorithm import frozen_prefix
 
         where = f"evaluator {self.component}"
         encoder = encoder_to_fine_tune(model, where)

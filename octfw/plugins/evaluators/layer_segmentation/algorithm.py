@@ -26,7 +26,7 @@ trained, and a decoder chosen by name (:data:`DECODERS`):
 What trains: the decoder alone on tokens computed once (``blocks = 0``, the
 encoder frozen), or with the last ``k`` blocks and the final norm
 (``blocks = k``), or the whole encoder (``"all"``), with layer-wise
-learning-rate decay (:func:`octfw.plugins.evaluators.fine_tune.algorithm.parameter_groups`:
+learning-rate decay (:func:`octfw.evaluation.fine_tuning.parameter_groups`:
 block ``i`` of ``L`` at ``lr x layer_decay ** (L - i)``, the patch embedding
 ``... ** (L + 1)``, the decoder and final norm at ``lr``). The frozen part runs
 once (:func:`frozen_part`, with the encoder's own ``input_tokens`` and
@@ -69,8 +69,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from octfw.evaluation.attentive import decayed, epoch_order
+from octfw.evaluation.fine_tuning import ALL_BLOCKS, parameter_groups, unfreeze_trained_part
 from octfw.evaluation.metrics import bootstrap_weights
-from octfw.plugins.evaluators.fine_tune.algorithm import ALL_BLOCKS, first_trained_block, parameter_groups
 from octfw.schedules import warmup_cosine
 from octfw.types import BlockwiseEncoder
 
@@ -172,14 +172,7 @@ class SegmentationNetwork(nn.Module):
         self.decoder = decoder
         self.encoder = encoder
         self.blocks, self.taps = blocks, list(taps)
-        self.start = 0 if encoder is None else first_trained_block(len(encoder.blocks), blocks)
-        if encoder is not None:
-            encoder.requires_grad_(False)  # a target encoder arrives frozen; unfreeze what trains
-            trained = [encoder.norm, *encoder.blocks[self.start:]]
-            if blocks == ALL_BLOCKS:
-                trained.append(encoder.patch_embed)
-            for module in trained:
-                module.requires_grad_(True)
+        self.start = 0 if encoder is None else unfreeze_trained_part(encoder, blocks)
 
     def forward(self, volumes: torch.Tensor, frozen_taps: torch.Tensor, start_tokens: torch.Tensor) -> torch.Tensor:
         taps = list(frozen_taps.unbind(1))
@@ -195,11 +188,11 @@ class SegmentationNetwork(nn.Module):
 
 def segmentation_groups(network: SegmentationNetwork, lr: float, layer_decay: float,
                         weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups of what trains: the fine-tune evaluator's layer-decayed groups
-    (:func:`~octfw.plugins.evaluators.fine_tune.algorithm.parameter_groups`) with an encoder;
+    """AdamW groups of what trains: the layer-decayed groups the fine-tuning evaluators share
+    (:func:`~octfw.evaluation.fine_tuning.parameter_groups`) with an encoder;
     the decoder alone (exponent 0) without."""
     if network.encoder is not None:
-        return parameter_groups(network, lr, layer_decay, weight_decay)  # type: ignore[arg-type]
+        return parameter_groups(network, lr, layer_decay, weight_decay)
     groups = []
     for decays in (True, False):
         named = [(n, p) for n, p in network.named_parameters() if decayed(p.shape) == decays]

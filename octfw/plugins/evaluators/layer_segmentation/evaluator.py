@@ -243,7 +243,7 @@ class LayerSegmentationEvaluator:
     # --- evaluation --------------------------------------------------------
 
     def _start(self, depth: int) -> int:
-        from octfw.plugins.evaluators.fine_tune.algorithm import first_trained_block
+        from octfw.evaluation.fine_tuning import first_trained_block
 
         blocks = self.config.blocks
         return depth if blocks == 0 else first_trained_block(depth, blocks)
@@ -251,7 +251,7 @@ class LayerSegmentationEvaluator:
     def encode(self, model: Any, device: Any) -> SegmentationEncoded:
         """The frozen part run once over both splits (:func:`.algorithm.frozen_part`), and a
         snapshot of the encoder for the part that trains."""
-        from octfw.plugins.evaluators.fine_tune.algorithm import encoder_to_fine_tune
+        from octfw.evaluation.fine_tuning import encoder_to_fine_tune
         from octfw.plugins.evaluators.layer_segmentation.algorithm import frozen_part, tap_depths
 
         where = f"evaluator {self.component}"
