@@ -22,15 +22,20 @@ from importlinter.cli import lint_imports
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_imports_follow_the_declared_layers(monkeypatch, capsys):
-    monkeypatch.chdir(ROOT)
+def _lint(config: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """import-linter's exit code and report for the contracts of ``config`` (a pyproject.toml)."""
+    monkeypatch.chdir(config.parent)
     # lint_imports configures its logging with dictConfig, which by default disables every
     # logger that exists already (octfw's among them) for the rest of this test process.
     configure = logging.config.dictConfig
     monkeypatch.setattr(logging.config, "dictConfig",
                         lambda config: configure({**config, "disable_existing_loggers": False}))
-    code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
-    report = capsys.readouterr().out
+    code = lint_imports(config_filename=str(config), no_cache=True, no_logo=True)
+    return code, capsys.readouterr().out
+
+
+def test_imports_follow_the_declared_layers(monkeypatch, capsys):
+    code, report = _lint(ROOT / "pyproject.toml", monkeypatch, capsys)
     assert code == 0, report
     assert "BROKEN" not in report and "KEPT" in report
 
@@ -99,14 +104,22 @@ def test_every_registering_module_on_disk_is_a_builtin_plugin_and_back():
     assert not problems, "\n".join(problems)
 
 
+#: The modules of the contract that keeps plugins apart: every plugin (package or module) of every stage.
+EVERY_PLUGIN = "octfw.plugins.*.*"
+
+
 def _contracts() -> dict[str, dict]:
+    """The contracts by type, and the independence of every plugin as ``"plugins"``."""
     import tomllib
 
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
         "tool"]["importlinter"]["contracts"]
-    by_type = {contract["type"]: contract for contract in contracts}
+    plugins = [contract for contract in contracts if contract.get("modules") == [EVERY_PLUGIN]]
+    assert len(plugins) == 1 and plugins[0]["type"] == "independence", \
+        f"one independence contract over {EVERY_PLUGIN} expected"
+    by_type = {contract["type"]: contract for contract in contracts if contract is not plugins[0]}
     assert sorted(by_type) == ["forbidden", "independence", "layers"], "one contract of each type expected"
-    return by_type
+    return by_type | {"plugins": plugins[0]}
 
 
 def test_no_command_imports_a_plugin_not_even_by_exception():
@@ -141,6 +154,45 @@ def test_the_import_contracts_name_every_builtin_and_nothing_else():
         if entry not in _builtins().values():
             problems.append(f"{entry}: in the independence contract of {where} but holds no built-in plugin")
     assert not problems, "\n".join(problems)
+
+
+def test_no_plugin_imports_another_not_even_within_its_stage():
+    """What plugins share is core code (the DICOM reading in ``octfw.dicom``, the fine-tuning
+    parts in ``octfw.evaluation.fine_tuning``), where a third party's plugin imports it too: the
+    contract covers every built-in, by a wildcard a new one falls under, with no exception."""
+    contract = _contracts()["plugins"]
+    outside = [module for module in _builtins() if len(module.split(".")) != 4]
+    assert not outside, f"built-ins {EVERY_PLUGIN} does not match: {outside}"
+    assert not contract.get("ignore_imports"), contract.get("ignore_imports")
+
+
+def test_a_plugin_that_imports_another_breaks_the_contract(tmp_path, monkeypatch, capsys):
+    """The shipped contract, over a small tree of the same shape: a dataset that imports
+    another's module (inside a function, too) breaks it; plugins that import the core do not."""
+    import json
+
+    files = {
+        "__init__.py": "", "plugins/__init__.py": "", "plugins/datasets/__init__.py": "",
+        "plugins/guards/__init__.py": "", "dicom/__init__.py": "", "dicom/reader.py": "def read(): ...\n",
+        "plugins/datasets/dicom/__init__.py": "", "plugins/datasets/vendor/__init__.py": "",
+        "plugins/datasets/dicom/dataset.py": "from plugged.dicom.reader import read\n",
+        "plugins/datasets/vendor/reader.py": "def files():\n    from plugged.plugins.datasets.dicom import dataset\n",
+        "plugins/guards/nan_skip.py": "import plugged.dicom.reader\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "plugged" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "plugged" / name).write_text(text)
+    contract = _contracts()["plugins"]
+    modules = [module.replace("octfw.", "plugged.", 1) for module in contract["modules"]]
+    config = tmp_path / "pyproject.toml"
+    config.write_text(f'[tool.importlinter]\nroot_package = "plugged"\n\n[[tool.importlinter.contracts]]\n'
+                      f'name = {json.dumps(contract["name"])}\ntype = "independence"\nmodules = {json.dumps(modules)}\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, report = _lint(config, monkeypatch, capsys)
+    broken = " ".join(report.split("Broken contracts")[-1].split())
+    assert code != 0 and "1 broken" in report, report
+    assert ("plugged.plugins.datasets.vendor is not allowed to import plugged.plugins.datasets.dicom" in broken
+            and "plugged.plugins.guards" not in broken), report
 
 
 def test_the_architecture_table_lists_every_builtin_and_nothing_else():
