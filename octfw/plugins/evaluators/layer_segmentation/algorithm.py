@@ -222,11 +222,12 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels) + _soft_dice_loss(logits, labels)
 
 
-def _predict(network: SegmentationNetwork, inputs: Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
+def _predict(network: SegmentationNetwork, inputs: Sequence[torch.Tensor], batch_size: int,
+             device: torch.device) -> torch.Tensor:
     out = []
     with torch.no_grad():
         for start in range(0, inputs[0].shape[0], batch_size):
-            out.append(network(*(x[start:start + batch_size] for x in inputs)).argmax(1).cpu())
+            out.append(network(*(x[start:start + batch_size].to(device) for x in inputs)).argmax(1).cpu())
     return torch.cat(out)
 
 
@@ -251,13 +252,15 @@ def fit_segmentation(
     seed: int = 0,
     eval_batch_size: int = 4,
     sync: Callable[[], None] | None = None,
+    device: torch.device | str | None = None,
 ) -> SegmentationResult:
     """Train ``decoder`` (and, unless ``blocks`` is 0, a copy of ``encoder``) on ``fit`` (the
     network's inputs: volumes, frozen taps, start tokens) against ``fit_labels`` ``[N, D, H, W]``
     for ``epochs`` passes or ``min_steps`` update steps, whichever is more; score the validation
     volumes ``validations`` times, evenly spaced, the last after the last step, and return the
-    test predictions of the best. ``decoder`` and ``encoder`` are not changed."""
-    device = fit[0].device
+    test predictions of the best. ``decoder`` and ``encoder`` are not changed. The inputs may
+    stay on the host: each batch goes to ``device`` (default: where ``fit`` is) when it is used."""
+    device = torch.device(device) if device is not None else fit[0].device
     trains_encoder = blocks != 0
     network = SegmentationNetwork(copy.deepcopy(decoder), copy.deepcopy(encoder) if trains_encoder else None,
                                   blocks, taps).to(device)
@@ -282,8 +285,8 @@ def fit_segmentation(
             factor = warmup_cosine(step - 1, total)
             for group in groups:
                 group["lr"] = lr * group["lr_scale"] * factor
-            batch = batch.to(device)
-            loss = _loss(network(*(x[batch] for x in fit)), fit_labels[batch])
+            batch = batch.to(fit[0].device)  # the indices go where the inputs are, the rows to the device
+            loss = _loss(network(*(x[batch].to(device) for x in fit)), fit_labels[batch].to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -291,7 +294,7 @@ def fit_segmentation(
                 sync()
             if step in checks:
                 network.eval()  # a host sync per validation
-                predicted = _predict(network, val, eval_batch_size)
+                predicted = _predict(network, val, eval_batch_size, device)
                 val_mean = _mean_dice(segmentation_counts(predicted.numpy(), val_truth, classes)["dice"])
                 key = (-val_mean, step)
                 if best is None or key < best[0]:
@@ -302,7 +305,7 @@ def fit_segmentation(
         for param, kept in zip(trained, best[1]):
             param.copy_(kept)
     network.eval()
-    return SegmentationResult(_predict(network, test, eval_batch_size), best[0][1], -best[0][0], total,
+    return SegmentationResult(_predict(network, test, eval_batch_size, device), best[0][1], -best[0][0], total,
                               sum(p.numel() for p in trained))
 
 

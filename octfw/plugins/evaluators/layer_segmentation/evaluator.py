@@ -152,13 +152,16 @@ def layer_keys(names: Sequence[str]) -> list[str]:
 
 @attrs.frozen(eq=False)
 class SegmentationEncoded:
-    """What every fit reads, on the fitting device: the network's three inputs per split."""
+    """What every fit reads: the network's three inputs per split, kept on the host (a volume at
+    the seeds' size is 38 MB as float32: a cohort would not fit on a device), a batch of them
+    moved to ``device`` at a time."""
 
     train: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  #: volumes, frozen taps, start tokens
     test: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     train_layers: torch.Tensor  #: int64 [N, D, H, W]
     encoder: Any  #: a snapshot of the encoder (BlockwiseEncoder), on the device
     taps: list[int]
+    device: Any  #: where the encoder is and the fits run
 
 
 class LayerSegmentationEvaluator:
@@ -267,19 +270,20 @@ class LayerSegmentationEvaluator:
         train, test = self.split()
         splits = []
         for volumes in (train, test):
-            stacked = torch.from_numpy(np.stack(volumes.volumes)).to(device)
+            stacked = torch.from_numpy(np.stack(volumes.volumes))  # on the host: a batch at a time to the device
             frozen, tokens = [], []
             with torch.no_grad():
                 for at in range(0, len(volumes), self.config.batch_size):
-                    read, entering = frozen_part(encoder, start, taps, stacked[at:at + self.config.batch_size])
-                    frozen.append(read)
-                    tokens.append(entering)
+                    batch = stacked[at:at + self.config.batch_size].to(device)
+                    read, entering = frozen_part(encoder, start, taps, batch)
+                    frozen.append(read.cpu())
+                    tokens.append(entering.cpu())
             splits.append((stacked, torch.cat(frozen), torch.cat(tokens)))
         if splits[0][2].shape[1] != math.prod(self.grid):
             raise UserError(f"{where}: the encoder gives {splits[0][2].shape[1]} tokens per volume; the decoder "
                             f"needs one per patch of the {'x'.join(map(str, self.grid))} grid")
-        layers = torch.from_numpy(np.stack(train.layers).astype(np.int64)).to(device)
-        return SegmentationEncoded(splits[0], splits[1], layers, encoder, taps)
+        layers = torch.from_numpy(np.stack(train.layers).astype(np.int64))
+        return SegmentationEncoded(splits[0], splits[1], layers, encoder, taps, device)
 
     def score(self, encoded: SegmentationEncoded, positions: np.ndarray | None = None) -> dict[str, float]:
         """Train on the train volumes at ``positions`` (default :meth:`fit_positions`), measure on the
@@ -295,8 +299,8 @@ class LayerSegmentationEvaluator:
         train, test = self.split()
         positions = self.fit_positions() if positions is None else np.asarray(positions, dtype=np.int64)
         val = self.fit_val_positions()[1]
-        device = encoded.train[0].device
-        fit_index, val_index = (torch.from_numpy(p).to(device) for p in (positions, val))
+        device = encoded.device
+        fit_index, val_index = (torch.from_numpy(p) for p in (positions, val))
         encoder = encoded.encoder
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
@@ -309,7 +313,7 @@ class LayerSegmentationEvaluator:
             blocks=config.blocks, taps=encoded.taps, epochs=config.epochs, min_steps=config.min_steps,
             validations=config.validations, batch_size=config.fit_batch_size,
             lr=config.lr, layer_decay=config.layer_decay, weight_decay=config.weight_decay, seed=config.seed,
-            eval_batch_size=config.batch_size, sync=sync)
+            eval_batch_size=config.batch_size, sync=sync, device=device)
         predicted, truth = result.predictions.numpy(), np.stack(test.layers)
         keys = layer_keys(train.layer_names)
         subsets = [("", np.arange(len(test)))]
