@@ -20,7 +20,7 @@ __all__ = ["__version__", "load_recipe", "train", "evaluate", "export", "load_en
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import octfw` (and `octfw list`) never imports torch.
     if name == "load_encoder":
-        from octfw.encoder import load_encoder
+        from octfw.exports.pretrained import load_encoder
 
         return load_encoder
     raise AttributeError(f"module 'octfw' has no attribute {name!r}")

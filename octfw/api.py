@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import attrs
 
 from octfw.errors import RunNotFinished, UserError
-from octfw.formats import DEFAULT_LICENSE
+from octfw.exports.formats import DEFAULT_LICENSE
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from octfw.evaluation.target import EvalReport
@@ -134,9 +134,9 @@ def export(source: str | Path, out: str | Path, *, format: str = "octfw", force:
     latest checkpoint (or of a checkpoint file); returns ``out``. ``format``: ``octfw`` and
     ``safetensors`` (a Hub-style folder) are read by :func:`octfw.load_encoder`, as are
     ``torchscript`` (also ``torch.jit.load``) and ``monai-bundle`` (also ``monai.bundle``, both
-    without octfw; :mod:`octfw.formats`). An existing ``out`` is replaced only with ``force``.
+    without octfw; :mod:`octfw.exports.formats`). An existing ``out`` is replaced only with ``force``.
     ``license`` and ``datasets`` go to the model card (``--license``, ``--dataset``)."""
-    from octfw.encoder import export_encoder
+    from octfw.exports.export import export_encoder
 
     return Path(export_encoder(source, out, _registry(registry), format, force=force, license=license,
                                datasets=datasets)["out"])

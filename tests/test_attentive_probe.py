@@ -209,7 +209,8 @@ def test_where_the_linear_probe_beats_chance_on_fluid_the_attentive_probe_is_not
     import textwrap
 
     from octfw.cli import main
-    from octfw.formats import encoder_info, write_export
+    from octfw.exports.formats import encoder_info
+    from octfw.exports.writing import write_export
     from octfw.models.vit3d import ViT3DEncoder
 
     with torch.random.fork_rng(devices=[]):

@@ -19,7 +19,8 @@ import torch
 
 from octfw.cli import main
 from octfw.errors import ContractError, CorruptFile, UserError
-from octfw.formats import encoder_info, write_export
+from octfw.exports.formats import encoder_info
+from octfw.exports.writing import write_export
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.dicom.dataset import DicomDataset
 from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest

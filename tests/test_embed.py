@@ -17,7 +17,7 @@ import torch
 from octfw.cli import main
 from octfw.dicom.reader import read_oct_volume
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
-from octfw.encoder import load_encoder
+from octfw.exports.pretrained import load_encoder
 from octfw.errors import UserError
 
 from conftest import TINY_RECIPE
@@ -157,7 +157,7 @@ numpy.testing.assert_allclose(numpy.load({str(tmp_path / 'bundle.npy')!r}),
                               numpy.load({str(tmp_path / 'eager_raw.npy')!r}), atol=1e-5, rtol=1e-5)
 assert "octfw" not in sys.modules, "TorchScript, safetensors and the MONAI bundle run without octfw"
 import octfw
-from octfw.encoder import PretrainedEncoder
+from octfw.exports.pretrained import PretrainedEncoder
 with torch.no_grad():
     torch.testing.assert_close(octfw.load_encoder({str(folder)!r})(volume), eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(PretrainedEncoder.from_pretrained("octfw/tiny-encoder")(volume), eager,
@@ -180,12 +180,12 @@ print("ok")
 def test_a_failed_folder_export_leaves_nothing(exported, tmp_path, monkeypatch):
     """The bundle is built beside --out and renamed when complete: a write that fails midway
     (here the model card, after the TorchScript file) leaves neither --out nor a temporary folder."""
-    import octfw.formats
+    import octfw.exports.writing
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(octfw.formats, "model_card", no_space)
+    monkeypatch.setattr(octfw.exports.writing, "model_card", no_space)
     run_dir = next((exported.parent / "runs" / "tiny").iterdir())
     with pytest.raises(OSError, match="No space left"):
         from octfw.api import export
@@ -195,7 +195,7 @@ def test_a_failed_folder_export_leaves_nothing(exported, tmp_path, monkeypatch):
 
 
 def test_from_pretrained_names_a_repository_it_cannot_find(tmp_path, monkeypatch):
-    from octfw.encoder import PretrainedEncoder
+    from octfw.exports.pretrained import PretrainedEncoder
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
@@ -215,7 +215,7 @@ def test_a_location_is_opened_by_the_dataset_whose_config_recognises_it(tmp_path
     from octfw.plugins.datasets.prepared.config import PreparedConfig
     from octfw.plugins.datasets.prepared.store import HEADER_FILE
     from octfw.plugins.datasets.vendor.config import OctVendorConfig
-    from octfw.encoder import open_volumes
+    from octfw.exports.volumes import open_volumes
     from octfw.hookspecs import hookimpl
     from octfw.registry import DISABLE_ENV, load_registry
 
@@ -332,7 +332,7 @@ class LocalHub:
 
 
 def test_push_to_hub_uploads_what_from_pretrained_reads_back(exported, tmp_path):
-    from octfw.encoder import PretrainedEncoder
+    from octfw.exports.pretrained import PretrainedEncoder
 
     encoder = load_encoder(exported)
     hub = LocalHub(tmp_path / "hub-cache")

@@ -271,7 +271,7 @@ def test_octfw_eval_compares_a_checkpoint_with_a_seeded_random_encoder(paired_ru
     assert _eval_json(capsys, paired_runs["plain"], recipe) == report  # deterministic, baseline included
 
     # The exported target encoder gives the same features, hence the same scores.
-    from octfw.encoder import export_encoder
+    from octfw.exports.export import export_encoder
 
     encoder = tmp_path / "encoder.pt"
     export_encoder(paired_runs["plain"], encoder, load_registry())

@@ -14,7 +14,7 @@ import torch
 import octfw
 from octfw.plugins.checkpointers.local import LocalCheckpointer
 from octfw.cli import main
-from octfw.encoder import PretrainedEncoder, load_encoder
+from octfw.exports.pretrained import PretrainedEncoder, load_encoder
 from octfw.errors import UserError
 from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
 
@@ -264,7 +264,7 @@ def test_a_run_without_evaluators_gets_a_card_with_honest_defaults(exported, tmp
 
 
 def test_a_dataset_is_named_by_its_last_folder_never_its_local_path():
-    from octfw.formats import dataset_label, run_name
+    from octfw.exports.formats import dataset_label, run_name
 
     assert dataset_label({"name": "synthetic-oct", "n_volumes": 8}) == "synthetic-oct"
     assert dataset_label({"name": "dicom", "path": "/data/site-a/manifest.jsonl"}) == "site-a"

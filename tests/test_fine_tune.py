@@ -30,7 +30,8 @@ from octfw.evaluation.features import LabelledVolumes
 from octfw.evaluation.attentive import layout
 from octfw.evaluation.fine_tuning import parameter_groups
 from octfw.plugins.evaluators.fine_tune.algorithm import FineTuneNetwork, fine_tune, frozen_prefix
-from octfw.formats import encoder_info, write_export
+from octfw.exports.formats import encoder_info
+from octfw.exports.writing import write_export
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import load_recipe
 

@@ -323,7 +323,8 @@ def test_octfw_eval_shots_on_synthetic_oct_layers_across_vendors_writes_table_cs
     import textwrap
 
     from octfw.cli import main
-    from octfw.formats import encoder_info, write_export
+    from octfw.exports.formats import encoder_info
+    from octfw.exports.writing import write_export
 
     encoder = _encoder(depth=2)
     recipe = {"transform": {"name": "oct-standard", "image_size": list(IMAGE)}, "model": {"name": "vjepa3d"}}

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from octfw.encoder import encoder_from_config
+from octfw.exports.pretrained import encoder_from_config
 from octfw.errors import UserError
 from octfw.models.published import FORMATS, InitTargets, initialise, register_format
 from octfw.models.published.adapt import adapt_channels, inflate_kernel, resample_positions
@@ -556,7 +556,7 @@ def test_eval_compares_published_continued_and_random_side_by_side(tmp_path, cap
         assert difference["knn/auroc_ci_low"] <= difference["knn/auroc"] <= difference["knn/auroc_ci_high"]
 
     # The baseline is random, the same for the recipe and its run, and not the weights it started from.
-    from octfw.encoder import find_checkpoint
+    from octfw.exports.checkpoint import find_checkpoint
     from octfw.evaluation.target import checkpoint_model, recipe_model
 
     start = recipe_model(tmp_path / "continue.toml", 3, registry)

@@ -595,7 +595,7 @@ def test_the_patch_projection_is_initialised_like_a_linear_layer():
 
 
 def test_an_encoder_exported_before_standardisation_loads_without_it():
-    from octfw.encoder import encoder_from_config
+    from octfw.exports.pretrained import encoder_from_config
 
     old = {"image_size": [8, 32, 32], "patch_size": [4, 16, 16], "in_channels": 1, "embed_dim": 96, "depth": 1,
            "num_heads": 3, "mlp_ratio": 4.0}

@@ -157,9 +157,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from octfw.encoder import load_encoder
+    from octfw.exports.pretrained import load_encoder
     from octfw.evaluation.target import build_evaluators, load_eval_recipe, load_target
-    from octfw.formats import write_export
+    from octfw.exports.writing import write_export
     from octfw.registry import load_registry
 
     started = time.perf_counter()

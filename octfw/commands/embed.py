@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from octfw.commands._common import load_registry_once
-    from octfw.encoder import embed_to_csv, load_encoder  # imports torch: only when the command runs
+    from octfw.exports.embed_csv import embed_to_csv  # imports torch: only when the command runs
+    from octfw.exports.pretrained import load_encoder
     from octfw.errors import UserError
     from octfw.progress import progress_bar
     from octfw.tables import counted

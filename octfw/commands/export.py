@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from octfw.formats import DEFAULT_LICENSE, EXPORT_FORMATS
+from octfw.exports.formats import DEFAULT_LICENSE, EXPORT_FORMATS
 
 __all__ = ["add_parser"]
 
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from octfw.commands._common import load_registry_once
-    from octfw.encoder import export_encoder  # imports torch: only when the command runs
+    from octfw.exports.export import export_encoder  # imports torch: only when the command runs
     from octfw.tables import counted
 
     summary = export_encoder(args.source, args.out, load_registry_once(), args.format, force=args.force,

@@ -222,7 +222,8 @@ class RunEnd:
         """RUN/encoder: the target encoder of a finished run as a Hub-style folder (rank 0,
         ``run.export_encoder``), or None. A model without a ViT3D ``encoder`` has nothing to
         export; a failed write is said and leaves the checkpoint, which ``octfw export`` reads."""
-        from octfw.formats import encoder_info, write_export
+        from octfw.exports.formats import encoder_info
+        from octfw.exports.writing import write_export
         from octfw.rundir import versions
 
         encoder = self.model.encoder if isinstance(self.model, EncoderModel) else None

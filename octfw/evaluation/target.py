@@ -136,7 +136,7 @@ def _geometry(recipe: Mapping[str, Any], model_config: Any = None) -> dict[str, 
 def checkpoint_model(location: str, state: Mapping[str, Any], seed: int, registry: Registry,
                      random_init: bool = True) -> EvalTarget:
     """The network a checkpoint's ``state`` holds, and (``random_init``) the seeded baseline."""
-    from octfw.encoder import rebuild_model, recorded_recipe
+    from octfw.exports.checkpoint import rebuild_model, recorded_recipe
 
     recipe = recorded_recipe(state, location, registry)
     pretrained = rebuild_model(state, location, registry)
@@ -151,7 +151,7 @@ def checkpoint_model(location: str, state: Mapping[str, Any], seed: int, registr
 
 
 def _model_from_export(path: Path, seed: int) -> EvalTarget:
-    from octfw.encoder import PretrainedEncoder, encoder_from_config, load_encoder
+    from octfw.exports.pretrained import PretrainedEncoder, encoder_from_config, load_encoder
 
     pretrained = load_encoder(path)
     with torch.random.fork_rng(devices=[]):
@@ -182,7 +182,9 @@ def recipe_model(path: Path, seed: int, registry: Registry) -> EvalTarget:
 def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget:
     """A run folder (its latest checkpoint), a checkpoint file, an exported encoder in any format,
     or a training recipe (.toml: the model it starts from, its ``[model] init`` weights)."""
-    from octfw.encoder import FORMAT, find_checkpoint, is_export_path
+    from octfw.exports.checkpoint import find_checkpoint
+    from octfw.exports.formats import FORMAT
+    from octfw.exports.reading import is_export_path
 
     path = Path(source)
     if path.suffix == ".toml" and path.is_file():

@@ -54,7 +54,7 @@ class TransformCheckingDataset(Dataset, Protocol):
 class RecognisingDatasetConfig(Protocol, metaclass=_CapabilityMeta):
     """Optional, on a dataset's **config class**: it recognises locations that hold its data.
 
-    ``octfw embed`` (:func:`octfw.encoder.open_volumes`) is given a location, not a
+    ``octfw embed`` (:func:`octfw.exports.volumes.open_volumes`) is given a location, not a
     recipe: it builds the dataset whose config class recognises the location, with
     ``path`` set to it (``prepared``: a folder holding a ``prepared.json`` header;
     ``oct-vendor``: a file with a vendor suffix), else ``dicom``. ``recognises``
