@@ -52,6 +52,9 @@ def test_a_process_ended_while_waiting_for_a_silent_one_names_the_silent_one_fir
     assert outcome.code == PEER_LOST_EXIT_CODE
     assert outcome.line.startswith("octfw: error: the process of rank 1 stopped answering (rank 0, waiting for it, "
                                    "was killed by SIGABRT);"), outcome.line
+    # A kill is its own cause: the killed rank is named, whatever the others' marks looked like.
+    killed = job_outcome({}, {2: -signal.SIGKILL}, {}, AGAIN, unresponsive=frozenset({1, 3}))
+    assert killed.line.startswith("octfw: error: the process of rank 2 was killed by SIGKILL;"), killed.line
 
 
 def test_a_crash_before_octfw_could_report_it_is_named_from_torchs_error_file():

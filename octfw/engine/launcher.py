@@ -196,8 +196,8 @@ def job_outcome(reports: dict[int, Outcome], exit_codes: dict[int, int], message
 
     1. a process that failed with no report: killed by a signal (named), or an exit code that
        octfw did not choose; a cause, dated when it ended (one the launcher ended is not a cause).
-       Where others had stopped answering, those are named: the process that ended waited for
-       them (NCCL's watchdog ends a rank whose collective timed out, SIGABRT);
+       A process that aborted (SIGABRT) while others had stopped answering names those: it
+       waited for them (NCCL's watchdog ends a rank whose collective timed out so);
     2. the first *cause* in time decides: a silent death is named itself; otherwise its code
        (a crash, a refusal, a stop, a failed save) is the job's, and the lowest rank that said
        that code says the line (a shared decision: rank 0's, which knows the checkpoint);
@@ -208,8 +208,11 @@ def job_outcome(reports: dict[int, Outcome], exit_codes: dict[int, int], message
     newest = max((r.checkpoint for r in reports.values() if r.checkpoint), default=None)  # step_N: sortable
     for rank, code in exit_codes.items():
         if code != 0 and rank not in reports:
+            # Only an abort (SIGABRT: NCCL's watchdog, a C++ check) may be a rank that waited; a kill
+            # (SIGKILL: out of memory, kill -9) is the kill's own cause.
+            waited = code == -signal.SIGABRT
             silent = _silent_failure(rank, code, messages.get(rank, ""), newest, command,
-                                     sorted(unresponsive - {rank}))
+                                     sorted(unresponsive - {rank}) if waited else [])
             reports[rank] = attrs.evolve(silent, at=(ended_at or {}).get(rank, silent.at),
                                          cause=rank not in ended_by_launcher)
     causes = sorted((r for r in reports.values() if r.cause and r.code != FINISHED), key=lambda r: r.at)
@@ -319,7 +322,9 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
             local = _run_workers(node, worker_argv, status_dir, command, watch)
             # A node waits for the others as long as their workers may take to end (the grace included);
             # a stop signal meanwhile ends the wait with what is known.
-            outcome = node.agree(local, timeout_s + LOST_PEER_REPORT_S, command, stopped=lambda: watch.signals > 0)
+            ending = watch.signals  # a signal that ended the workers (a stop to the whole job) ended nothing here
+            outcome = node.agree(local, timeout_s + LOST_PEER_REPORT_S, command,
+                                 stopped=lambda: watch.signals > ending)
     finally:
         if meeting is not None:
             meeting.close()
