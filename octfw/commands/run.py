@@ -8,8 +8,8 @@ import shlex
 import sys
 
 from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
-from octfw.engine.launcher import (JOB_STATUS_ENV, Outcome, die_with_launcher, job_command,  # light: no torch
-                                   report_outcome)
+from octfw.engine.launcher import (JOB_STATUS_ENV, Outcome, die_with_launcher,  # light: no torch
+                                   exit_without_teardown, job_command, report_outcome)
 from octfw.errors import UserError
 from octfw.exit_codes import (CRASHED, FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
@@ -63,11 +63,15 @@ def run(args: argparse.Namespace) -> int:
             lambda stopped: report_outcome(Outcome(PREEMPTED_EXIT_CODE, f"octfw: {stopped}")))
         try:
             if args.nproc_per_node is not None:
-                return _launch_job(args, stop_requests)
-            return _run_this_process(args, stop_requests)
+                code = _launch_job(args, stop_requests)
+            else:
+                code = _run_this_process(args, stop_requests)
         except StoppedBeforeTraining as stopped:
             print(f"octfw: {stopped}", file=sys.stderr)
-            return PREEMPTED_EXIT_CODE
+            code = PREEMPTED_EXIT_CODE
+    if args.nproc_per_node is not None or os.environ.get(JOB_STATUS_ENV):
+        exit_without_teardown(code)  # the launcher, or one of its workers: the job's outcome is said
+    return code
 
 
 def _launch_job(args: argparse.Namespace, stop_requests) -> int:

@@ -65,7 +65,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import attrs
 
@@ -74,8 +74,8 @@ from octfw.errors import UserError, one_line
 from octfw.exit_codes import FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, describe
 
 __all__ = ["launch_job", "processes_per_node", "report_outcome", "job_command", "die_with_launcher",
-           "rendezvous_endpoint", "quiet_torch_cpp_logs", "JOB_STATUS_ENV", "JOB_COMMAND_ENV", "LAUNCHER_PID_ENV", "Outcome",
-           "job_outcome"]
+           "exit_without_teardown", "rendezvous_endpoint", "quiet_torch_cpp_logs", "JOB_STATUS_ENV", "JOB_COMMAND_ENV",
+           "LAUNCHER_PID_ENV", "Outcome", "job_outcome"]
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,22 @@ def _parent_death_signal(signum: int) -> bool:
         return libc.prctl(1, int(signum), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
     except (OSError, AttributeError):
         return False
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End a process of a job (a worker, or the launcher) with ``code`` once the job's outcome is
+    said: Python's exit handlers run (a logger's service, logging's flush), the interpreter's
+    teardown does not. In that teardown torch's C++ objects (a store's server thread, gloo's
+    threads) are destroyed in no set order, and under load one ended the process in
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT) after a job
+    had finished: noise on the console, and an exit code its outcome did not choose."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def job_command(fallback: str) -> str:
@@ -322,9 +338,14 @@ def launch_job(worker_argv: list[str], recipe: Any, *, nproc_per_node: str, nnod
             local = _run_workers(node, worker_argv, status_dir, command, watch)
             # A node waits for the others as long as their workers may take to end (the grace included);
             # a stop signal meanwhile ends the wait with what is known.
-            ending = watch.signals  # a signal that ended the workers (a stop to the whole job) ended nothing here
+            # A signal is handled between two calls to the store, never inside one: no call may block
+            # longer than a stop should wait (the store's node may be frozen, or gone). The timeout is
+            # the store's own: the rendezvous's prefixed view of it forwards every call.
+            meeting.store.set_timeout(datetime.timedelta(seconds=STORE_CALL_S))
+            # Only a signal after the workers ended stops the agreement (one that ended them, a stop
+            # to the whole job, is what the nodes agree on).
             outcome = node.agree(local, timeout_s + LOST_PEER_REPORT_S, command,
-                                 stopped=lambda: watch.signals > ending)
+                                 stopped=lambda: watch.signals > watch.signals_while_running)
     finally:
         if meeting is not None:
             meeting.close()
@@ -367,7 +388,8 @@ class _Rendezvous:
         seconds = str(max(int(math.ceil(timeout_s)), 1))
         params = RendezvousParameters(
             backend="c10d", endpoint=f"{endpoint[0]}:{endpoint[1]}" if endpoint else "localhost:0", run_id=run_id,
-            min_nodes=nnodes, max_nodes=nnodes, join_timeout=seconds, read_timeout=seconds)
+            min_nodes=nnodes, max_nodes=nnodes, join_timeout=seconds, read_timeout=seconds,
+            close_timeout=str(int(STORE_CALL_S)))  # a node that closes waits no longer than a stop should
         try:
             backend, self.store = create_backend(params)
         except Exception as exc:  # noqa: BLE001 - torch's RendezvousConnectionError: nothing answered there
@@ -385,6 +407,8 @@ class _Rendezvous:
         except Exception as exc:  # noqa: BLE001 - the nodes did not all come: one line
             log.debug("the job's rendezvous failed", exc_info=exc)
             came = self._came()
+            with contextlib.suppress(Exception):
+                self.store.add(self.key, -1)  # this node leaves: the others' count stays true
             counted_nodes = f"{came} of {self.nnodes} nodes" if came is not None else f"not all {self.nnodes} nodes"
             return Outcome(PEER_LOST_EXIT_CODE,
                            f"octfw: error: the job's processes could not start: {counted_nodes} met at "
@@ -401,8 +425,9 @@ class _Rendezvous:
     def close(self) -> None:
         # Close the rendezvous as torchrun does: its store thread left running at exit would end the
         # launcher in std::terminate ("terminate called without an active exception", SIGABRT).
+        # Every call to a store that does not answer (its node frozen) waits at most STORE_CALL_S.
         with contextlib.suppress(Exception):
-            self.store.add(self.key, -1)
+            self.store.set_timeout(datetime.timedelta(seconds=STORE_CALL_S))
         try:
             self.handler.shutdown()
         except Exception as exc:  # noqa: BLE001 - the job's outcome is known; this is tidying up
@@ -504,9 +529,6 @@ class _Node:
                               f"this node's processes ended with {local.code}"
                               + (f": {local.line.removeprefix('octfw: ')}" if local.line else ""),
                               checkpoint=local.checkpoint, at=time.time(), rank=self.index)
-        # A signal is handled between two calls to the store, never inside one: no call may block
-        # longer than a stop should wait (the store's node may be frozen, or gone).
-        self.store.set_timeout(datetime.timedelta(seconds=min(STORE_CALL_S, wait_s)))
         try:
             self.store.set(f"octfw/outcome/{self.index}", attrs.evolve(local, rank=self.index).to_json())
             _count_up(self.store, "octfw/reported", self.nodes, wait_s, stopped)
@@ -592,6 +614,7 @@ class _Watch:
         self.killed: set[int] = set()  #: local ranks the launcher itself killed
         self.unresponsive: set[int] = set()  #: local ranks that had stopped answering at the first failure
         self.signals = 0
+        self.signals_while_running = 0  #: how many stop signals came while a worker was still running
         self._kill_at: float | None = None
         self._silent: Callable[[list[int]], list[int]] = lambda running: []
 
@@ -607,12 +630,17 @@ class _Watch:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals += 1
+        # Asked now, not from the watch's last look (it may lag under load): a signal once every
+        # worker has ended is for the nodes' agreement, not a stop of the job.
+        running = {local: pid for local, pid in self._running().items() if _ended(pid) is None}
+        if running:
+            self.signals_while_running += 1
         if self.signals >= 2:  # stop now: the workers stop where they are, what is left is killed
             deadline = time.monotonic() + (STOP_NOW_GRACE_S if self.signals == 2 else 0.0)
             self._kill_at = min(self._kill_at or deadline, deadline)
         # A closed terminal (SIGHUP) or Ctrl-\ (SIGQUIT): a stop request, as SIGTERM is.
         forwarded = signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM
-        for pid in self._running().values():
+        for pid in running.values():
             _kill(pid, forwarded)
 
     def until_all_ended(self) -> None:
