@@ -5,7 +5,7 @@ octfw's own commands are the modules of :mod:`octfw.commands`, each with
 (:func:`octfw.registry.load_commands`: ``octfw prepare`` is the ``prepared``
 dataset's), and ``octfw --help`` lists both by name. What a command does beyond
 parsing lives in the feature it serves (:mod:`octfw.engine`,
-:mod:`octfw.diagnostics`, :mod:`octfw.evaluation`, :mod:`octfw.encoder`, a
+:mod:`octfw.diagnostics`, :mod:`octfw.evaluation`, :mod:`octfw.exports`, a
 component's package). User mistakes (bad recipe, missing file, unknown
 component, two commands of one name) print one readable message per problem and
 exit with code 2; ``--debug`` shows the traceback. A plugin's command whose
