@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -132,3 +135,13 @@ def install_plugins(monkeypatch):
         return load_registry(entry_points=entries)
 
     return install
+
+
+def run_xla_script(name: str) -> dict:
+    """The JSON line a script of tests/xla/ prints last, run on torch_xla's CPU device in a process
+    of its own (importing torch_xla patches torch for the whole process)."""
+    script = Path(__file__).parent / "xla" / name
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -11,16 +11,13 @@ import math
 
 import csv
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import TINY_RECIPE, run_xla_script
 from octfw.cli import main
 from octfw.errors import RecipeError
 from octfw.evaluation.classification import Encoded
@@ -35,7 +32,6 @@ from octfw.exports.writing import write_export
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import load_recipe
 
-from conftest import TINY_RECIPE
 
 IMAGE, PATCH = (8, 32, 32), (4, 16, 16)
 
@@ -275,11 +271,7 @@ def test_a_fit_with_its_head_phase_runs_on_an_xla_device_as_on_the_cpu():
     # torch_xla's CPU device, in a subprocess (importing torch_xla patches torch for the process,
     # and autograd must meet the XLA device before any CPU backward): both phases train there
     # (fixed-shape steps, a sync each) and give the CPU's result up to float rounding.
-    script = Path(__file__).parent / "xla" / "fine_tune_fit.py"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_xla_script("fine_tune_fit.py")
     assert result["device"] == "xla"
     assert result["selected_epoch"]["xla"] == result["selected_epoch"]["cpu"]
     assert result["max_difference"] < 1e-3

@@ -9,16 +9,11 @@ evaluator reads (``LayeredDataset``, ``PatientDataset``); the transform is the r
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from conftest import run_xla_script
 from octfw.errors import RecipeError, UserError
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.plugins.evaluators.layer_segmentation import LayerSegmentationConfig
@@ -380,11 +375,7 @@ def test_on_an_xla_device_the_volumes_stay_on_the_host_and_go_to_the_device_a_ba
     # the encoder and the fit run there, the encoded volumes, taps and labels stay on the host (a
     # cohort at the seeds' size would not fit on a device: 38 MB a volume), and the fit scores as
     # on the CPU.
-    script = Path(__file__).parent / "xla" / "layer_segmentation_fit.py"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_xla_script("layer_segmentation_fit.py")
     assert result["where"] == {"inputs": ["cpu"], "encoder": "xla"}
     assert result["selected_step"]["xla"] == result["selected_step"]["cpu"]
     assert abs(result["mean_dice"]["xla"] - result["mean_dice"]["cpu"]) < 1e-3
