@@ -538,15 +538,7 @@ def test_a_mistyped_rendezvous_endpoint_is_one_line_naming_it_exit_2_within_the_
 def _job_pids(job: Job, out: str) -> list[int]:
     """Every live process of the job started with this output folder (launcher and workers)."""
     found = subprocess.run(["pgrep", "-f", f"run.output_dir={job.root / out}"], capture_output=True, text=True)
-    alive = []
-    for pid in map(int, found.stdout.split()):
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":  # a zombie has ended: only its parent's wait is missing
-            alive.append(pid)
-    return alive
+    return [pid for pid in map(int, found.stdout.split()) if _alive(pid)]
 
 
 def _listening(port: int) -> bool:
@@ -554,17 +546,24 @@ def _listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of process ``pid`` from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"  # a zombie has ended: only its parent's wait is missing
+
+
 def _children(pid: int) -> list[int]:
     """The live child processes of ``pid`` (a launcher's workers)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            children.append(int(stat.parent.name))
-    return children
+    pids = [int(path.name) for path in Path("/proc").glob("[0-9]*")]
+    return [child for child in pids if (stat := _stat(child)) is not None and stat[1] == pid and stat[0] != "Z"]
 
 
 def _steps_trained(run_dir: Path) -> list[int]:

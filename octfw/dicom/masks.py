@@ -35,15 +35,20 @@ SEGMENTATION_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.66.4"
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 
 
-def read_finding_mask(url: str) -> np.ndarray:
-    """The bool ``[D, H, W]`` mask at ``url`` (local path or fsspec URL); see the module docstring."""
+def _read_bytes(url: str, what: str) -> bytes:
+    """The bytes of ``url``; a missing or unreadable file is a CorruptFile naming ``what`` it is."""
     try:
         with open_file(url) as f:
-            data = f.read()
+            return f.read()
     except FileNotFoundError:
-        raise CorruptFile(url, "mask file not found") from None
+        raise CorruptFile(url, f"{what} not found") from None
     except OSError as exc:
-        raise CorruptFile(url, f"mask file cannot be read ({type(exc).__name__})") from None
+        raise CorruptFile(url, f"{what} cannot be read ({type(exc).__name__})") from None
+
+
+def read_finding_mask(url: str) -> np.ndarray:
+    """The bool ``[D, H, W]`` mask at ``url`` (local path or fsspec URL); see the module docstring."""
+    data = _read_bytes(url, "mask file")
     name = url.lower()
     if name.endswith(".npy"):
         array = _numpy(url, data)
@@ -129,13 +134,7 @@ def read_layer_labels(url: str, names: int) -> np.ndarray:
     """
     if not url.lower().endswith(".npy"):
         raise CorruptFile(url, "layer labels must be a numpy .npy array (uint8 [D, H, W])")
-    try:
-        with open_file(url) as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CorruptFile(url, "layer label file not found") from None
-    except OSError as exc:
-        raise CorruptFile(url, f"layer label file cannot be read ({type(exc).__name__})") from None
+    data = _read_bytes(url, "layer label file")
     array = _numpy(url, data)
     if array.ndim != 3:
         raise CorruptFile(url, f"layer labels must be 3-D [D, H, W], got shape {list(array.shape)}")
