@@ -122,7 +122,7 @@ def make_trainer(recipe_path: Path, overrides: list[str], n_batches: int | None 
     from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     registry = load_registry()
     run_root = Path(tempfile.mkdtemp(prefix="octfw-bench-"))

@@ -14,10 +14,10 @@
     encoder = octfw.load_encoder(encoder_file)
 
 Each function validates as the command does and raises what the command
-would print: a :class:`~octfw.errors.UserError` (a
-:class:`~octfw.errors.RecipeError` lists every problem of a recipe) whose
+would print: a :class:`~octfw.display.errors.UserError` (a
+:class:`~octfw.display.errors.RecipeError` lists every problem of a recipe) whose
 message is the command's one line, never ``sys.exit``. A run that ends before
-its last update raises :class:`~octfw.errors.RunNotFinished`, which carries
+its last update raises :class:`~octfw.display.errors.RunNotFinished`, which carries
 what there is (``.result``) and says how to continue.
 """
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
 
-from octfw.errors import RunNotFinished, UserError
+from octfw.display.errors import RunNotFinished, UserError
 from octfw.exports.formats import DEFAULT_LICENSE
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -59,7 +59,7 @@ def _registry(registry: Registry | None) -> Registry:
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, registry: Registry | None = None) -> Recipe:
     """Read, override (``"table.key=value"`` as ``--set`` takes them) and validate a recipe.
 
-    Raises :class:`~octfw.errors.RecipeError` naming every problem at once.
+    Raises :class:`~octfw.display.errors.RecipeError` naming every problem at once.
     """
     from octfw.recipe import load_recipe as load
 
@@ -75,8 +75,8 @@ def train(recipe: Recipe | str | Path, *, resume: str | Path | None = None,
     ``resume``: None (a new run), ``"auto"`` (continue the newest run of this
     recipe from its last complete checkpoint; a run that finished is returned
     as it is) or a checkpoint file. A resumed run is the run that was started: a recipe
-    that trains otherwise is refused (:class:`~octfw.errors.RecipeError`, one problem per key)
-    unless ``allow_recipe_change``. Raises :class:`~octfw.errors.RunNotFinished`
+    that trains otherwise is refused (:class:`~octfw.display.errors.RecipeError`, one problem per key)
+    unless ``allow_recipe_change``. Raises :class:`~octfw.display.errors.RunNotFinished`
     when a guard stopped the run, it was preempted or interrupted, or its
     final checkpoint could not be written.
     """
@@ -118,7 +118,7 @@ def evaluate(source: str | Path, recipe: str | Path, overrides: Sequence[str] = 
     values; ``print(octfw.evaluation.target.format_report(report))`` shows the table.
     """
     from octfw.evaluation.target import evaluate_target, load_eval_recipe, load_target
-    from octfw.progress import progress_bar
+    from octfw.display.progress import progress_bar
 
     registry = _registry(registry)
     eval_recipe = load_eval_recipe(recipe, list(overrides), registry)

@@ -11,7 +11,7 @@ registration hook receives a ``register`` callback; call it once per
 component::
 
     import attrs
-    from octfw.fields import doc, positive
+    from octfw.recipe.fields import doc, positive
     from octfw.hookspecs import Register, hookimpl
     from octfw.types import BuildContext
 
@@ -41,7 +41,7 @@ and is announced in its distribution's ``pyproject.toml``::
   error naming both distributions.
 - ``config``: an attrs class; its fields are the component's recipe options.
   Recipes are structured into it with unknown keys refused, so an error names
-  ``table.key``. Declare each field with :func:`octfw.fields.doc`: its text,
+  ``table.key``. Declare each field with :func:`octfw.recipe.fields.doc`: its text,
   default and validator are what ``octfw list --stage S --name N`` and the
   recipe reference show (a plain attribute docstring is not shown).
 - ``factory``: ``factory(config, ctx) -> component``, a callable or a
@@ -130,7 +130,7 @@ class RegisterCommand(Protocol):
     - ``run(args) -> int``: does the work with the parsed ``argparse.Namespace``
       and returns the exit code (0: done). A callable or a ``"module:function"``
       string imported only when the command runs. A
-      :class:`octfw.errors.UserError` it raises is printed as one line and exits
+      :class:`octfw.display.errors.UserError` it raises is printed as one line and exits
       with its code (2); ``--debug`` shows the traceback.
     - ``summary``: what ``octfw --help`` shows beside the name and
       ``octfw NAME --help`` under the usage.
@@ -160,7 +160,7 @@ class OctfwSpecs:
 
         Hot path: no. ``load`` runs in data-loader worker processes, off the
         training device; it never touches device tensors, so it cannot force
-        a device sync. It raises :class:`octfw.errors.CorruptFile` for an
+        a device sync. It raises :class:`octfw.display.errors.CorruptFile` for an
         unusable file, which octfw quarantines and replaces.
 
         :return: None; components are announced through ``register``.

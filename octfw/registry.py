@@ -23,7 +23,7 @@ import attrs
 import pluggy
 
 from octfw import hookspecs
-from octfw.errors import PluginError, UserError
+from octfw.display.errors import PluginError, UserError
 from octfw.types import STAGE_PROTOCOLS, missing_members, protocol_members
 
 __all__ = [
@@ -392,7 +392,7 @@ def load_commands(
     """The commands plugins register, in registration order, and the plugins that failed to load.
 
     ``reserved`` are the names of octfw's own commands. A command named like one of them or
-    like another plugin's command is a :class:`~octfw.errors.PluginError` naming both
+    like another plugin's command is a :class:`~octfw.display.errors.PluginError` naming both
     distributions. A third-party plugin that fails to import, registers a command with a
     malformed name or whose registration raises is a failure (its commands dropped); a
     third-party command whose ``add_arguments`` raises is a failure of that command alone

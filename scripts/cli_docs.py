@@ -97,9 +97,9 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 
 
 def render(parser: argparse.ArgumentParser | None = None) -> str:
-    """The whole page for ``parser`` (default: ``octfw.cli.build_parser()``)."""
+    """The whole page for ``parser`` (default: ``octfw.cli.main.build_parser()``)."""
     if parser is None:
-        from octfw.cli import build_parser
+        from octfw.cli.main import build_parser
 
         parser = build_parser()
     commands, metavar = _subcommands(parser)

@@ -51,7 +51,7 @@ class Stay(NamedTuple):
 
 def trace(argv: list[str]) -> list[Stay]:
     """Run ``octfw`` with ``argv`` in this process; the stays of its path to the first update step."""
-    from octfw.cli import main
+    from octfw.cli.main import main
     from octfw.engine.plan import RunPlan
     from octfw.engine.trainer import Trainer
     from octfw.recipe import Recipe

@@ -72,7 +72,7 @@ def _octfw_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _octfw_console_logging() -> None:
     """octfw's console handler, as ``octfw`` installs it: tests that train in this
     process see the same ``octfw: warning: ...`` lines on stderr as a user."""
-    from octfw.logs import setup_console_logging
+    from octfw.display.logs import setup_console_logging
 
     setup_console_logging()
 

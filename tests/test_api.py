@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import octfw
-from octfw.errors import RecipeError, RunNotFinished, UserError
+from octfw.display.errors import RecipeError, RunNotFinished, UserError
 
 LABELLED = '{ name = "synthetic-oct", n_volumes = 24, labels = true, seed = 5 }'
 EVAL_RECIPE = f"""

@@ -208,7 +208,7 @@ def test_where_the_linear_probe_beats_chance_on_fluid_the_attentive_probe_is_not
     import json
     import textwrap
 
-    from octfw.cli import main
+    from octfw.cli.main import main
     from octfw.exports.formats import encoder_info
     from octfw.exports.writing import write_export
     from octfw.models.vit3d import ViT3DEncoder

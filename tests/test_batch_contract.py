@@ -17,7 +17,7 @@ import torch
 
 from octfw.engine.build import build_components
 from octfw.engine.data import SampleSource, collate
-from octfw.errors import ContractError, UserError
+from octfw.display.errors import ContractError, UserError
 from octfw.recipe import load_recipe
 from octfw.registry import DISABLE_ENV
 
@@ -131,7 +131,7 @@ def plugin(install_plugins):
 
 def test_a_key_the_transform_declares_reaches_the_model_through_the_real_loader(plugin, write_recipe):
     from octfw.engine.trainer import train
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     module, registry = plugin
     recipe = load_recipe(write_recipe(RECIPE), [], registry)

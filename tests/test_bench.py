@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from octfw.diagnostics.bench import BenchRow, combinations, format_table, parse_grid
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 
 
 def test_grid_is_the_cartesian_product_in_order():
@@ -41,7 +41,7 @@ def test_table_marks_unstable_and_failed_combinations():
 
 
 def test_bench_runs_each_combination_end_to_end(tiny_recipe, tmp_path, capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     out_csv = tmp_path / "bench.csv"
     code = main(["bench", str(tiny_recipe), "--grid", "engine.per_device_batch=1,2",
@@ -66,7 +66,7 @@ def test_data_only_times_the_loader_per_worker_count_and_sizes_the_workers(tiny_
     the workers asked for follow from the measured rate: ceil(devices x device rate / per worker)."""
     import math
 
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     cache = tmp_path / "cache"
     args = ["bench", str(tiny_recipe), "--set", f"run.cache_dir={cache}", "--data-only", "--workers", "1,0",
@@ -87,7 +87,7 @@ def test_data_only_times_the_loader_per_worker_count_and_sizes_the_workers(tiny_
 
 @pytest.mark.parametrize("workers", ["x", "-1", ""])
 def test_data_only_refuses_bad_worker_counts(tiny_recipe, capsys, workers):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     assert main(["bench", str(tiny_recipe), "--data-only", "--workers", workers]) == 2
     err = capsys.readouterr().err.strip()
@@ -97,7 +97,7 @@ def test_data_only_refuses_bad_worker_counts(tiny_recipe, capsys, workers):
 def test_the_summary_reports_the_data_wait_share_of_the_whole_run(tiny_recipe):
     import json
 
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     assert main(["run", str(tiny_recipe), "--set", "run.max_steps=2"]) == 0
     [run_dir] = (tiny_recipe.parent / "runs" / "tiny").iterdir()
@@ -127,7 +127,7 @@ def test_loader_workers_follow_the_machine_unless_the_recipe_pins_them(monkeypat
 def test_a_run_says_how_many_loader_workers_it_uses_and_why(tiny_recipe, caplog):
     import logging
 
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     with caplog.at_level(logging.INFO, logger="octfw.engine.trainer"):
         assert main(["run", str(tiny_recipe), "--set", "run.max_steps=1", "--set", "engine.num_workers=1"]) == 0

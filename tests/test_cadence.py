@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from octfw.engine.cadence import cadence_warnings, suggest_interval
-from octfw.config import EngineConfig
+from octfw.recipe.config import EngineConfig
 
 
 def test_interval_that_is_a_multiple_of_the_log_interval_is_flagged_with_a_suggestion():

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from octfw.plugins.checkpointers.gcs import GcsCheckpointConfig, GcsCheckpointer, StorageError, build
-from octfw.cli import main
-from octfw.errors import UserError
-from octfw.fields import Location
+from octfw.cli.main import main
+from octfw.display.errors import UserError
+from octfw.recipe.fields import Location
 from octfw.types import BuildContext, Checkpointer
 
 from conftest import make_dist

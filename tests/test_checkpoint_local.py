@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from octfw.plugins.checkpointers.local import LocalCheckpointConfig, build, checkpoint_name
-from octfw.errors import UserError
-from octfw.fields import Location
+from octfw.display.errors import UserError
+from octfw.recipe.fields import Location
 from octfw.types import BuildContext, Checkpointer
 
 

@@ -68,7 +68,7 @@ def test_show_prints_resolved_recipe_with_defaults():
 def test_show_prints_every_option_the_unset_and_derived_ones_as_comments_and_loads_back(tmp_path, registry):
     import attrs
 
-    from octfw.config import EngineConfig, RunConfig
+    from octfw.recipe.config import EngineConfig, RunConfig
     from octfw.recipe import load_recipe
 
     out = octfw("show", "recipes/quickstart.toml", "--set", f"run.cache_dir={tmp_path}/cache")
@@ -151,7 +151,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
 
 
 def test_check_reports_the_global_batch_of_a_pod_layout(tiny_recipe, capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     assert main(["check", str(tiny_recipe), "--processes", "2", "--devices-per-process", "2",
                  "--set", "engine.per_device_batch=1"]) == 0
@@ -163,7 +163,7 @@ def test_check_reports_the_global_batch_of_a_pod_layout(tiny_recipe, capsys):
 
 
 def test_list_name_finds_the_component_without_its_stage(capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     assert main(["list", "--name", "nan-skip"]) == 0
     assert capsys.readouterr().out.startswith("guard nan-skip (octfw ")
@@ -189,7 +189,7 @@ def test_a_reader_that_stops_early_ends_every_command_quietly(tiny_recipe):
 
 def test_a_first_check_says_it_writes_the_cohort_and_what_the_slow_step_is(tiny_recipe, tmp_path, monkeypatch,
                                                                           capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     monkeypatch.setenv("OCTFW_CACHE_DIR", str(tmp_path / "fresh-cache"))
     assert main(["check", str(tiny_recipe)]) == 0
@@ -204,7 +204,7 @@ def test_a_first_check_says_it_writes_the_cohort_and_what_the_slow_step_is(tiny_
 
 def test_check_previews_a_pod_recipe_without_its_data_given_a_length(capsys):
     """The seeds' recipe points at /data/oct/..., absent here: --steps previews what needs no data."""
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     recipe = REPO / "recipes" / "multi_domain.toml"
     assert main(["check", str(recipe), "--processes", "4", "--devices-per-process", "4", "--steps", "1000"]) == 0

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from octfw.cli import main
-from octfw.errors import RecipeError
+from octfw.cli.main import main
+from octfw.display.errors import RecipeError
 from octfw.plugins.guards.collapse import CollapseConfig, CollapseGuard, build
 from octfw.models.health import RANK_TOKENS, effective_rank, embedding_std
 from octfw.recipe import load_recipe

@@ -108,7 +108,7 @@ def test_two_update_steps_of_a_compiled_trainer_do_not_recompile(tiny_recipe, mo
     from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     # aot_eager instead of Inductor: the same dynamo graphs and guards, seconds instead of minutes.
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
@@ -168,7 +168,7 @@ def test_ddp_of_the_compiled_model_splits_at_gradient_buckets_without_a_graph_br
 
 
 def test_octfw_check_prints_the_graph_break_report(tiny_recipe, capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     code = main(["check", str(tiny_recipe), "--set", "engine.compile=true"])
     out = capsys.readouterr().out

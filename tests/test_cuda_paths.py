@@ -25,7 +25,7 @@ from octfw.engine.trainer import Trainer
 from octfw.engine.plan import plan_for_folder
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
-from octfw.rundir import create_run_dir
+from octfw.runs.folder import create_run_dir
 
 CUDA_SKIP = "needs a CUDA device (run scripts/accelerator_suite.sh on a GPU machine)"
 

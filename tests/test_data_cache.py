@@ -310,7 +310,7 @@ def test_cache_max_bytes_takes_bytes_or_a_size(size):
 def test_a_bad_cache_max_bytes_is_one_recipe_problem_naming_it(write_recipe, capsys):
     from conftest import TINY_RECIPE
 
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     recipe = write_recipe(TINY_RECIPE.replace('image_size = [8, 32, 32]',
                                               'image_size = [8, 32, 32]\ncache_max_bytes = "lots"'))

@@ -33,7 +33,7 @@ from octfw.plugins.datasets.synthetic.cohort import (
     synthetic_volume,
     write_synthetic_cohort,
 )
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.registry import load_registry
 from octfw.types import BuildContext, Dataset
 

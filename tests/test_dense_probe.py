@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from octfw.cli import main
-from octfw.errors import ContractError, CorruptFile, UserError
+from octfw.cli.main import main
+from octfw.display.errors import ContractError, CorruptFile, UserError
 from octfw.exports.formats import encoder_info
 from octfw.exports.writing import write_export
 from octfw.models.vit3d import ViT3DEncoder

@@ -20,7 +20,7 @@ from octfw.dicom.reader import (
     write_bytes,
     write_oct_dicom,
 )
-from octfw.errors import CorruptFile
+from octfw.display.errors import CorruptFile
 
 PATIENT = {"PatientName": "Doe^Janet", "PatientID": "MRN-99817", "PatientBirthDate": "19610412"}
 SPACING = (0.12, 0.0039, 0.0113)

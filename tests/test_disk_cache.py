@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 
-from octfw.fields import parse_bytes
+from octfw.recipe.fields import parse_bytes
 from octfw.storage import disk_cache
 from octfw.storage.disk_cache import DiskCache
 

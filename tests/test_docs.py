@@ -24,7 +24,7 @@ README_MAX_LINES = 200
 GUIDE_MAX_LINES = 400
 #: Pages generated from the code: references, not guides (no length limit).
 GENERATED = {"docs/cli.md": ".venv/bin/python scripts/cli_docs.py",
-             "docs/recipe-reference.md": ".venv/bin/python -m octfw.reference > docs/recipe-reference.md"}
+             "docs/recipe-reference.md": ".venv/bin/python -m octfw.recipe.reference > docs/recipe-reference.md"}
 FRESH_MACHINE_COMMANDS = ("./scripts/setup.sh && .venv/bin/octfw run recipes/quickstart.toml",
                           "./scripts/test.sh")
 
@@ -52,7 +52,7 @@ def test_the_command_reference_is_what_the_parsers_say():
 
 
 def test_the_command_reference_documents_every_argument_of_every_command():
-    from octfw.cli import build_parser
+    from octfw.cli.main import build_parser
 
     cli_docs = _cli_docs()
     page = cli_docs.render()
@@ -67,7 +67,7 @@ def test_the_command_reference_documents_every_argument_of_every_command():
 
 
 def test_the_readme_lists_every_command():
-    from octfw.cli import build_parser
+    from octfw.cli.main import build_parser
 
     commands, _ = _cli_docs()._subcommands(build_parser())
     text = README.read_text(encoding="utf-8")

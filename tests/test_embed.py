@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.dicom.reader import read_oct_volume
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.exports.pretrained import load_encoder
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 
 from conftest import TINY_RECIPE
 

@@ -12,7 +12,7 @@ import torch
 from octfw.engine.trainer import train
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
-from octfw.rundir import create_run_dir
+from octfw.runs.folder import create_run_dir
 
 from conftest import make_dist
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest
 from octfw.engine.build import build_components
 from octfw.engine.trainer import train
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
-from octfw.rundir import create_run_dir
+from octfw.runs.folder import create_run_dir
 
 from conftest import TINY_RECIPE
 
@@ -211,7 +211,7 @@ def test_the_paired_difference_is_narrower_than_two_separate_intervals():
 
 
 def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):
-    from octfw.progress import progress_bar
+    from octfw.display.progress import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -238,8 +238,8 @@ def test_the_progress_bar_goes_to_a_terminal_stderr_only(monkeypatch):
 def test_the_rate_is_the_average_since_work_began_in_readable_figures(monkeypatch):
     """48 volumes in 12 s after a 10 s cluster start read 4 volumes/s, not the burst's rate;
     slow work reads seconds per volume."""
-    import octfw.progress
-    from octfw.progress import progress_bar, rate_text
+    import octfw.display.progress
+    from octfw.display.progress import progress_bar, rate_text
 
     assert rate_text(48, 12.0, "volumes") == "4 volumes/s"
     assert rate_text(7, 3.0, "volumes") == "2.33 volumes/s"
@@ -250,7 +250,7 @@ def test_the_rate_is_the_average_since_work_began_in_readable_figures(monkeypatc
             return True
 
     clock = iter([10.0, 21.0, 22.0])  # work begins at 10 s (after the cluster), then a burst of 40 at 22 s
-    monkeypatch.setattr(octfw.progress, "clock", lambda: next(clock))
+    monkeypatch.setattr(octfw.display.progress, "clock", lambda: next(clock))
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     with progress_bar("prepare", unit="volumes") as update:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.features import stratified_split
 from octfw.evaluation.metrics import auprc, auroc, bootstrap_weights, classification_metrics, one_vs_rest
 from octfw.evaluation.shots import parse_shots, sample_per_class, summarise

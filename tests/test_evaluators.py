@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.engine.trainer import train
-from octfw.errors import RecipeError, UserError
+from octfw.display.errors import RecipeError, UserError
 from octfw.evaluation.features import stratified_split
 from octfw.plugins.evaluators.knn.algorithm import knn_probabilities
 from octfw.evaluation.metrics import auroc, classification_metrics
 from octfw.plugins.evaluators.linear_probe.algorithm import fit_linear_probe
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
-from octfw.rundir import create_run_dir
+from octfw.runs.folder import create_run_dir
 
 from conftest import TINY_RECIPE, make_dist
 

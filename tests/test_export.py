@@ -13,9 +13,9 @@ import torch
 
 import octfw
 from octfw.plugins.checkpointers.local import LocalCheckpointer
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.exports.pretrained import PretrainedEncoder, load_encoder
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
 
 from conftest import TINY_RECIPE

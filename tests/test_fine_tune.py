@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import TINY_RECIPE, run_xla_script
-from octfw.cli import main
-from octfw.errors import RecipeError
+from octfw.cli.main import main
+from octfw.display.errors import RecipeError
 from octfw.evaluation.classification import Encoded
 from octfw.plugins.evaluators.fine_tune.evaluator import FineTuneEvaluator
 from octfw.plugins.evaluators.fine_tune import FineTuneConfig

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from octfw.cli import main
-from octfw.errors import UserError
+from octfw.cli.main import main
+from octfw.display.errors import UserError
 
 from conftest import TINY_RECIPE
 
@@ -288,7 +288,7 @@ def test_any_manifest_rows_build_a_dataset_or_one_user_error(cohort, pipeline_pa
                                                              split, domain_from):
     from octfw.plugins.datasets.dicom.config import DicomConfig
     from octfw.engine.data import SampleSource
-    from octfw.fields import Location
+    from octfw.recipe.fields import Location
 
     component, transform, ctx = pipeline_parts
     before = listing(cohort)
@@ -301,7 +301,7 @@ def test_any_manifest_rows_build_a_dataset_or_one_user_error(cohort, pipeline_pa
         for index in range(min(len(dataset), 3)):
             source[(0, index)]  # an unusable file is quarantined, never raised
     except UserError:
-        pass  # the mistake, named: what the CLI prints on one line (octfw.errors.one_line)
+        pass  # the mistake, named: what the CLI prints on one line (octfw.display.errors.one_line)
     finally:
         manifest.unlink()
     assert listing(cohort) == before

@@ -12,10 +12,10 @@ import json
 import numpy as np
 import pytest
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.dicom.dataset import DicomDataset
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
-from octfw.errors import CorruptFile
+from octfw.display.errors import CorruptFile
 
 from conftest import TINY_RECIPE
 

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from octfw.cli import main
+from octfw.cli.main import main
 
 from conftest import make_dist
 
 TARGET_PLUGIN = '''
 import attrs
-from octfw.fields import doc
+from octfw.recipe.fields import doc
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import StopTraining, TrainingDone
 

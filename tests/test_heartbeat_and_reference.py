@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from octfw.engine.heartbeat import Heartbeat
-from octfw.reference import render_reference
+from octfw.recipe.reference import render_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,4 +50,4 @@ def test_heartbeat_is_quiet_while_steps_complete():
 def test_recipe_reference_is_generated_from_the_code(registry):
     committed = (REPO / "docs" / "recipe-reference.md").read_text()
     assert committed == render_reference(registry), \
-        "docs/recipe-reference.md is stale: python -m octfw.reference > docs/recipe-reference.md"
+        "docs/recipe-reference.md is stale: python -m octfw.recipe.reference > docs/recipe-reference.md"

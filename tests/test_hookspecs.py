@@ -136,7 +136,7 @@ def test_every_built_in_registration_hook_types_its_register_callback():
 
 def test_every_option_of_every_built_in_shows_its_doc_text_in_octfw_list(capsys):
     """What `octfw list --stage S --name N` prints is all a user reads: no option goes unexplained."""
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     undocumented, options = [], 0
     for component in load_registry(entry_points=[]).by_stage():

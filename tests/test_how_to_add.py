@@ -134,7 +134,7 @@ RECIPE = TINY_RECIPE.replace("log_every_steps = 1", "log_every_steps = 2\ncheckp
 
 def _train(registry, recipe_path, *overrides, resume=None):
     from octfw.engine.trainer import train
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     recipe = load_recipe(recipe_path, list(overrides), registry)
     return train(recipe, registry, create_run_dir(recipe, registry), resume=resume)

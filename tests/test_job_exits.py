@@ -20,7 +20,7 @@ from conftest import make_dist
 from test_multiprocess_faults import (SLOW_PLUGIN, Job, checkpoint_steps, ctrl_c_twice_in_the_slow_step,  # noqa: F401
                                      job)
 from octfw.engine.launcher import STOP_NOW_GRACE_S
-from octfw.exit_codes import (CRASHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, RETRY_CODES,
+from octfw.cli.exit_codes import (CRASHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, RETRY_CODES,
                               SAVE_FAILED_EXIT_CODE, USER_ERROR)
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ STEPS = 14
 # Guards that misbehave on one rank: a bug at a step, a refusal while the run is built.
 MISBEHAVING_PLUGIN = '''
 import attrs
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.hookspecs import hookimpl
 
 @attrs.frozen

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 from octfw.engine.launcher import Outcome, job_outcome, threads_per_process
-from octfw.exit_codes import CRASHED, FINISHED, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, USER_ERROR
+from octfw.cli.exit_codes import CRASHED, FINISHED, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, USER_ERROR
 
 OCTFW = Path(__file__).resolve().parents[1] / "octfw"
 AGAIN = "octfw run r.toml --nproc-per-node=4 --resume auto"
@@ -169,7 +169,7 @@ def test_nodes_that_run_different_process_counts_are_refused_in_one_line():
     from torch.distributed import HashStore
 
     from octfw.engine.launcher import _Node
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
 
     store = HashStore()
     store.set("octfw/nproc/0", "8")

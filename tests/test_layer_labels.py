@@ -266,7 +266,7 @@ def test_a_manifest_without_layer_labels_still_reads_for_classification(tmp_path
 
 
 def test_a_manifest_row_with_layers_needs_their_names(tmp_path):
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
 
     (tmp_path / "m.jsonl").write_text(json.dumps({"path": "a.dcm", "layers": "a.layers.npy"}) + "\n")
     with pytest.raises(UserError, match="layer_names"):

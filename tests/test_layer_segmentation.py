@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import run_xla_script
-from octfw.errors import RecipeError, UserError
+from octfw.display.errors import RecipeError, UserError
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.plugins.evaluators.layer_segmentation import LayerSegmentationConfig
 from octfw.plugins.evaluators.layer_segmentation.algorithm import (
@@ -317,7 +317,7 @@ def test_octfw_eval_shots_on_synthetic_oct_layers_across_vendors_writes_table_cs
     import json
     import textwrap
 
-    from octfw.cli import main
+    from octfw.cli.main import main
     from octfw.exports.formats import encoder_info
     from octfw.exports.writing import write_export
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from conftest import TINY_RECIPE
-from octfw.cli import main
-from octfw.logs import LOG_FILE, THIRD_PARTY_LEVELS, attach_run_log, detach_run_log, setup_console_logging
+from octfw.cli.main import main
+from octfw.display.logs import LOG_FILE, THIRD_PARTY_LEVELS, attach_run_log, detach_run_log, setup_console_logging
 
 REPO = Path(__file__).resolve().parents[1]
 FAILED_SAVE = "checkpoint at update step 4 failed, training goes on: StorageError: upload failed after 2 attempts"
@@ -148,7 +148,7 @@ def test_a_failed_save_under_octfw_is_one_line_on_stderr(tmp_path):
     code = f"""
 import logging, sys
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-from octfw.logs import attach_run_log, detach_run_log, setup_console_logging
+from octfw.display.logs import attach_run_log, detach_run_log, setup_console_logging
 from test_logging import FAILED_SAVE, fail_to_upload
 
 setup_console_logging()

@@ -13,7 +13,7 @@ from octfw.models.masks import (
     mask_generator_from_config,
     validate_indices,
 )
-from octfw.errors import ContractError, UserError
+from octfw.display.errors import ContractError, UserError
 
 GRIDS = [(4, 4, 4), (2, 8, 8), (1, 5, 13), (16, 24, 24)]
 GENERATORS = [

@@ -172,7 +172,7 @@ def test_parse_bytes_refuses_what_is_not_a_size(text):
 
 
 def test_check_sizes_a_run_for_a_stated_device(tiny_recipe, capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     assert main(["check", str(tiny_recipe), "--device-kind", "xla", "--device-memory", "32GiB"]) == 0
     out = capsys.readouterr().out

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import TINY_RECIPE, make_dist
 from test_engine import PROBE_PLUGIN
-from octfw.exit_codes import (INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
+from octfw.cli.exit_codes import (INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 
 from octfw.plugins.transforms.oct_standard import MaskConfig, OCTStandardConfig, build
 from octfw.models.masks import validate_indices
-from octfw.errors import ContractError, CorruptFile, UserError
+from octfw.display.errors import ContractError, CorruptFile, UserError
 from octfw.registry import load_registry
 from octfw.types import BATCH_KEYS, BatchKey, BuildContext, Provenance, Sample, mask_keys
 

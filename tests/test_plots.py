@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from octfw.cli import main
-from octfw.errors import UserError
+from octfw.cli.main import main
+from octfw.display.errors import UserError
 from octfw.plugins.loggers.jsonl import JsonlLogger
-from octfw.plots import collapse_thresholds, plan_panels, read_metrics, step_axis, step_label
+from octfw.display.plots import collapse_thresholds, plan_panels, read_metrics, step_axis, step_label
 
 from conftest import make_dist
 
@@ -242,7 +242,7 @@ def test_lr_refuses_warm_restarts_with_the_step_and_values_after_drawing_them(
 def test_the_plot_draws_the_lr_schedule_at_every_step_through_the_logged_values(tiny_recipe, capsys):
     """The log samples the LR at log steps; the plot rebuilds the run's schedule for every step,
     and it passes through every logged value (same step numbering as metrics.jsonl)."""
-    from octfw.commands.plot import _schedule
+    from octfw.cli.commands.plot import _schedule
 
     assert main(["run", str(tiny_recipe), "--set", "run.max_steps=6", "--set", "engine.log_every_steps=2",
                  "--set", "scheduler.warmup=3"]) == 0

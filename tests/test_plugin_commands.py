@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from octfw.cli import build_parser, main
-from octfw.errors import PluginError
+from octfw.cli.main import build_parser, main
+from octfw.display.errors import PluginError
 from octfw.registry import DISABLE_ENV, load_commands
 
 from conftest import TINY_RECIPE, make_dist
@@ -26,7 +26,7 @@ from conftest import TINY_RECIPE, make_dist
 REPO = Path(__file__).resolve().parents[1]
 
 HELLO_PLUGIN = '''
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.hookspecs import RegisterCommand, hookimpl
 
 
@@ -242,9 +242,9 @@ def test_a_command_given_as_module_and_function_is_imported_only_when_it_runs(si
 
 def test_help_and_every_plugins_registration_import_no_heavy_package():
     """``octfw --help`` imports every plugin's command registration: none may import torch or the like."""
-    code = ("import sys, contextlib, io, octfw.cli\n"
+    code = ("import sys, contextlib, io\nfrom octfw.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-            "    octfw.cli.main(['--help'])\n"
+            "    main(['--help'])\n"
             "heavy = ('numpy', 'torch', 'torch_xla', 'dask', 'distributed', 'zarr', 'gcsfs', 'wandb', 'pydicom',\n"
             "         'monai', 'matplotlib', 'scipy')\n"
             "print('HEAVY', sorted(m for m in heavy if m in sys.modules))\n")
@@ -269,11 +269,11 @@ def test_octfws_own_commands_are_named_like_their_modules():
     import importlib
     import pkgutil
 
-    import octfw.commands
+    import octfw.cli.commands
 
-    for module in pkgutil.iter_modules(octfw.commands.__path__):
+    for module in pkgutil.iter_modules(octfw.cli.commands.__path__):
         if module.name.startswith("_"):
             continue
         subparsers = argparse.ArgumentParser().add_subparsers()
-        importlib.import_module(f"octfw.commands.{module.name}").add_parser(subparsers)
+        importlib.import_module(f"octfw.cli.commands.{module.name}").add_parser(subparsers)
         assert list(subparsers.choices) == [module.name], module.name

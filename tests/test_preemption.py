@@ -96,7 +96,7 @@ def test_sigterm_saves_and_resume_auto_continues_bitwise(tiny_recipe, tmp_path):
 
 
 def test_resume_auto_with_no_earlier_run_starts_one(tiny_recipe, tmp_path):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     assert main(["run", str(tiny_recipe), "--resume", "auto"]) == 0
     [run_dir] = _runs(tmp_path)

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.plugins.datasets.prepared.dataset import PreparedDataset
 from octfw.plugins.datasets.prepared.store import HEADER_FILE, INDEX_FILE, LOCK_FILE, QUARANTINE_FILE, read_header
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
-from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
+from octfw.cli.exit_codes import SAVE_FAILED_EXIT_CODE
 
 from gcs_emulator import GCSEmulator
 from test_prepared_dataset import SHAPES, dicom_recipe, prepare

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import pytest
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.dicom.dataset import DicomDataset
 from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
 from octfw.plugins.datasets.prepared.dataset import PreparedDataset
@@ -32,7 +32,7 @@ from octfw.plugins.datasets.prepared.store import (
 )
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.engine.data import domain_counts
-from octfw.errors import CorruptFile
+from octfw.display.errors import CorruptFile
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 from octfw.types import BuildContext

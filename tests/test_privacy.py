@@ -19,7 +19,7 @@ import numpy as np
 import pydicom
 import torch
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.dicom.reader import encode_oct_dicom, write_oct_dicom
 
 PATIENT = {

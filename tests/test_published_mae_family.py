@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.models.published import FORMATS, InitTargets, converter
 from octfw.models.published.report import InitReport
 from octfw.models.published.videomae import sinusoid_table

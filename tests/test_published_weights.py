@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from octfw.exports.pretrained import encoder_from_config
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.models.published import FORMATS, InitTargets, initialise, register_format
 from octfw.models.published.adapt import adapt_channels, inflate_kernel, resample_positions
 from octfw.models.vit3d import ViT3DEncoder, weight_decay_groups
@@ -395,7 +395,7 @@ def test_a_resumed_run_takes_its_checkpoint_and_needs_the_init_file_no_more(tiny
     from octfw.engine.trainer import train
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     weights = tiny_recipe.parent / "weights.pt"
     shutil.copy(CHECKPOINT, weights)
@@ -519,11 +519,11 @@ def test_eval_compares_published_continued_and_random_side_by_side(tmp_path, cap
     """Issue #50 item 3: the recipe names the model it starts from (the published weights as they
     are), the run is that model continued, and one random baseline sits beside both. The random
     baseline is random: built without reading `[model] init` (it had been the published weights)."""
-    from octfw.cli import main
+    from octfw.cli.main import main
     from octfw.engine.trainer import train
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     from conftest import TINY_RECIPE
 

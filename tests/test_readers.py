@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import TINY_RECIPE
-from octfw.errors import RecipeError, UserError
+from octfw.display.errors import RecipeError, UserError
 from octfw.evaluation.classification import Encoded
 from octfw.evaluation.features import LabelledVolumes, extract_readings
 from octfw.evaluation.shots import label_efficiency

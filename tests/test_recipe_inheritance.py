@@ -94,7 +94,7 @@ def test_a_recipe_with_the_default_guard_alone_is_warned_about_grad_clip_only(ti
 def test_show_names_what_a_child_dropped_without_importing_torch(write_recipe):
     write_recipe(GUARDED, "base.toml")
     child = write_recipe(REPLACING, "child.toml").resolve()
-    code = ("import sys\nfrom octfw.cli import main\ncode = main(['show', sys.argv[1]])\n"
+    code = ("import sys\nfrom octfw.cli.main import main\ncode = main(['show', sys.argv[1]])\n"
             "print('TORCH', 'torch' in sys.modules)\nsys.exit(code)\n")
     out = subprocess.run([sys.executable, "-c", code, str(child)], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
@@ -121,7 +121,7 @@ def test_a_run_says_once_at_its_start_what_the_child_dropped_and_which_safety_gu
 
 
 def test_check_names_what_a_child_dropped(write_recipe, capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     write_recipe(GUARDED, "base.toml")
     child = write_recipe(REPLACING, "child.toml").resolve()

@@ -7,8 +7,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from octfw.config import EngineConfig
-from octfw.errors import RecipeError, UserError
+from octfw.recipe.config import EngineConfig
+from octfw.display.errors import RecipeError, UserError
 from octfw.recipe import load_recipe, parse_override, to_toml
 
 from conftest import TINY_RECIPE

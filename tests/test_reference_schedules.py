@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.plugins.schedulers.cosine import CosineConfig
 from octfw.plugins.schedulers.cosine import build as build_cosine
 from octfw.types import BuildContext

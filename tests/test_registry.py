@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from octfw.errors import PluginError
+from octfw.display.errors import PluginError
 from octfw.hookspecs import STAGES
 from octfw.registry import load_registry
 
@@ -113,8 +113,8 @@ def test_unknown_component_suggests_the_closest_name(registry):
 
 
 def test_listing_imports_no_heavy_dependency():
-    code = ("import sys, octfw.cli\n"
-            "octfw.cli.main(['list'])\n"
+    code = ("import sys\nfrom octfw.cli.main import main\n"
+            "main(['list'])\n"
             "heavy = [m for m in ('torch', 'torch_xla', 'wandb', 'gcsfs', 'monai', 'pydicom') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.diagnostics.replay import replay
 from octfw.registry import load_registry
 

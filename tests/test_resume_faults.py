@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_dist
-from octfw.exit_codes import PREEMPTED_EXIT_CODE, SAVE_FAILED_EXIT_CODE
+from octfw.cli.exit_codes import PREEMPTED_EXIT_CODE, SAVE_FAILED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

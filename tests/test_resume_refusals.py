@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from test_multiprocess_faults import checkpoint_steps, job  # noqa: F401 - job: the fixture
-from octfw.cli import main
-from octfw.exit_codes import USER_ERROR
+from octfw.cli.main import main
+from octfw.cli.exit_codes import USER_ERROR
 
 
 def refusal(err: str) -> str:

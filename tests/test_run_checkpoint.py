@@ -1,4 +1,4 @@
-"""One answer to "which checkpoint does a run stand at" (octfw.rundir.run_checkpoint): export,
+"""One answer to "which checkpoint does a run stand at" (octfw.runs.checkpoint.run_checkpoint): export,
 load_encoder, eval --checkpoints, replay and --resume auto take the same one, the fallback copy
 of a final save that failed included; and a trainer started from Python holds its run folder
 as ``octfw run`` does."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import octfw
-from octfw.cli import main
+from octfw.cli.main import main
 from octfw.diagnostics.replay import replay
 from octfw.engine.plan import plan_for_folder
 from octfw.engine.preemption import StopRequests
@@ -23,7 +23,8 @@ from octfw.engine.trainer import SAVE_FAILED_EXIT_CODE, train
 from octfw.evaluation.checkpoints import run_checkpoints
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
-from octfw.rundir import create_run_dir, fallback_storage, run_checkpoint
+from octfw.runs.checkpoint import fallback_storage, run_checkpoint
+from octfw.runs.folder import create_run_dir
 from octfw.storage.checkpoints import CheckpointStorage, load_checkpoint
 from octfw.storage.owner import FolderInUse
 

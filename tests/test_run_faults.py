@@ -306,7 +306,7 @@ def test_no_load_error_ever_suggests_weights_only_false(tmp_path):
     import torch
 
     from octfw.exports.pretrained import load_encoder
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
     from octfw.storage.checkpoints import load_checkpoint
 
     with_object = tmp_path / "step_00000001.pt"

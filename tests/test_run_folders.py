@@ -2,7 +2,7 @@
 mkdir, and records its own sequence number, claimed under a lock on the recipe's folder; a
 start never removes a folder it did not make (issue 48, item 4).
 
-The race is made for real twice: threads calling :func:`octfw.rundir.create_run_dir` at
+The race is made for real twice: threads calling :func:`octfw.runs.folder.create_run_dir` at
 once, and 8 ``octfw run`` processes of one recipe started together.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_RECIPE
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
-from octfw.rundir import RUN_FILE, create_run_dir, run_dirs, run_sequence
+from octfw.runs.folder import RUN_FILE, create_run_dir, run_dirs, run_sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_starts_at_the_same_moment_get_their_own_folders_and_sequence_numbers(ti
 def test_a_failed_start_removes_only_its_own_folder(tiny_recipe, monkeypatch):
     """The folder a start made is removed when it cannot be written; the folder of another run
     that took the same name first is left as it was."""
-    import octfw.rundir as rundir
+    import octfw.runs.folder as rundir
 
     registry = load_registry()
     recipe = load_recipe(tiny_recipe, [], registry)

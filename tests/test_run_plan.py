@@ -24,7 +24,7 @@ def _imported_names(path: Path) -> set[str]:
 
 def test_the_trainer_decides_nothing_about_folders_or_which_checkpoint():
     imported = _imported_names(OCTFW / "engine" / "trainer.py")
-    deciding = {name for name in imported if name.startswith(("octfw.rundir", "octfw.storage.owner"))
+    deciding = {name for name in imported if name.startswith(("octfw.runs", "octfw.storage.owner"))
                 or name.endswith((".create_run_dir", ".run_dirs", ".planned_run", ".resume_location"))}
     assert deciding == set()
     source = (OCTFW / "engine" / "trainer.py").read_text(encoding="utf-8")
@@ -32,7 +32,7 @@ def test_the_trainer_decides_nothing_about_folders_or_which_checkpoint():
 
 
 def test_parsed_command_lines_never_reach_the_engine_or_below():
-    """argparse lives with the commands (octfw/commands, the CLI, the helpers plugin commands
+    """argparse lives with the commands (octfw/cli/commands, the CLI, the helpers plugin commands
     share); the engine, recipes, storage, models and evaluation take values, never a namespace."""
     for package in ("engine", "recipe", "storage", "models", "evaluation", "diagnostics"):
         for path in (OCTFW / package).rglob("*.py"):
@@ -47,7 +47,7 @@ def test_a_plan_for_a_folder_continues_its_fallback_copy_before_the_checkpointer
 
     from octfw.engine.plan import plan_for_folder
     from octfw.engine.run_end import fallback_storage
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
 

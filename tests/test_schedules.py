@@ -9,12 +9,12 @@ import attrs
 import numpy as np
 import pytest
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.plugins.schedulers.constant import ConstantConfig
 from octfw.plugins.schedulers.constant import build as build_constant
 from octfw.plugins.schedulers.cosine import CosineConfig, warmup_steps
 from octfw.plugins.schedulers.cosine import build as build_cosine
-from octfw.schedules import effective_lr, plot_schedule, simulate, validate_schedule
+from octfw.engine.schedules import effective_lr, plot_schedule, simulate, validate_schedule
 from octfw.types import BuildContext, Schedule
 
 BASE_LR = 1e-4

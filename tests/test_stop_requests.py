@@ -12,8 +12,8 @@ import pytest
 
 from octfw.engine.distributed import layout_for
 from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
-from octfw.errors import UserError
-from octfw.exit_codes import describe
+from octfw.display.errors import UserError
+from octfw.cli.exit_codes import describe
 
 
 def _signal_self(signum: int) -> None:
@@ -119,7 +119,7 @@ def test_a_recipe_cannot_pin_both_the_global_batch_and_the_micro_steps(write_rec
 
 
 def test_check_says_the_global_batch_that_will_run_and_one_update_steps_time(tiny_recipe, capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     assert main(["check", str(tiny_recipe), "--set", "engine.global_batch=8"]) == 0
     out = capsys.readouterr().out
@@ -130,7 +130,7 @@ def test_check_says_the_global_batch_that_will_run_and_one_update_steps_time(tin
 
 
 def test_run_says_what_one_update_step_takes_when_the_global_batch_is_pinned(tiny_recipe, tmp_path, capsys):
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     code = main(["run", str(tiny_recipe), "--set", f"run.output_dir={tmp_path}", "--set", "engine.global_batch=4",
                  "--set", "run.max_steps=2"])

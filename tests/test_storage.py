@@ -15,8 +15,8 @@ from octfw.plugins.checkpointers.gcs import GcsCheckpointConfig
 from octfw.plugins.checkpointers.gcs import build as build_gcs
 from octfw.plugins.checkpointers.local import LocalCheckpointConfig, LocalCheckpointer
 from octfw.plugins.checkpointers.local import build as build_local
-from octfw.errors import UserError
-from octfw.fields import Location
+from octfw.display.errors import UserError
+from octfw.recipe.fields import Location
 from octfw.storage.checkpoints import (
     LATEST, CheckpointStorage, PointerEntry, format_pointer, load_checkpoint, parse_pointer,
 )
@@ -241,7 +241,7 @@ def test_retry_policy_raises_permanent_errors_at_once_and_names_the_operation():
 
 
 def test_storage_imports_no_higher_octfw_layer():
-    allowed = ("octfw.storage", "octfw.errors", "octfw.fields", "octfw.types")
+    allowed = ("octfw.storage", "octfw.display.errors", "octfw.recipe.fields", "octfw.types")
     for source in (Path(__file__).parents[1] / "octfw" / "storage").glob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Import):

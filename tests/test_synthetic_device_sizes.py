@@ -25,7 +25,7 @@ from octfw.plugins.datasets.synthetic.cohort import (
     write_synthetic_cohort,
 )
 from octfw.plugins.datasets.synthetic.config import SyntheticOctConfig
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.recipe import load_recipe
 
 from conftest import TINY_RECIPE

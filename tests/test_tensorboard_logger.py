@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from octfw.cli import main
+from octfw.cli.main import main
 
 TENSORBOARD_LOGGER = '\n[[logger]]\nname = "tensorboard"\nflush_secs = 1\n'
 

@@ -234,7 +234,7 @@ def test_library_log_records_stay_off_the_console(tmp_path):
     # handler, which is what prints a library's records when nothing else does.
     program = """if True:
         import logging
-        from octfw.logs import setup_console_logging
+        from octfw.display.logs import setup_console_logging
         setup_console_logging()
         try:
             raise ConnectionRefusedError(111, "Connect call failed")
@@ -278,7 +278,7 @@ def mixed_cohort(tmp_path):
 
 def test_single_frame_2d_files_are_quarantined_as_not_a_3d_volume(mixed_cohort):
     from octfw.dicom.dataset import DicomDataset
-    from octfw.errors import CorruptFile
+    from octfw.display.errors import CorruptFile
 
     dataset = DicomDataset.from_location(mixed_cohort)
     reasons = {}
@@ -369,7 +369,7 @@ def test_a_set_value_that_is_not_utf8_is_refused_not_a_crash_when_printed(tmp_pa
 
 def test_a_manifest_label_beyond_any_float_is_a_user_error(tmp_path):
     from octfw.dicom.manifest import read_manifest
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
 
     manifest = write(tmp_path / "m.jsonl", '{"path": "a.dcm", "label": 1' + "0" * 400 + "}\n")
     with pytest.raises(UserError, match=r"m.jsonl:1: label must be an integer, got 10{36}\.\.\.$"):
@@ -378,7 +378,7 @@ def test_a_manifest_label_beyond_any_float_is_a_user_error(tmp_path):
 
 def test_a_manifest_series_row_of_an_unknown_protocol_is_a_user_error(tmp_path):
     from octfw.dicom.dataset import DicomDataset
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
 
     manifest = write(tmp_path / "m.csv", "path\nnosuch://bucket/scan/\n")
     with pytest.raises(UserError, match="'nosuch://bucket/scan/': Protocol not known: nosuch"):
@@ -401,7 +401,7 @@ def test_a_recipe_key_with_a_newline_stays_on_its_problem_line(tmp_path):
 
 def test_a_csv_manifest_with_a_lone_carriage_return_in_a_cell_is_a_user_error(tmp_path):
     from octfw.dicom.manifest import read_manifest
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
 
     manifest = tmp_path / "m.csv"
     manifest.write_bytes(b"path,label\nvol.dcm,1\nscan\rb.dcm,0\n")

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from octfw.plugins.datasets.vendor import OctVendorConfig, build
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.registry import load_registry
 from octfw.types import BuildContext
 

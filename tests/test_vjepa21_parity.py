@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build
 from octfw.plugins.models.vjepa3d.hierarchical import REFERENCE_LEVELS, level_depths
@@ -190,7 +190,7 @@ def test_a_run_trains_the_variant_and_exports_a_plain_encoder(tiny_recipe):
     from octfw.engine.trainer import train
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     registry = load_registry()
     overrides = ["model.dense_levels=4", 'model.dense_predictor="vjepa2.1"', "model.depth=4", "run.max_steps=2"]

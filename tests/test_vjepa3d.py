@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.plugins.models.vjepa3d import PRESETS, VJEPA3DConfig, build
 from octfw.models.health import embedding_std
 from octfw.plugins.models.vjepa3d.model import masked_feature_loss
@@ -455,7 +455,7 @@ def test_each_mask_configuration_is_a_pair_the_run_reads_and_logs(write_recipe, 
     import json
 
     from conftest import TINY_RECIPE
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     path = write_recipe(TINY_RECIPE)
     sets = [arg for value in (*MULTIBLOCK, f"run.output_dir={tmp_path / 'runs'}") for arg in ("--set", value)]
@@ -501,7 +501,7 @@ def VJEPA3D_with_pairs(model, pairs):
 
 def test_octfw_check_refuses_a_mask_that_leaves_under_a_tenth_as_context(write_recipe, tmp_path, capsys):
     from conftest import TINY_RECIPE
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     path = write_recipe(TINY_RECIPE)
     code = main(["check", str(path), "--set", "transform.mask={generator=\"random\", ratio=0.95}",
@@ -605,7 +605,7 @@ def test_an_encoder_exported_before_standardisation_loads_without_it():
 
 def test_octfw_check_checks_every_mask_configurations_indices(write_recipe, tmp_path, capsys):
     from conftest import TINY_RECIPE
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     path = write_recipe(TINY_RECIPE)
     assert main(["check", str(path), *[a for v in MULTIBLOCK for a in ("--set", v)]]) == 0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from octfw.cli import main
-from octfw.errors import UserError
+from octfw.cli.main import main
+from octfw.display.errors import UserError
 from octfw.plugins.loggers.wandb import WandbConfig, WandbLogger, build
 from octfw.types import BuildContext, Logger
 

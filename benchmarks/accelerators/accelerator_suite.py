@@ -457,7 +457,7 @@ def main() -> None:
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device")
     from octfw.diagnostics.memory import device_memory
-    from octfw.fields import parse_bytes
+    from octfw.recipe.fields import parse_bytes
     from octfw.engine.throughput import published_peak
 
     cuda = device == "cuda"

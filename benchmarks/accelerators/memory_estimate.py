@@ -44,7 +44,7 @@ def measure_one(preset: str, size: str, batch: int, checkpointing: bool) -> dict
     from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     registry = load_registry()
     recipe = load_recipe(ROOT / "recipes" / "quickstart.toml", [

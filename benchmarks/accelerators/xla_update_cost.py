@@ -75,7 +75,7 @@ def seeds_trainer(preset: str, image: tuple[int, int, int], accum: int, n_volume
     from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     registry = load_registry()
     recipe = load_recipe(ROOT / "recipes" / "smoke_test.toml", [

@@ -31,7 +31,7 @@ import torch
 
 from octfw.engine.build import build_components
 from octfw.engine.data import SampleSource, make_loader
-from octfw.errors import CorruptFile
+from octfw.display.errors import CorruptFile
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 

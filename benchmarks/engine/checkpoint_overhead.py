@@ -51,7 +51,7 @@ BASE = ["--set", f"run.max_steps={STEPS}", "--set", "engine.log_every_steps=5",
 # `octfw run` with every background save awaited at once: the loop pays for the whole write.
 IN_THE_LOOP = ("import sys; from octfw.engine.checkpointing import BackgroundSaver as S; submit = S.submit; "
                "S.submit = lambda self, *a: submit(self, *a) and self.wait(86400.0); "
-               "from octfw.cli import main; sys.exit(main(sys.argv[1:]))")
+               "from octfw.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def _run(args: list[str], env: dict[str, str], out: Path, stop_after_step: int | None = None,

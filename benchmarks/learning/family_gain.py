@@ -99,7 +99,7 @@ def _inline(table: dict[str, Any]) -> str:
 def pretrain_one(method: str, setting: str, seed: int, updates: int, out: Path, device: str,
                  volumes: int = PRETRAIN_VOLUMES) -> dict[str, Any]:
     """Train one job, export its encoder; the run's summary and health at the end."""
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     name = job_name(method, setting, seed)
     runs = out / "runs" / name

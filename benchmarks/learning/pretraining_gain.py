@@ -66,7 +66,7 @@ GLOBAL_BATCH = 4  # recipes/pretrain_cpu.toml: per_device_batch 4 x 1 device x 1
 
 def pretrain(out: Path, seed: int, updates: int, n_volumes: int | None, overrides: list[str] = ()) -> dict[str, Any]:
     """Train ``recipes/pretrain_cpu.toml`` for ``updates`` update steps; its summary and run folder."""
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     # run.max_steps caps run.epochs: epochs high enough that the budget, not the
     # recipe's 10 epochs, decides the length (and the LR and EMA schedules span it).

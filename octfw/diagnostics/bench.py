@@ -40,8 +40,8 @@ from typing import Callable, Sequence
 
 import attrs
 
-from octfw.errors import UserError
-from octfw.tables import render_table
+from octfw.display.errors import UserError
+from octfw.display.tables import render_table
 
 __all__ = ["BenchRow", "parse_grid", "combinations", "bench", "format_table", "write_csv"]
 

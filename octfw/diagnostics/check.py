@@ -15,10 +15,10 @@ from octfw.engine.build import build_components, check_schedule
 from octfw.engine.data import SampleSource, collate, domain_counts, float_views, listed, view_keys
 from octfw.engine.distributed import layout_for, step_time
 from octfw.engine.update import grad_norm
-from octfw.errors import ContractError
+from octfw.display.errors import ContractError
 from octfw.recipe import Recipe
 from octfw.registry import Registry
-from octfw.tables import counted
+from octfw.display.tables import counted
 from octfw.types import BatchKey, CountingModel, ModelOutput, mask_keys
 
 __all__ = ["check_recipe"]
@@ -57,7 +57,7 @@ def check_batch_contract(tensors: dict[str, torch.Tensor], spec: dict[str, Batch
 
 def schedule_line(recipe: Recipe, schedule: Any, total: int, length: str) -> str:
     """The schedule's length (``length`` says where it comes from) and its LR at a few steps."""
-    from octfw.schedules import effective_lr
+    from octfw.engine.schedules import effective_lr
 
     steps = sorted({0, 1, 2, max(total // 2, 0), total - 1})
     return (f"schedule  {recipe.scheduler.name}: {total} update steps ({length}); lr "

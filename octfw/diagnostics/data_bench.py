@@ -31,7 +31,7 @@ import attrs
 
 from octfw.recipe import Recipe
 from octfw.registry import Registry
-from octfw.tables import counted, render_table
+from octfw.display.tables import counted, render_table
 from octfw.types import TransformCheckingDataset
 
 __all__ = ["LoaderRate", "measure_loader", "workers_needed", "format_data_bench"]

@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping
 import attrs
 import torch
 
-from octfw import fields
+from octfw.recipe import fields
 from octfw.types import ActivationCheckpointing
 
 __all__ = [
@@ -323,7 +323,7 @@ def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes
 
 def device_memory_bytes(text: str) -> int:
     """A device's memory: ``"32GiB"``, ``"16 GB"``, ``"80g"``, ``"1.5TiB"`` -> bytes, more than 0
-    (:func:`octfw.fields.parse_bytes`, which also reads 0); ValueError otherwise."""
+    (:func:`octfw.recipe.fields.parse_bytes`, which also reads 0); ValueError otherwise."""
     try:
         size = fields.parse_bytes(text)
     except ValueError:

@@ -17,13 +17,13 @@ from typing import Any, Callable
 
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.recipe import load_recipe
 from octfw.registry import Registry
-from octfw.rundir import run_checkpoints
-from octfw.tables import render_table
+from octfw.runs.checkpoint import run_checkpoints
+from octfw.display.tables import render_table
 from octfw.types import GuardInputs
-from octfw.tables import counted
+from octfw.display.tables import counted
 
 __all__ = ["replay"]
 
@@ -34,7 +34,7 @@ REPLAY_OVERRIDES = ["run.device=cpu", "engine.num_workers=0", "engine.precision=
 
 def _nearest_checkpoint(recipe: Any, registry: Registry, run_dir: Path, step: int) -> tuple[int, str | None]:
     """(update step, location) of the newest checkpoint before ``step``, among the run's
-    (:func:`octfw.rundir.run_checkpoints`: its fallback copy included); (0, None) when none is."""
+    (:func:`octfw.runs.checkpoint.run_checkpoints`: its fallback copy included); (0, None) when none is."""
     checkpointer = recipe.checkpointer.build(recipe.build_context(registry=registry, run_dir=run_dir))
     usable = [(s, loc) for s, loc in run_checkpoints(run_dir, checkpointer) if s < step]
     return max(usable) if usable else (0, None)

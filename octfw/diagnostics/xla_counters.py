@@ -37,7 +37,7 @@ def counted_run(recipe_path: Path, steps: int, log_every: int = 10, overrides: t
     from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     registry = load_registry()
     recipe = load_recipe(recipe_path, [*HYGIENE_OVERRIDES, f"run.max_steps={steps}",

@@ -5,7 +5,7 @@ through the same public modules the built-in ones use (no plugin imports
 another: pyproject.toml's import contracts):
 
 - :mod:`octfw.dicom.reader`: decode one OCT DICOM file or series into a
-  :class:`~octfw.types.Sample` (every failure a :class:`~octfw.errors.CorruptFile`),
+  :class:`~octfw.types.Sample` (every failure a :class:`~octfw.display.errors.CorruptFile`),
   read a header without pixels, encode and write a volume;
 - :mod:`octfw.dicom.manifest`: the manifest, a CSV or JSON-lines list of a
   cohort's volumes (path, domain, split, label, patient, masks), which

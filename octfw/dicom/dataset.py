@@ -3,7 +3,7 @@
 The files are listed once, when the dataset is built: from a folder (walked
 recursively), a glob, or a manifest. ``load`` reads one file with
 :func:`octfw.dicom.reader.read_oct_volume` and raises
-:class:`~octfw.errors.CorruptFile` for an unusable one. ``domain`` answers
+:class:`~octfw.display.errors.CorruptFile` for an unusable one. ``domain`` answers
 without decoding pixels: from the manifest, the parent folder's name, or the
 file's header (read once, then remembered).
 
@@ -36,7 +36,7 @@ import attrs
 
 from octfw.dicom.manifest import is_manifest, read_manifest
 from octfw.dicom.reader import UNKNOWN_DOMAIN, read_header, read_oct_series, read_oct_volume
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.types import Sample
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

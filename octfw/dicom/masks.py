@@ -16,7 +16,7 @@ shape. Three formats, told apart by the file name:
   FRACTIONAL (above half its maximum is in), its frames the volume's B-scans in
   order (``NumberOfFrames`` = D, ``Rows`` = H, ``Columns`` = W).
 
-Every failure is a :class:`~octfw.errors.CorruptFile` naming the mask file.
+Every failure is a :class:`~octfw.display.errors.CorruptFile` naming the mask file.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import io
 import numpy as np
 
 from octfw.dicom.reader import open_file
-from octfw.errors import CorruptFile
+from octfw.display.errors import CorruptFile
 
 __all__ = ["SEGMENTATION_SOP_CLASS", "NIFTI_SUFFIXES", "read_finding_mask", "read_layer_labels"]
 
@@ -129,7 +129,7 @@ def read_layer_labels(url: str, names: int) -> np.ndarray:
     """The uint8 ``[D, H, W]`` layer labels at ``url`` (a ``.npy`` array in the volume's own axis
     order, values below ``names``, the count of the manifest's ``layer_names``).
 
-    Every failure is a :class:`~octfw.errors.CorruptFile` naming the file: missing,
+    Every failure is a :class:`~octfw.display.errors.CorruptFile` naming the file: missing,
     unreadable, not ``.npy``, not 3-D, not integer, or a value without a name.
     """
     if not url.lower().endswith(".npy"):

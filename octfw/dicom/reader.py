@@ -12,7 +12,7 @@ CT slice that strayed into the cohort) it is unusable, with the reason
 :data:`SINGLE_FRAME`: resized to the transform's depth it would be one
 B-scan repeated, a "volume" with no 3-D structure to learn from.
 
-Every way a file can be unusable raises :class:`~octfw.errors.CorruptFile`
+Every way a file can be unusable raises :class:`~octfw.display.errors.CorruptFile`
 with a short reason, so the data pipeline can quarantine it and carry on; no
 pydicom exception escapes. Patient identifiers are never read into a sample,
 a provenance record or an error message: reasons are written here, from the
@@ -36,7 +36,7 @@ from typing import IO, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from octfw.errors import CorruptFile, OctfwWarning
+from octfw.display.errors import CorruptFile, OctfwWarning
 from octfw.storage.files import is_local, local_path, write_atomically
 from octfw.types import Provenance, Sample
 

@@ -19,7 +19,7 @@ import torch
 from octfw.engine.attention import kernel_priority, priority_context
 from octfw.engine.data import float_views, view_keys, with_aliases
 from octfw.engine.distributed import BatchLayout, Processes, layout_for, xla_spmd
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.types import DOMAIN_ID_KEY, BatchKey
 
 __all__ = ["Backend", "select_backend", "training_forward"]

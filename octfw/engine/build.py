@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.hookspecs import STAGES
 from octfw.recipe import Recipe
 from octfw.recipe.resolved import ByStage
 from octfw.registry import Registry
 from octfw.types import BuildContext, Model, Transform, TransformCheckingDataset, WarmupSchedule
-from octfw.tables import counted
+from octfw.display.tables import counted
 
 if TYPE_CHECKING:
     from octfw.engine.distributed import BatchLayout  # imports torch: not at module level (octfw lr)
@@ -99,7 +99,7 @@ def check_schedule(recipe: Recipe, parts: Components) -> None:
 
 def check_schedule_values(recipe: Recipe, schedule: Any, total_update_steps: int) -> None:
     """:func:`check_schedule` for a schedule built on its own (``octfw check --steps``)."""
-    from octfw.schedules import validate_schedule
+    from octfw.engine.schedules import validate_schedule
 
     problems = validate_schedule(schedule, total_update_steps, recipe.engine.base_lr,
                                  schedule.warmup_steps if isinstance(schedule, WarmupSchedule) else None)

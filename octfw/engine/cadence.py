@@ -27,7 +27,7 @@ These are warnings, not errors: the run is valid either way.
 
 from __future__ import annotations
 
-from octfw.config import EngineConfig
+from octfw.recipe.config import EngineConfig
 
 __all__ = ["cadence_warnings", "suggest_interval"]
 

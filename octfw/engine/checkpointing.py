@@ -205,6 +205,6 @@ class BackgroundSaver:
 
     def _fail(self, update_step: int, error: str, exc: BaseException | None = None, final: bool = False) -> None:
         self.failed.append(f"step {update_step}: {error}")
-        # One console line; the traceback goes to octfw.log only (see octfw.logs).
+        # One console line; the traceback goes to octfw.log only (see octfw.display.logs).
         logger.warning("%s at update step %d failed%s: %s", "the final checkpoint" if final else "checkpoint",
                        update_step, "" if final else ", training goes on", error, exc_info=exc)

@@ -39,12 +39,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from octfw.errors import ContractError, CorruptFile, UserError
+from octfw.display.errors import ContractError, CorruptFile, UserError
 from octfw.types import (DOMAIN_ID_KEY, UINT8_SCALE, BatchKey, Dataset, DomainCountingDataset,
                          PreparedVolumesDataset, PreparingTransform, Provenance, SeriesDataset, SourcedDataset,
                          STORED_VIEW_DTYPES, Transform, dequantize)
 from octfw.storage.failures import format_bytes
-from octfw.tables import counted
+from octfw.display.tables import counted
 
 __all__ = [
     "DOMAIN_SAMPLING",

@@ -33,8 +33,8 @@ from typing import Any, Mapping, Sequence
 import attrs
 import torch
 
-from octfw.errors import UserError
-from octfw.tables import counted
+from octfw.display.errors import UserError
+from octfw.display.tables import counted
 
 __all__ = ["BatchLayout", "Processes", "Peers", "PeerLost", "join", "nccl_environment", "xla_processes", "xla_spmd",
            "all_reduce_", "min_across_ranks", "layout_for", "step_time", "silent_ranks"]

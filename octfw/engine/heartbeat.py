@@ -6,7 +6,7 @@ within ``engine.heartbeat_s`` (from the start, or between two steps), naming
 what the loop is waiting on, and again if it is then waiting on something
 else: a warning of the ``octfw.engine.heartbeat``
 logger, shown on the console as ``octfw heartbeat: no update step completed
-...`` (see :mod:`octfw.logs`).
+...`` (see :mod:`octfw.display.logs`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from octfw.logs import LABEL
+from octfw.display.logs import LABEL
 
 __all__ = ["Heartbeat"]
 

@@ -5,7 +5,7 @@ own process) start training here. Every process of the job works out who it
 is once (:func:`octfw.engine.distributed.join`, device first), hears the same
 :class:`~octfw.engine.plan.RunPlan` (:func:`octfw.engine.plan.planned_run`:
 which folder, which checkpoint), and trains it. While it trains, rank 0
-writes the run's ``octfw.log`` (:func:`octfw.logs.attach_run_log`).
+writes the run's ``octfw.log`` (:func:`octfw.display.logs.attach_run_log`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from octfw.engine.distributed import PeerLost, join
 from octfw.engine.plan import AlreadyFinished, planned_run
 from octfw.engine.preemption import StopRequests
 from octfw.engine.trainer import RunSummary, Trainer
-from octfw.logs import attach_run_log, detach_run_log
+from octfw.display.logs import attach_run_log, detach_run_log
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 

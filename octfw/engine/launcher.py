@@ -70,8 +70,8 @@ from typing import Any, Callable, NoReturn
 import attrs
 
 from octfw.engine.preemption import STOP_SIGNALS
-from octfw.errors import UserError, one_line
-from octfw.exit_codes import FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, describe
+from octfw.display.errors import UserError, one_line
+from octfw.cli.exit_codes import FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, describe
 
 __all__ = ["launch_job", "processes_per_node", "report_outcome", "job_command", "die_with_launcher",
            "exit_without_teardown", "rendezvous_endpoint", "quiet_torch_cpp_logs", "JOB_STATUS_ENV", "JOB_COMMAND_ENV",

@@ -39,10 +39,10 @@ script, a queued job that is requeued), and never goes backwards:
   as on a recreated spot TPU), else from scratch.
 
 "Newest" is the run started last by its recorded sequence
-(:func:`octfw.rundir.run_dirs`), never a folder name or a clock.
+(:func:`octfw.runs.folder.run_dirs`), never a folder name or a clock.
 
 **The checkpoint continued** is, with ``auto``, the one the run stands at
-(:func:`octfw.rundir.run_checkpoint`, which ``octfw export``, ``eval`` and
+(:func:`octfw.runs.checkpoint.run_checkpoint`, which ``octfw export``, ``eval`` and
 ``replay`` ask too): the fallback copy of the final state the checkpointer
 could not take (``RUN/fallback``) where it is newer than the checkpointer's
 newest complete checkpoint, else that one; with a PATH, that checkpoint.
@@ -67,10 +67,11 @@ from octfw.engine.backend import this_process
 from octfw.engine.cadence import cadence_warnings
 from octfw.engine.distributed import Peers, Processes
 from octfw.engine.preemption import StopRequests
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.recipe import Recipe, read_with_extends
 from octfw.registry import Registry
-from octfw.rundir import START_FILES, create_run_dir, run_checkpoint, run_dirs
+from octfw.runs.checkpoint import run_checkpoint
+from octfw.runs.folder import START_FILES, create_run_dir, run_dirs
 from octfw.storage.owner import FolderInUse, FolderOwner, describe_owner, is_owned
 
 __all__ = ["RunPlan", "AlreadyFinished", "planned_run", "planned_folder", "plan_for_folder"]
@@ -116,7 +117,7 @@ def _finished(run_dir: Path, recipe: Recipe) -> dict[str, Any] | None:
 
 
 def _checkpoint(run_dir: Path, recipe: Recipe, registry: Registry) -> tuple[str | None, bool]:
-    """The checkpoint ``run_dir`` stands at, as every command sees it (:func:`octfw.rundir.run_checkpoint`)."""
+    """The checkpoint ``run_dir`` stands at, as every command sees it (:func:`octfw.runs.checkpoint.run_checkpoint`)."""
     ctx = recipe.build_context(registry=registry, run_dir=run_dir)
     return run_checkpoint(run_dir, recipe.by_stage["checkpointer"].build(ctx))
 
@@ -153,7 +154,7 @@ def plan_for_folder(recipe: Recipe, registry: Registry, run_dir: Path, resume: s
                     processes: Processes | None = None, peers: Peers | None = None,
                     allow_recipe_change: bool = False) -> RunPlan:
     """The plan of a run in ``run_dir``, a folder already chosen; ``resume``: None, ``"auto"``
-    (the checkpoint the folder stands at: :func:`octfw.rundir.run_checkpoint`) or a checkpoint location.
+    (the checkpoint the folder stands at: :func:`octfw.runs.checkpoint.run_checkpoint`) or a checkpoint location.
     Rank 0 decides which checkpoint; every process must be able to read it. ``processes``:
     who this process is in a job (default: alone on ``run.device``)."""
     processes = processes or this_process(recipe.run.device)

@@ -50,7 +50,7 @@ import threading
 import time
 from typing import Any
 
-from octfw.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from octfw.cli.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 __all__ = ["StopRequests", "StoppedBeforeTraining", "StopNow", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE",
            "STARTING", "TRAINING", "CLOSING", "DONE", "STOP_SIGNALS"]

@@ -15,7 +15,7 @@ import attrs
 
 from octfw.engine.build import Components
 from octfw.engine.distributed import BatchLayout
-from octfw.errors import RecipeError, UserError, one_line
+from octfw.display.errors import RecipeError, UserError, one_line
 from octfw.recipe import Recipe, to_toml
 from octfw.recipe.changes import recipe_changes
 from octfw.registry import Registry
@@ -119,7 +119,7 @@ def _changed_schedule_problem(trained_with: dict[str, Any], recipe: Recipe, regi
     the pre-flight check takes; else why not, in one line."""
     from octfw.engine.build import plan_update_steps
     from octfw.recipe import validate
-    from octfw.schedules import validate_schedule
+    from octfw.engine.schedules import validate_schedule
 
     old_recipe = validate(trained_with, registry, recipe.source)
     _per_epoch, old_total = plan_update_steps(old_recipe, len(parts.dataset), layout)

@@ -29,9 +29,9 @@ from octfw.engine.data import Quarantine
 from octfw.engine.distributed import PeerLost, Peers
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.preemption import StopRequests
-from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
+from octfw.cli.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.recipe import Recipe
-from octfw.rundir import FALLBACK_DIR, fallback_storage
+from octfw.runs.checkpoint import FALLBACK_DIR, fallback_storage
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.failures import storage_cause
 from octfw.types import EncoderModel, ExportableEncoder
@@ -147,7 +147,7 @@ class RunEnd:
         """The run's summary (``measured``: the loss, throughput and other fields the loop
         measured), written to RUN/summary.json (rank 0) and handed to every logger; then every
         process leaves together."""
-        from octfw.rundir import write_summary
+        from octfw.runs.folder import write_summary
 
         summary = RunSummary(
             run_dir=self.run_dir, update_steps=end.done, total_update_steps=self.parts.ctx.total_update_steps,
@@ -224,7 +224,7 @@ class RunEnd:
         export; a failed write is said and leaves the checkpoint, which ``octfw export`` reads."""
         from octfw.exports.formats import encoder_info
         from octfw.exports.writing import write_export
-        from octfw.rundir import versions
+        from octfw.runs.folder import versions
 
         encoder = self.model.encoder if isinstance(self.model, EncoderModel) else None
         if not (self.backend.is_main_process and self.recipe.run.export_encoder

@@ -26,8 +26,8 @@ import torch
 
 from octfw.engine.build import Components
 from octfw.engine.distributed import BatchLayout
-from octfw.errors import UserError
-from octfw.tables import counted
+from octfw.display.errors import UserError
+from octfw.display.tables import counted
 from octfw.types import NamingDataset, Stateful
 
 __all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "checkpoint_nbytes"]
@@ -94,7 +94,7 @@ def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Op
             fingerprint: dict[str, Any], run: dict[str, Any] | None = None) -> dict[str, Any]:
     """The training state at ``update_step`` as a host copy the loop no longer touches.
     ``run``: what the run's summary carries across attempts (its first loss)."""
-    from octfw.rundir import versions
+    from octfw.runs.folder import versions
 
     return {
         "format": FORMAT_VERSION,

@@ -24,7 +24,7 @@ from octfw.engine.distributed import BatchLayout, step_time
 from octfw.engine.metrics import mfu
 
 if TYPE_CHECKING:
-    from octfw.config import EngineConfig
+    from octfw.recipe.config import EngineConfig
     from octfw.engine.backend import Backend
 
 __all__ = ["SLOW_UPDATE_S", "Throughput", "device_peak_flops", "flops_per_sample", "published_peak"]

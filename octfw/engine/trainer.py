@@ -46,8 +46,8 @@ from octfw.engine.throughput import Throughput
 from octfw.engine.update import grad_norm, step_unless_vetoed
 from octfw.recipe import Recipe
 from octfw.registry import Registry
-from octfw.schedules import effective_lr
-from octfw.tables import counted
+from octfw.engine.schedules import effective_lr
+from octfw.display.tables import counted
 from octfw.types import (DOMAIN_ID_KEY, ClaimingCheckpointer, EMAModel, GuardInputs, ModelOutput, StepListener,
                          StopTraining, TrainingDone)
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.target import (
     INTERVAL_LEGEND,
     EvalRecipe,
@@ -30,8 +30,8 @@ from octfw.evaluation.target import (
     run_evaluators,
 )
 from octfw.registry import Registry
-from octfw.tables import render_table
-from octfw.tables import counted
+from octfw.display.tables import render_table
+from octfw.display.tables import counted
 
 __all__ = ["CheckpointsReport", "run_checkpoints", "select_checkpoints", "compare_checkpoints",
            "format_checkpoints", "plot_checkpoints"]
@@ -66,10 +66,10 @@ class CheckpointsReport:
 def run_checkpoints(run_dir: Path, registry: Registry) -> tuple[Any, list[tuple[int, str]]]:
     """(checkpointer, every complete checkpoint as (update step, location), oldest first)
     of a run folder, through the checkpointer its recorded recipe names; the newest is the
-    one the run stands at (:func:`octfw.rundir.run_checkpoints`): its fallback copy, where
+    one the run stands at (:func:`octfw.runs.checkpoint.run_checkpoints`): its fallback copy, where
     the final save failed, is the run's last step and is listed."""
     from octfw.recipe import load_recipe
-    from octfw.rundir import run_checkpoints as saved
+    from octfw.runs.checkpoint import run_checkpoints as saved
 
     recorded = run_dir / "recipe.toml"
     if not run_dir.is_dir() or not recorded.is_file():

@@ -36,7 +36,7 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.config import FeatureEvaluatorConfig
 from octfw.evaluation.features import (
     validation_split,
@@ -46,7 +46,7 @@ from octfw.evaluation.features import (
     stratified_split,
 )
 from octfw.evaluation.metrics import classification_metrics, paired_difference
-from octfw.tables import counted
+from octfw.display.tables import counted
 from octfw.types import BuildContext, LabelledDataset, NamingDataset, PatientDataset
 
 logger = logging.getLogger(__name__)

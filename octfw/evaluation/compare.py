@@ -16,12 +16,12 @@ from typing import Any, Sequence
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.target import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, EvalRecipe, Progress, build_evaluators,
                                      eval_device, format_value, interval_keys, is_interval_key, load_target,
                                      paired_differences, score_models, with_interval)
 from octfw.registry import Registry
-from octfw.tables import render_table
+from octfw.display.tables import render_table
 
 __all__ = ["ComparisonReport", "source_labels", "compare_sources", "format_comparison"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import choices, component_table, doc, in_range, non_negative, positive
+from octfw.recipe.fields import choices, component_table, doc, in_range, non_negative, positive
 
 __all__ = ["FeatureEvaluatorConfig", "TokenEvaluatorConfig", "ReadingEvaluatorConfig", "READINGS"]
 

@@ -2,7 +2,7 @@
 
 Both take plain data (what ``octfw eval`` computed), draw one panel per
 evaluator and write one PNG. matplotlib is imported only when drawing, with
-its object API (no pyplot state), as :mod:`octfw.plots` does.
+its object API (no pyplot state), as :mod:`octfw.display.plots` does.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from octfw.plots import step_axis
+from octfw.display.plots import step_axis
 
 __all__ = ["plot_label_efficiency", "plot_checkpoint_curves"]
 

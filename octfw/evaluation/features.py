@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from octfw.engine.data import float_views, view_keys
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.types import Dataset, EmbeddingModel, PatientDataset, PreparingTransform, Sample
-from octfw.tables import counted
+from octfw.display.tables import counted
 
 __all__ = ["validation_split", "prepare_volume", "LabelledVolumes", "load_labelled", "stratified_split", "extract_features",
            "pooled_grid", "pool_tokens", "extract_tokens", "extract_readings", "map_volumes"]

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.attentive import decayed
 from octfw.types import BlockwiseEncoder, EncoderModel, missing_members
 

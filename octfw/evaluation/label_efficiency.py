@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.shots import ALL, label_efficiency, sample_per_class, shot_label, summarise
 from octfw.evaluation.target import (
     EvalRecipe,
@@ -30,7 +30,7 @@ from octfw.evaluation.target import (
     main_metric,
 )
 from octfw.registry import Registry
-from octfw.tables import render_table
+from octfw.display.tables import render_table
 from octfw.types import RefittingEvaluator
 
 __all__ = ["ShotsReport", "evaluate_shots", "format_shots", "write_shots"]

@@ -11,7 +11,7 @@ the finding and ``k`` without.
 
 Masks are never dropped quietly: a volume without a mask, a mask file that
 cannot be read, or one of another shape than its volume is a
-:class:`~octfw.errors.UserError` naming the file. A volume file that cannot be
+:class:`~octfw.display.errors.UserError` naming the file. A volume file that cannot be
 read is skipped and counted in one warning, as for the classification evaluators.
 """
 
@@ -23,10 +23,10 @@ from typing import Any, Iterator, Sequence
 import attrs
 import numpy as np
 
-from octfw.errors import ContractError, CorruptFile, UserError
+from octfw.display.errors import ContractError, CorruptFile, UserError
 from octfw.evaluation.classification import build_from_table, check_patients_disjoint
 from octfw.evaluation.features import prepare_volume
-from octfw.tables import counted
+from octfw.display.tables import counted
 from octfw.types import MaskedDataset, MaskPreparingTransform, NamingDataset, PatientDataset
 
 __all__ = ["DenseInputs", "dense_inputs", "MaskedVolumes", "check_masks_early", "load_masked"]

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from octfw.errors import UserError
-from octfw.tables import counted
+from octfw.display.errors import UserError
+from octfw.display.tables import counted
 
 __all__ = ["ALL", "parse_shots", "shot_label", "sample_per_class", "label_efficiency", "summarise"]
 

@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import torch
 
-from octfw.errors import RecipeError, UserError
-from octfw.fields import Location, choices, doc, non_negative
+from octfw.display.errors import RecipeError, UserError
+from octfw.recipe.fields import Location, choices, doc, non_negative
 from octfw.recipe import cache_dir_for
 from octfw.registry import Registry
-from octfw.tables import render_table
+from octfw.display.tables import render_table
 from octfw.types import BuildContext, ComparingEvaluator
 
 __all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress", "load_eval_recipe",
@@ -64,7 +64,7 @@ class EvalRecipe:
 
 def load_eval_recipe(path: str | Path, overrides: Sequence[str], registry: Registry) -> EvalRecipe:
     """Read and validate an evaluation recipe; every problem is reported at once."""
-    from octfw.config import RunConfig
+    from octfw.recipe.config import RunConfig
     from octfw.recipe import TOP_LEVEL_KEYS, apply_overrides, read_with_extends, structure_config
     from octfw.recipe.structuring import structure_stage_array
     from octfw.registry import did_you_mean

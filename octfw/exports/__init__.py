@@ -4,7 +4,7 @@ loaded in Python, embedding volumes, to and from the Hugging Face Hub.
 One module per concern:
 
 - :mod:`~octfw.exports.checkpoint`: the checkpoint a run folder or file names (a run's:
-  :func:`octfw.rundir.run_checkpoint`), its recorded recipe, the model rebuilt, its target
+  :func:`octfw.runs.checkpoint.run_checkpoint`), its recorded recipe, the model rebuilt, its target
   encoder and what an export records of it;
 - :mod:`~octfw.exports.export`: ``octfw export``: where an export may be written, then writing it;
 - :mod:`~octfw.exports.formats`: what every format records (``encoder_info``) and its files' names;

@@ -1,5 +1,5 @@
 """From a run or a checkpoint file to the encoder an export holds: the checkpoint it names
-(a run's is the one :func:`octfw.rundir.run_checkpoint` finds, as the run plan does), the
+(a run's is the one :func:`octfw.runs.checkpoint.run_checkpoint` finds, as the run plan does), the
 recipe it recorded, the model rebuilt with its weights, its target encoder, and what an
 export records of it (:func:`octfw.exports.formats.encoder_info`, with the run's evaluator
 results for the model card)."""
@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.exports.formats import DEFAULT_LICENSE, dataset_label, encoder_info
 from octfw.models.vit3d import ViT3DEncoder
 from octfw.recipe import Recipe
@@ -23,7 +23,7 @@ __all__ = ["find_checkpoint", "recorded_recipe", "rebuild_model", "checkpoint_en
 
 def find_checkpoint(source: str | Path, registry: Registry) -> tuple[str, dict[str, Any]]:
     """The checkpoint ``source`` names and its contents: a run folder gives the checkpoint
-    it stands at (:func:`octfw.rundir.run_checkpoint`: its fallback copy where the final save
+    it stands at (:func:`octfw.runs.checkpoint.run_checkpoint`: its fallback copy where the final save
     failed, else the newest complete checkpoint of the checkpointer its recipe records), a file
     is read as a checkpoint. Raises UserError for anything else."""
     from octfw.storage.checkpoints import load_checkpoint
@@ -38,7 +38,7 @@ def find_checkpoint(source: str | Path, registry: Registry) -> tuple[str, dict[s
 
 def _latest_in_run(run_dir: Path, registry: Registry) -> tuple[str, dict[str, Any]]:
     from octfw.recipe import load_recipe
-    from octfw.rundir import run_checkpoint
+    from octfw.runs.checkpoint import run_checkpoint
 
     recorded = run_dir / "recipe.toml"
     if not recorded.is_file():
@@ -55,7 +55,7 @@ def _latest_in_run(run_dir: Path, registry: Registry) -> tuple[str, dict[str, An
 
 def recorded_recipe(state: Mapping[str, Any], where: str, registry: Registry) -> Recipe:
     """The recipe a checkpoint carries (every option resolved when it was saved), validated again."""
-    from octfw.errors import RecipeError
+    from octfw.display.errors import RecipeError
     from octfw.recipe import validate
 
     recipe = state.get("recipe")

@@ -7,12 +7,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.exports.pretrained import PretrainedEncoder
 from octfw.exports.volumes import open_volumes
 from octfw.registry import Registry
 from octfw.storage.files import write_atomically
-from octfw.tables import counted
+from octfw.display.tables import counted
 from octfw.types import Sample
 
 __all__ = ["embed_to_csv"]

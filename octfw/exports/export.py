@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.exports.checkpoint import checkpoint_encoder
 from octfw.exports.formats import (CONFIG_FILE, DEFAULT_LICENSE, EXPORT_FORMATS, FOLDER_FORMATS, is_export_folder,
                                    is_new_or_empty)

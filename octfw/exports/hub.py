@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.exports.formats import CONFIG_FILE, WEIGHTS_FILE
 
 if TYPE_CHECKING:  # typing only: the encoder calls upload() with itself

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.exports.checkpoint import checkpoint_encoder
 from octfw.exports.formats import CONFIG_FILE, is_export_folder, is_new_or_empty
 from octfw.exports.hub import download, upload
@@ -216,7 +216,7 @@ def load_encoder(path: str | Path, map_location: str | torch.device = "cpu") -> 
     ``path``: what ``octfw export`` writes, in any ``--format``: an ``octfw``
     or ``torchscript`` file, a ``safetensors`` or ``monai-bundle`` folder; or a run folder,
     whose encoder is the one ``octfw export RUN`` would write: of the checkpoint the run stands
-    at (:func:`octfw.rundir.run_checkpoint`). ``encoder(volume)`` -> ``[B, N, E]``
+    at (:func:`octfw.runs.checkpoint.run_checkpoint`). ``encoder(volume)`` -> ``[B, N, E]``
     patch tokens; ``encoder.pool(volume)`` -> ``[B, E]``; ``encoder.embed(...)``
     takes volumes as users have them. Raises UserError for a missing path or
     one that is not an octfw encoder export.

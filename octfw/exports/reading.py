@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.exports.formats import (BUNDLE_METADATA, BUNDLE_WEIGHTS, CONFIG_FILE, FORMAT, FORMAT_VERSION,
                                    WEIGHTS_FILE, is_export_folder)
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.recipe import build_component
 from octfw.registry import DISABLE_ENV, Registry
 from octfw.types import BuildContext, Provenance, RecognisingDatasetConfig, Sample

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import choices, doc, in_range, length, non_negative
+from octfw.recipe.fields import choices, doc, in_range, length, non_negative
 
 __all__ = ["MaskConfig"]
 

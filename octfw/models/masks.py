@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from octfw.errors import ContractError, UserError
+from octfw.display.errors import ContractError, UserError
 from octfw.models.mask_config import MaskConfig
 
 __all__ = [

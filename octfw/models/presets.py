@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Mapping
 
 import attrs
 
-from octfw.errors import UserError
-from octfw.fields import choices, doc, length, positive
+from octfw.display.errors import UserError
+from octfw.recipe.fields import choices, doc, length, positive
 
 __all__ = ["ENCODER_PRESETS", "EncoderArchitecture", "PresetSized", "model_presets", "describe_presets",
            "resolve_sizes", "size_field", "patch_size_field", "positive_each", "patch_geometry",

@@ -14,17 +14,43 @@ Loading a recipe is four steps, all before any data or device is touched:
 
 Relative paths resolve against the folder of the file that wrote them (the
 current directory for ``--set`` values).
+
+What the config classes are made of lives here too: :mod:`octfw.recipe.fields`
+(``doc()`` and the validators every component's config uses, light: attrs
+only), :mod:`octfw.recipe.config` (the ``[run]`` and ``[engine]`` tables),
+:mod:`octfw.recipe.changes` (what may change when a run resumes) and
+:mod:`octfw.recipe.reference` (docs/recipe-reference.md, generated from the
+config classes: ``python -m octfw.recipe.reference``).
+
+The names below are imported when first asked for (``from octfw.recipe import
+load_recipe``): ``fields`` and ``config`` sit far below the loader (the
+registry and every component's config import them), so importing them must not
+import the loader, which imports the registry.
 """
 
-from octfw.recipe.loading import apply_overrides, parse_override, read_with_extends
-from octfw.recipe.resolved import (
-    CORE_TABLES, DEFAULT_STAGES, TOP_LEVEL_KEYS, Recipe, cache_dir_for, load_recipe, stage_attribute,
-    to_toml, validate,
-)
-from octfw.recipe.structuring import Problem, StageSpec, build_component, structure_config, structure_stage
+from __future__ import annotations
 
-__all__ = [
-    "Recipe", "StageSpec", "Problem", "load_recipe", "validate", "to_toml", "parse_override",
-    "apply_overrides", "read_with_extends", "structure_config", "structure_stage", "stage_attribute",
-    "cache_dir_for", "build_component", "DEFAULT_STAGES", "CORE_TABLES", "TOP_LEVEL_KEYS",
-]
+import importlib
+from typing import Any
+
+#: Each public name -> the module that defines it.
+_DEFINED_IN = {
+    **dict.fromkeys(("apply_overrides", "parse_override", "read_with_extends"), "loading"),
+    **dict.fromkeys(("CORE_TABLES", "DEFAULT_STAGES", "TOP_LEVEL_KEYS", "Recipe", "cache_dir_for", "load_recipe",
+                     "stage_attribute", "to_toml", "validate"), "resolved"),
+    **dict.fromkeys(("Problem", "StageSpec", "build_component", "structure_config", "structure_stage"),
+                    "structuring"),
+}
+
+__all__ = sorted(_DEFINED_IN)
+
+
+def __getattr__(name: str) -> Any:
+    module = _DEFINED_IN.get(name)
+    if module is None:
+        raise AttributeError(f"module 'octfw.recipe' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"octfw.recipe.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

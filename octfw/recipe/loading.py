@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 
 __all__ = ["SourcedStr", "Dropped", "read_with_extends", "merge", "parse_override", "apply_overrides"]
 

@@ -18,8 +18,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import attrs
 import tomli_w
 
-from octfw.config import EngineConfig, RunConfig
-from octfw.errors import RecipeError, UserError
+from octfw.recipe.config import EngineConfig, RunConfig
+from octfw.display.errors import RecipeError, UserError
 from octfw.hookspecs import STAGES
 from octfw.recipe.loading import Dropped, apply_overrides, parse_override, read_with_extends
 from octfw.recipe.structuring import (

@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping
 import attrs
 import tomli_w
 
-from octfw.config import EngineConfig, RunConfig
-from octfw.fields import STAGE_METADATA
+from octfw.recipe.config import EngineConfig, RunConfig
+from octfw.recipe.fields import STAGE_METADATA
 from octfw.hookspecs import STAGES
 from octfw.recipe.resolved import Recipe, cache_dir_for
 from octfw.registry import Registry

@@ -1,7 +1,7 @@
 """Structuring recipe data into typed config classes, with every problem found at once.
 
 A problem is data: ``(path, message)``, where ``path`` names the recipe key
-(``engine.base_lr``, ``guard[1].max_norm``). :class:`octfw.errors.RecipeError`
+(``engine.base_lr``, ``guard[1].max_norm``). :class:`octfw.display.errors.RecipeError`
 prints them one per line. Types are checked strictly (a string is not a
 number, a boolean is not an integer); unknown keys get a did-you-mean.
 
@@ -19,8 +19,8 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
-from octfw.errors import PluginError, UserError
-from octfw.fields import Location, NULL_WORDS, STAGE_METADATA
+from octfw.display.errors import PluginError, UserError
+from octfw.recipe.fields import Location, NULL_WORDS, STAGE_METADATA
 from octfw.registry import Component, Registry, did_you_mean
 
 __all__ = ["Problem", "StageSpec", "converter", "structure_config", "structure_stage", "plain",
@@ -192,7 +192,7 @@ def structure_config(cls: type, table: Mapping[str, Any], path: str,
     """Structure ``table`` into the attrs class ``cls``; return (instance or None, problems).
 
     Each field is typed on its own so that every problem is reported at once
-    with its key. A field marked with :func:`octfw.fields.component_table`
+    with its key. A field marked with :func:`octfw.recipe.fields.component_table`
     holds a nested component table, checked against ``registry`` and stored
     resolved (plain data, every default filled in).
     """

@@ -1,8 +1,8 @@
 """Where octfw's files live: local paths and fsspec URLs, atomic writes, checkpoint folders.
 
 A low layer: it imports the standard library, fsspec and torch (inside
-functions, so ``octfw list`` loads none of them, nor gcsfs), ``octfw.errors``
-and ``octfw.fields``; never the engine, the recipe, the registry, the data
+functions, so ``octfw list`` loads none of them, nor gcsfs), ``octfw.display.errors``
+and ``octfw.recipe.fields``; never the engine, the recipe, the registry, the data
 pipeline or a plugin.
 
 - :mod:`octfw.storage.files`: a URL's filesystem (``open_filesystem``), the

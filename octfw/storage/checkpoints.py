@@ -58,7 +58,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.storage.failures import format_bytes, free_bytes, storage_cause
 from octfw.storage.files import Data, is_local_filesystem, open_filesystem, write_atomically
 from octfw.storage.retry import RetryPolicy

@@ -2,7 +2,7 @@
 
 - :func:`is_local` / :func:`local_path`: a plain path or a ``file://`` URL
   names a local file; ``local_path`` is its path on this machine (both are
-  :class:`~octfw.fields.Location`'s rules, which config fields hold, so
+  :class:`~octfw.recipe.fields.Location`'s rules, which config fields hold, so
   there is one place that strips ``file://``);
 - :func:`open_filesystem`: (fsspec filesystem, path inside it) for any of
   them, through ``fsspec.core.url_to_fs``, with a UserError naming the extra
@@ -25,8 +25,8 @@ import posixpath
 import uuid
 from typing import IO, Any, Callable, Union
 
-from octfw.errors import UserError
-from octfw.fields import Location
+from octfw.display.errors import UserError
+from octfw.recipe.fields import Location
 
 __all__ = [
     "GCS_PROTOCOLS", "Data", "is_local", "local_path", "is_local_filesystem", "require_driver",

@@ -41,7 +41,7 @@ import time
 import uuid
 from typing import Any
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.storage.failures import storage_cause
 from octfw.storage.files import is_local_filesystem, open_filesystem, write_atomically
 

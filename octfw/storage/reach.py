@@ -18,7 +18,7 @@ import socket
 import threading
 from urllib.parse import urlsplit
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.storage.files import GCS_PROTOCOLS
 
 __all__ = ["TIMEOUT_S", "endpoint_of", "require_reachable", "unreachable"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, TypeVar
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 
 __all__ = ["RetryPolicy", "StorageError", "is_permanent"]
 

@@ -48,7 +48,7 @@ class ClaimingCheckpointer(Checkpointer, Protocol):
     """Optional: one writer per folder.
 
     ``claim(needed_bytes)`` holds the folder for the run (rank 0, before
-    training) and raises :class:`octfw.errors.UserError` when another
+    training) and raises :class:`octfw.display.errors.UserError` when another
     process holds it or a checkpoint could not be written (no space, no
     permission, store unreachable); ``release()`` gives it up at the end.
     """

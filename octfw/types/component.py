@@ -59,7 +59,7 @@ class StopTraining(Exception):
 
     The final checkpoint is written; the summary's ``stopped`` holds the
     message and ``octfw run`` exits 1 (``octfw.train`` raises
-    :class:`octfw.errors.RunNotFinished`).
+    :class:`octfw.display.errors.RunNotFinished`).
     """
 
 

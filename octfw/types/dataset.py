@@ -24,7 +24,7 @@ class Dataset(Protocol, metaclass=_CapabilityMeta):
     """A map-style collection of volumes.
 
     ``load`` decodes one volume (in a data-loader worker) and raises
-    :class:`octfw.errors.CorruptFile` for a file that cannot be used; octfw
+    :class:`octfw.display.errors.CorruptFile` for a file that cannot be used; octfw
     quarantines it and substitutes the next usable sample.
     """
 
@@ -43,7 +43,7 @@ class TransformCheckingDataset(Dataset, Protocol):
 
     The engine calls ``check_transform(transform)`` once, after both are
     built and before the first step; it raises
-    :class:`octfw.errors.UserError` naming what does not match (the
+    :class:`octfw.display.errors.UserError` naming what does not match (the
     ``prepared`` dataset: volumes prepared with other transform options).
     """
 
@@ -121,7 +121,7 @@ class MaskedDataset(Dataset, Protocol):
     without I/O, so an evaluator refuses a dataset without masks before decoding
     anything. ``mask(index)`` reads it: bool ``[D, H, W]`` in the axis order of
     ``load(index).volume`` (True: in the finding), or None; it raises
-    :class:`octfw.errors.CorruptFile` naming the mask file when the file is missing,
+    :class:`octfw.display.errors.CorruptFile` naming the mask file when the file is missing,
     unreadable or not binary. A mask of another shape than its volume's is the
     caller's to refuse (it has the volume), naming ``mask_source(index)``.
     """
@@ -140,7 +140,7 @@ class LayeredDataset(Dataset, Protocol):
     vitreous first), both without I/O (None: the volume has none). ``layers(index)``
     reads the labels: uint8 ``[D, H, W]`` of ``load(index).volume``'s shape and axis
     order, every value below ``len(layer_names(index))``, or None; it raises
-    :class:`octfw.errors.CorruptFile` naming the file when it is missing or unreadable.
+    :class:`octfw.display.errors.CorruptFile` naming the file when it is missing or unreadable.
     Bring them to the prepared volume's geometry with the transform's ``prepare_labels``
     (:class:`~octfw.types.LabelPreparingTransform`); a ``prepared`` dataset's labels are
     prepared already, and ``prepare_labels`` hands them back as they are.

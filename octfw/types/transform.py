@@ -57,7 +57,7 @@ class PreparingTransform(Transform, Protocol):
     ``augment_and_mask(prepare(sample), rng)``. ``prepare`` is deterministic
     (a function of the volume, its spacing and the transform's options) and
     returns float32 ``[D, H, W]``; it may raise
-    :class:`octfw.errors.CorruptFile`. ``cache`` is None (no caching) or an
+    :class:`octfw.display.errors.CorruptFile`. ``cache`` is None (no caching) or an
     object with ``get(source) -> CachedVolume | None`` and
     ``put(source, prepared, provenance)``, such as
     :class:`octfw.plugins.transforms.oct_standard.cache.PreparedCache`, keyed so that a
@@ -78,7 +78,7 @@ class MaskPreparingTransform(PreparingTransform, Protocol):
     ``prepare_mask(mask, sample)`` takes bool ``[D, H, W]`` of ``sample.volume``'s shape
     and returns bool of the shape ``prepare(sample)`` returns, voxel for voxel over the
     same anatomy: the same resampling and fitting, nearest (thresholded) rather than
-    smooth, and no intensity normalisation. Raises :class:`octfw.errors.ContractError`
+    smooth, and no intensity normalisation. Raises :class:`octfw.display.errors.ContractError`
     for a mask of another shape than the volume's.
     """
 
@@ -95,7 +95,7 @@ class LabelPreparingTransform(PreparingTransform, Protocol):
     the nearest source voxel (never a value the input lacks but for the fit's padding,
     label 0). For a sample prepared earlier (``octfw prepare``), whose labels were
     prepared with it, the labels come back as they are. Raises
-    :class:`octfw.errors.ContractError` for labels of another shape than the volume's.
+    :class:`octfw.display.errors.ContractError` for labels of another shape than the volume's.
     """
 
     def prepare_labels(self, labels: "np.ndarray", sample: Sample) -> "np.ndarray": ...

@@ -22,7 +22,7 @@ def write_tiny(folder: Path, extra: str = "", name: str = "tiny.toml") -> Path:
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:
     """``octfw ARGS`` in this process: (exit code, stdout, stderr)."""
-    from octfw.cli import main
+    from octfw.cli.main import main
 
     capsys.readouterr()
     code = main([str(a) for a in args])
@@ -44,7 +44,7 @@ def train(recipe_path: Path, overrides=(), resume: str | None = None):
     from octfw.engine.trainer import train as run_training
     from octfw.recipe import load_recipe
     from octfw.registry import load_registry
-    from octfw.rundir import create_run_dir
+    from octfw.runs.folder import create_run_dir
 
     registry = load_registry()
     recipe = load_recipe(recipe_path, list(overrides), registry)

@@ -8,7 +8,7 @@ with ``run.device = "xla"`` is refused by ``octfw check`` and ``octfw run``
 
 import attrs
 
-from octfw.config import EngineConfig
+from octfw.recipe.config import EngineConfig
 
 from seedkit import cli, cli_subprocess, write_tiny
 

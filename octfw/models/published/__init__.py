@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.models.published.report import InitReport
 
 __all__ = ["FORMATS", "InitReport", "InitTargets", "register_format", "converter", "read_checkpoint",

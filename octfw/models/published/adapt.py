@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 
 __all__ = ["adapt_channels", "inflate_kernel", "resample_positions", "encoder_shape", "refuse_misfit",
            "load_into"]

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.models.published.adapt import (adapt_channels, encoder_shape, inflate_kernel, load_into,
                                           refuse_misfit, resample_positions)
 from octfw.models.published.report import InitReport

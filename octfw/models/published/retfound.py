@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.models.published.adapt import resample_positions
 from octfw.models.published.mae_common import fold_layer_scale, load_encoder, unwrap
 from octfw.models.published.report import InitReport

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.models.published import vjepa2
 from octfw.models.published.adapt import adapt_channels, encoder_shape, inflate_kernel, load_into, refuse_misfit
 from octfw.models.published.report import InitReport

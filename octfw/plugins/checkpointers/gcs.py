@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import attrs
 
-from octfw.fields import Location, doc, non_negative, positive
+from octfw.recipe.fields import Location, doc, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.storage.checkpoints import CheckpointStorage, StoredCheckpointer
 from octfw.storage.files import require_driver

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import attrs
 
-from octfw.errors import UserError
-from octfw.fields import Location, doc, positive
+from octfw.display.errors import UserError
+from octfw.recipe.fields import Location, doc, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.storage.checkpoints import LATEST, CheckpointStorage, StoredCheckpointer, checkpoint_name
 from octfw.types import BuildContext

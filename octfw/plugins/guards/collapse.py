@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.fields import choices, doc, in_range, non_negative, positive
+from octfw.recipe.fields import choices, doc, in_range, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, GuardInputs, StopTraining
 

@@ -11,7 +11,7 @@ from typing import Mapping
 
 import attrs
 
-from octfw.fields import doc, positive
+from octfw.recipe.fields import doc, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, GuardInputs
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.fields import choices, doc, in_range, positive
+from octfw.recipe.fields import choices, doc, in_range, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, GuardInputs, StopTraining
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.fields import doc, in_range
+from octfw.recipe.fields import doc, in_range
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, GuardInputs, StopTraining
 

@@ -24,7 +24,7 @@ not diagnostics about the run. Users choose this component in the recipe;
 its output must not depend on the log level or be duplicated into
 ``octfw.log`` (``metrics.jsonl`` is the file record of the same values), and
 the progress bar needs the terminal itself. Warnings and notes from the rest
-of octfw go through :mod:`octfw.logs` to stderr, which the bar shows above
+of octfw go through :mod:`octfw.display.logs` to stderr, which the bar shows above
 itself while it runs.
 """
 
@@ -37,7 +37,7 @@ from typing import IO, Any, Mapping
 
 import attrs
 
-from octfw.fields import choices, doc
+from octfw.recipe.fields import choices, doc
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext
 
@@ -194,7 +194,7 @@ class ConsoleLogger:
 
     def _use_bar(self) -> bool:
         if self.mode == "auto":
-            from octfw.progress import watched
+            from octfw.display.progress import watched
 
             return watched(self.stream)
         return self.mode == "bar"

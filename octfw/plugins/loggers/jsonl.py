@@ -19,7 +19,7 @@ from typing import IO, Any, Mapping
 
 import attrs
 
-from octfw.fields import doc
+from octfw.recipe.fields import doc
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext
 

@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.errors import UserError
-from octfw.fields import Location, doc, positive
+from octfw.display.errors import UserError
+from octfw.recipe.fields import Location, doc, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext
 

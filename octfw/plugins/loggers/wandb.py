@@ -29,7 +29,7 @@ choice stays with the machine's environment, as W&B users expect.
 W&B's own ``wandb: ...`` lines (where the run is saved, the history and
 summary tables at the end: some 40 lines) stay off the console, as other
 libraries' output does: they go, with the records of its ``wandb`` logger, to
-the run's ``octfw.log`` (see :mod:`octfw.logs`), with the id and folder of the
+the run's ``octfw.log`` (see :mod:`octfw.display.logs`), with the id and folder of the
 W&B run this job logs to. W&B's errors still show on the console.
 
 Needs the ``wandb`` extra: ``pip install 'octfw[wandb]'``.
@@ -43,8 +43,8 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.errors import UserError
-from octfw.fields import Location, choices, doc
+from octfw.display.errors import UserError
+from octfw.recipe.fields import Location, choices, doc
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext
 
@@ -151,7 +151,7 @@ class WandbLogger:
         if self.run_id is not None:  # resumed from a checkpoint: continue that run
             options.update(id=self.run_id, resume="allow")
         # W&B prints its notes and warnings to stderr itself. With show_info and show_warnings
-        # off it hands them to termsetup's fallback logger instead: "wandb", which octfw.logs
+        # off it hands them to termsetup's fallback logger instead: "wandb", which octfw.display.logs
         # sends to octfw.log only. After setup(), whose first call sets up W&B's terminal anew.
         wandb.setup()
         wandb.termsetup(wandb.Settings(show_info=False, show_warnings=False), logging.getLogger("wandb"))

@@ -4,7 +4,7 @@
 ``base_lr`` it was built with. The seeds' "LR = 0" came from a loop that
 rewrote the LR every step from a scheduler that had been switched off; a
 schedule that never writes cannot do that. Use
-:func:`octfw.schedules.effective_lr` for the LR in effect.
+:func:`octfw.engine.schedules.effective_lr` for the LR in effect.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 
 from octfw.hookspecs import Register, hookimpl
-from octfw.schedules import EmaWdOptions, EmaWdSchedule
+from octfw.engine.schedules import EmaWdOptions, EmaWdSchedule
 from octfw.types import BuildContext
 
 __all__ = ["ConstantConfig", "ConstantSchedule", "build"]

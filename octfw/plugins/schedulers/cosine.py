@@ -32,10 +32,10 @@ from typing import Any
 
 import attrs
 
-from octfw.errors import UserError
-from octfw.fields import choices, doc, in_range, non_negative
+from octfw.display.errors import UserError
+from octfw.recipe.fields import choices, doc, in_range, non_negative
 from octfw.hookspecs import Register, hookimpl
-from octfw.schedules import EmaWdOptions, EmaWdSchedule
+from octfw.engine.schedules import EmaWdOptions, EmaWdSchedule
 from octfw.types import BuildContext
 
 __all__ = ["CosineConfig", "CosineSchedule", "build", "warmup_steps"]

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from octfw.errors import CorruptFile, UserError
+    from octfw.display.errors import CorruptFile, UserError
     from octfw_example.dataset import NpyFolder, NpyFolderConfig
 
     folder = Path(args.folder)

@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from octfw.errors import CorruptFile, UserError
-from octfw.fields import doc
+from octfw.display.errors import CorruptFile, UserError
+from octfw.recipe.fields import doc
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Provenance, Sample
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.fields import doc, positive
+from octfw.recipe.fields import doc, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, GuardInputs, TrainingDone
 

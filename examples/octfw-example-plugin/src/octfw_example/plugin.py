@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from octfw.fields import doc, in_range, positive
+from octfw.recipe.fields import doc, in_range, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext
 

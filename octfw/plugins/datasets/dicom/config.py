@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import Location, choices, doc
+from octfw.recipe.fields import Location, choices, doc
 
 
 def _extensions(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:

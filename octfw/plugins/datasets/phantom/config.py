@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import Location, choices, doc, non_negative, positive
+from octfw.recipe.fields import Location, choices, doc, non_negative, positive
 
 #: Each family's one binary task: the finding its positive volumes carry.
 FAMILY_TASKS: dict[str, str] = {"tuning": "drusen", "held-out": "cysts", "context": "reversal"}

@@ -19,7 +19,7 @@ __all__ = ["PreparedConfig", "build"]
 
 def build(config: PreparedConfig, ctx: BuildContext) -> Dataset:
     from octfw.plugins.datasets.prepared.dataset import PreparedDataset, cache_folder
-    from octfw.fields import parse_bytes
+    from octfw.recipe.fields import parse_bytes
     from octfw.storage.disk_cache import DiskCache
     from octfw.storage.reach import require_reachable
 

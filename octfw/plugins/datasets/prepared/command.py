@@ -2,7 +2,7 @@
 
 The ``prepared`` dataset's own command, registered by its plugin
 (:mod:`octfw.plugins.datasets.prepared`) through ``octfw_register_commands`` as a third
-party's would be. Light at import (argparse and :mod:`octfw.arguments`): ``octfw --help``
+party's would be. Light at import (argparse and :mod:`octfw.cli.arguments`): ``octfw --help``
 imports it; the work (:mod:`.prepare`, Dask, zarr) is imported when the command runs.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from octfw.arguments import add_recipe_arguments, load_recipe_from_args
+from octfw.cli.arguments import add_recipe_arguments, load_recipe_from_args
 
 __all__ = ["NAME", "HELP", "add_arguments", "run"]
 
@@ -55,11 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     recipe, registry = load_recipe_from_args(args)
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
     from octfw.plugins.datasets.prepared.prepare import prepare_dataset
-    from octfw.progress import progress_bar
+    from octfw.display.progress import progress_bar
     from octfw.storage.failures import format_bytes
-    from octfw.tables import counted
+    from octfw.display.tables import counted
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers}: must be at least 1")

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import Location, byte_size, doc
+from octfw.recipe.fields import Location, byte_size, doc
 
 __all__ = ["PreparedConfig"]
 

@@ -22,7 +22,7 @@ compressed chunk, so a volume costs its compressed size on disk.
 
 Bad data never becomes a silently wrong array: a chunk that is missing,
 fails its checksum, does not decode or has the wrong shape raises
-:class:`~octfw.errors.CorruptFile` and the sample is quarantined.
+:class:`~octfw.display.errors.CorruptFile` and the sample is quarantined.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from octfw.plugins.datasets.prepared.store import (
     ARRAY_METADATA, CHUNK, HEADER_FILE, LAYERS, VOLUMES, Header, IndexRow, decode_volume, join,
     options_difference, read_snapshot,
 )
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.storage.files import is_local, open_filesystem
 from octfw.types import Sample, StorableTransform
 

@@ -67,14 +67,14 @@ from octfw.plugins.datasets.prepared.store import (
     dataset_id, encode_lines, join, options_difference, prepare_volume, read_header, read_index,
     snapshot_name, volume_key,
 )
-from octfw.errors import UserError
-from octfw.exit_codes import SAVE_FAILED_EXIT_CODE
+from octfw.display.errors import UserError
+from octfw.cli.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.recipe import Recipe
 from octfw.registry import Registry
 from octfw.storage.failures import storage_cause
 from octfw.storage.files import open_filesystem, write_atomically
 from octfw.storage.owner import FolderOwner
-from octfw.tables import counted
+from octfw.display.tables import counted
 from octfw.types import LayeredDataset, PreparedVolumesDataset, SourcedDataset, StorableTransform
 
 __all__ = ["PrepareSummary", "prepare_dataset", "check_out", "LEASE_S"]
@@ -114,7 +114,7 @@ def check_out(location: str) -> str:
     "", whitespace, "None" and "null" (or a URL whose bucket is one) are refused:
     ``--out ""`` once prepared into the current folder, ``--out None`` into a folder named None.
     """
-    from octfw.fields import Location
+    from octfw.recipe.fields import Location
     from octfw.recipe.structuring import converter
 
     text = str(location)
@@ -147,7 +147,7 @@ def _library_log(cache_dir: Any, location: str) -> Iterator[None]:
     ``<cache_dir>/prepare-logs/<hash of the location>/octfw.log``."""
     from pathlib import Path
 
-    from octfw.logs import attach_run_log, detach_run_log
+    from octfw.display.logs import attach_run_log, detach_run_log
 
     folder = Path(cache_dir) / "prepare-logs" / hashlib.sha256(location.encode("utf-8")).hexdigest()[:16]
     try:
@@ -345,7 +345,7 @@ def _start_client(scheduler: str | None, workers: int) -> tuple[Any, Any]:
 def _quiet_library_logs() -> None:
     """In a worker process: the libraries beneath (gcsfs, aiohttp, ...) log nowhere, so Python's
     last-resort handler does not print their retry tracebacks; the main process says what failed."""
-    from octfw.logs import THIRD_PARTY_LEVELS
+    from octfw.display.logs import THIRD_PARTY_LEVELS
 
     for name in THIRD_PARTY_LEVELS:
         library = logging.getLogger(name)

@@ -50,7 +50,7 @@ Why this shape:
   a prepare is asked to remove them (``--prune``, ``--replace``).
 - **Checked reads.** Each index line holds the SHA-256 of its volume's chunk
   bytes; a read that does not match (a damaged object, an index of another
-  dataset) raises :class:`~octfw.errors.CorruptFile`, so the sample is
+  dataset) raises :class:`~octfw.display.errors.CorruptFile`, so the sample is
   quarantined instead of trained on.
 
 zarr encodes and decodes in memory (:class:`zarr.storage.MemoryStore`);
@@ -69,7 +69,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.storage.files import open_filesystem, write_atomically
 from octfw.types import Provenance, dequantize  # noqa: F401 - dequantize: quantize's inverse, read here too
 
@@ -323,7 +323,7 @@ def _prepared_layers(dataset: Any, transform: Any, index: int,
     """The encoded objects of volume ``index``'s layer labels at the prepared geometry, and their
     names; (None, None) where the dataset has none or the transform cannot prepare labels.
     A label file that cannot be read quarantines the volume (CorruptFile naming it)."""
-    from octfw.errors import ContractError
+    from octfw.display.errors import ContractError
     from octfw.types import LabelPreparingTransform, LayeredDataset
 
     if not isinstance(dataset, LayeredDataset) or not isinstance(transform, LabelPreparingTransform):

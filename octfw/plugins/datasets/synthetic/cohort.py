@@ -55,9 +55,9 @@ import numpy as np
 from octfw.dicom.manifest import ManifestRow, write_manifest
 from octfw.dicom.reader import encode_oct_dicom, open_file, write_bytes
 from octfw.plugins.datasets.synthetic.config import DOMAINS
-from octfw.progress import progress_bar
+from octfw.display.progress import progress_bar
 from octfw.storage.files import open_filesystem
-from octfw.tables import counted
+from octfw.display.tables import counted
 
 __all__ = [
     "GENERATOR_VERSION",

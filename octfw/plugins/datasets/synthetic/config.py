@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import Location, choices, doc, in_range, non_negative, positive
+from octfw.recipe.fields import Location, choices, doc, in_range, non_negative, positive
 
 #: The vendor domains a cohort draws (each a profile in :data:`.cohort.PROFILES`).
 DOMAINS: tuple[str, ...] = ("heidelberg", "topcon", "zeiss")

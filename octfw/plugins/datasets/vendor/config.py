@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import Location, choices, doc, length, positive
+from octfw.recipe.fields import Location, choices, doc, length, positive
 
 __all__ = ["FORMATS", "VENDOR_EXTENSIONS", "DOMAIN_SOURCES", "OctVendorConfig"]
 

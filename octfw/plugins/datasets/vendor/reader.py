@@ -7,7 +7,7 @@ result into a :class:`~octfw.types.Sample` ``[D, H, W]`` (B-scans, axial,
 lateral) with the same checks, provenance and quarantine behaviour as
 :mod:`octfw.dicom.reader`:
 
-- every failure is a :class:`~octfw.errors.CorruptFile` whose reason is
+- every failure is a :class:`~octfw.display.errors.CorruptFile` whose reason is
   written here (never an exception's text, which may quote file contents).
   A truncated ``.e2e`` is caught here, because oct-converter skips the
   chunks it cannot read and would return a shorter volume;
@@ -46,7 +46,7 @@ import numpy as np
 from octfw.dicom.manifest import is_manifest, read_manifest
 from octfw.dicom.reader import UNKNOWN_DOMAIN, SpacingDefaulted
 from octfw.plugins.datasets.vendor.config import DOMAIN_SOURCES, FORMATS, VENDOR_EXTENSIONS
-from octfw.errors import CorruptFile, UserError
+from octfw.display.errors import CorruptFile, UserError
 from octfw.storage.files import is_local, local_path
 from octfw.types import Provenance, Sample
 

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from octfw.evaluation.config import TokenEvaluatorConfig
-from octfw.fields import choices, doc, in_range, non_negative, positive
+from octfw.recipe.fields import choices, doc, in_range, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Evaluator
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from octfw.evaluation.attentive import (attentive_forward, channel_statistics, decayed, epoch_order,
                                         initial_parameters, layout)
-from octfw.schedules import warmup_cosine
+from octfw.engine.schedules import warmup_cosine
 
 __all__ = ["AttentiveProbeGrid", "Selection", "fit_attentive_grid", "select_member", "validation_scores",
            "LOSS_TOLERANCE"]

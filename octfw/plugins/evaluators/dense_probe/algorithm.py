@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octfw.evaluation.fine_tuning import parameter_groups
-from octfw.schedules import warmup_cosine
+from octfw.engine.schedules import warmup_cosine
 
 __all__ = ["TOKEN_TARGETS", "patchify", "token_truth", "DenseHeads", "DenseNetwork", "DenseResult", "fit_dense"]
 

@@ -9,11 +9,11 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.features import map_volumes, stratified_split, validation_split
 from octfw.evaluation.metrics import overlap_metrics
 from octfw.evaluation.segmentation import MaskedVolumes, check_masks_early, dense_inputs, load_masked
-from octfw.tables import counted
+from octfw.display.tables import counted
 from octfw.types import BuildContext, EmbeddingModel
 
 

@@ -64,7 +64,7 @@ from torch import nn
 from octfw.evaluation.attentive import AttentiveHead, decayed, epoch_order
 from octfw.evaluation.fine_tuning import ALL_BLOCKS, first_trained_block, parameter_groups, unfreeze_trained_part
 from octfw.evaluation.metrics import balanced_accuracy
-from octfw.schedules import warmup_cosine
+from octfw.engine.schedules import warmup_cosine
 from octfw.types import BlockwiseEncoder
 
 __all__ = ["FineTuneNetwork", "FineTuneResult", "frozen_prefix", "fine_tune"]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.evaluation.classification import Encoded, ValidatedClassificationEvaluator
 from octfw.evaluation.features import map_volumes
 

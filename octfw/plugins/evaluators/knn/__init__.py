@@ -9,7 +9,7 @@ from __future__ import annotations
 import attrs
 
 from octfw.evaluation.config import ReadingEvaluatorConfig
-from octfw.fields import choices, doc, positive
+from octfw.recipe.fields import choices, doc, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Evaluator
 

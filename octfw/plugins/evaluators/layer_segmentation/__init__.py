@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import choices, component_table, doc, in_range, non_negative, positive
+from octfw.recipe.fields import choices, component_table, doc, in_range, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Evaluator
 

@@ -71,7 +71,7 @@ from torch import nn
 from octfw.evaluation.attentive import decayed, epoch_order
 from octfw.evaluation.fine_tuning import ALL_BLOCKS, parameter_groups, unfreeze_trained_part
 from octfw.evaluation.metrics import bootstrap_weights
-from octfw.schedules import warmup_cosine
+from octfw.engine.schedules import warmup_cosine
 from octfw.types import BlockwiseEncoder
 
 __all__ = ["DECODERS", "tap_depths", "frozen_part", "UNETRDecoder", "LinearDecoder", "build_decoder", "SegmentationNetwork",

@@ -24,10 +24,10 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.errors import ContractError, CorruptFile, UserError
+from octfw.display.errors import ContractError, CorruptFile, UserError
 from octfw.evaluation.segmentation import dense_inputs
 from octfw.evaluation.features import prepare_volume, stratified_split, validation_split
-from octfw.tables import counted
+from octfw.display.tables import counted
 from octfw.types import BuildContext, LabelPreparingTransform, LayeredDataset, PatientDataset, Sample
 
 __all__ = ["LayeredVolumes", "load_layered", "axial_spacing_um", "LayerSegmentationEvaluator"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 
 from octfw.evaluation.config import ReadingEvaluatorConfig
-from octfw.fields import doc, non_negative, positive
+from octfw.recipe.fields import doc, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Evaluator
 

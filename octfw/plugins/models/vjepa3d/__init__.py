@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Model
 from octfw.models.presets import network_arguments

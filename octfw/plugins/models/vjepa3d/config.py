@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from octfw.fields import choices, doc, non_negative, positive
+from octfw.recipe.fields import choices, doc, non_negative, positive
 from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_field,
                                   model_presets, norm_eps_field, patch_size_field, position_field,
                                   rope_span_field, size_field, standardise_field)

@@ -9,7 +9,7 @@ transform is built.
 from __future__ import annotations
 
 from octfw.plugins.transforms.oct_standard.config import MaskConfig, OCTStandardConfig
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Transform
 

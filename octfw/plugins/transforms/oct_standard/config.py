@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from octfw.fields import byte_size, choices, doc, in_range, length, non_negative, positive
+from octfw.recipe.fields import byte_size, choices, doc, in_range, length, non_negative, positive
 from octfw.models.mask_config import MaskConfig
 
 __all__ = ["MaskConfig", "OCTStandardConfig"]

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from monai.transforms import Affine, ResizeWithPadOrCrop
 
-from octfw.errors import ContractError, CorruptFile
-from octfw.fields import parse_bytes
+from octfw.display.errors import ContractError, CorruptFile
+from octfw.recipe.fields import parse_bytes
 from octfw.models.masks import Grid, check_context_share, mask_generator_from_config
 from octfw.plugins.transforms.oct_standard.cache import PreparedCache
 from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
@@ -76,7 +76,7 @@ class OCTStandardTransform:
     def prepare(self, sample: Sample) -> np.ndarray:
         """Resampled, normalised volume fitted to ``image_size``: float32 ``[D, H, W]``.
 
-        Raises :class:`~octfw.errors.CorruptFile` for a volume that cannot be
+        Raises :class:`~octfw.display.errors.CorruptFile` for a volume that cannot be
         used (wrong rank, non-finite voxels, non-positive spacing).
         """
         source = sample.provenance.source

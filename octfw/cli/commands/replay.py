@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.commands._common import load_registry_once
+    from octfw.cli.commands._common import load_registry_once
     from octfw.diagnostics.replay import replay
 
     replay(Path(args.run_dir), args.step, load_registry_once())

@@ -23,12 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.commands._common import load_registry_once
+    from octfw.cli.commands._common import load_registry_once
     from octfw.exports.embed_csv import embed_to_csv  # imports torch: only when the command runs
     from octfw.exports.pretrained import load_encoder
-    from octfw.errors import UserError
-    from octfw.progress import progress_bar
-    from octfw.tables import counted
+    from octfw.display.errors import UserError
+    from octfw.display.progress import progress_bar
+    from octfw.display.tables import counted
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: give 1 or more")

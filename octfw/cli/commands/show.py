@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.cli.commands._common import add_recipe_arguments, load_recipe_from_args
 
 __all__ = ["add_parser"]
 

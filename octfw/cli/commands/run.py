@@ -7,11 +7,11 @@ import os
 import shlex
 import sys
 
-from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.cli.commands._common import add_recipe_arguments, load_recipe_from_args
 from octfw.engine.launcher import (JOB_STATUS_ENV, Outcome, die_with_launcher,  # light: no torch
                                    exit_without_teardown, job_command, report_outcome)
-from octfw.errors import UserError
-from octfw.exit_codes import (CRASHED, FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
+from octfw.display.errors import UserError
+from octfw.cli.exit_codes import (CRASHED, FINISHED, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE,
                               SAVE_FAILED_EXIT_CODE, STOPPED_BY_GUARD)
 
 __all__ = ["add_parser"]
@@ -107,7 +107,7 @@ def _run_this_process(args: argparse.Namespace, stop_requests) -> int:
 
     launched = bool(os.environ.get(JOB_STATUS_ENV))
     if launched and int(os.environ.get("RANK", "0")) != 0:
-        from octfw.logs import silence_console
+        from octfw.display.logs import silence_console
 
         silence_console()  # one process of the job speaks: rank 0 (its final line goes to the launcher)
     try:

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from octfw.config import EngineConfig, RunConfig
+from octfw.recipe.config import EngineConfig, RunConfig
 from octfw.hookspecs import STAGES
 from octfw.registry import Registry
 
@@ -18,7 +18,7 @@ __all__ = ["config_rows", "render_reference"]
 def _type_name(t: Any) -> str:
     if isinstance(t, type) and not getattr(t, "__args__", None):
         return t.__name__
-    return str(t).replace("typing.", "").replace("octfw.fields.", "")
+    return str(t).replace("typing.", "").replace("octfw.recipe.fields.", "")
 
 
 def config_rows(cls: type, prefix: str = "") -> list[dict[str, Any]]:
@@ -68,7 +68,7 @@ def render_reference(registry: Registry) -> str:
     lines = [
         "# Recipe reference",
         "",
-        "Generated from the config classes by `python -m octfw.reference > docs/recipe-reference.md`;",
+        "Generated from the config classes by `python -m octfw.recipe.reference > docs/recipe-reference.md`;",
         "a test fails when this file and the code disagree. `octfw list --stage S --name N` shows the",
         "same for any installed component, third-party ones included.",
         "",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
-from octfw.fields import choices, doc, in_range, non_negative
+from octfw.recipe.fields import choices, doc, in_range, non_negative
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np

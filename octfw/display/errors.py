@@ -79,7 +79,7 @@ class CorruptFile(Exception):
 class OctfwWarning(UserWarning):
     """A warning a caller of octfw's library functions may catch by its class.
 
-    Under the CLI (:func:`octfw.logs.setup_console_logging`) it is shown as
+    Under the CLI (:func:`octfw.display.logs.setup_console_logging`) it is shown as
     one ``octfw: warning:`` line and kept in the run's ``octfw.log``, like
     every other octfw warning, which modules log through ``logging``.
     """

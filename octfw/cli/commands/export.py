@@ -39,9 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.commands._common import load_registry_once
+    from octfw.cli.commands._common import load_registry_once
     from octfw.exports.export import export_encoder  # imports torch: only when the command runs
-    from octfw.tables import counted
+    from octfw.display.tables import counted
 
     summary = export_encoder(args.source, args.out, load_registry_once(), args.format, force=args.force,
                              license=args.license, datasets=args.dataset)

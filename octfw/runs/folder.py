@@ -1,4 +1,4 @@
-"""The run directory: what a run writes at start and at the end.
+"""A run's folder: what a run writes at start and at the end, and the order of a recipe's runs.
 
 At start: ``recipe.toml`` (resolved, every default filled in),
 ``run.json`` (the run's id and its place among the runs of its recipe),
@@ -20,13 +20,6 @@ same number. The folder is made with an exclusive ``mkdir``: a name taken in
 the same second gets the next suffix (``20261126-095317Z-2``). A start that
 fails while it writes its folder removes that folder, never one another start
 made.
-
-**Which checkpoint a run stands at** is decided here, once
-(:func:`run_checkpoint`): the newer of the run's fallback copy
-(``RUN/fallback``, the final state the checkpointer could not take) and the
-checkpointer's newest complete checkpoint. ``--resume auto``, ``octfw
-export``, ``octfw eval`` (``--checkpoints`` too), ``octfw replay`` and
-``octfw.load_encoder`` of a run folder all ask it.
 """
 
 from __future__ import annotations
@@ -48,23 +41,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.recipe import Recipe, to_toml
 from octfw.registry import Registry
-from octfw.storage.checkpoints import CheckpointStorage, checkpoint_step
 from octfw.storage.failures import storage_cause
-from octfw.types import Checkpointer, ListingCheckpointer
 
-__all__ = ["create_run_dir", "run_dirs", "run_sequence", "versions", "write_summary", "START_FILES", "RUN_FILE",
-           "FALLBACK_DIR", "fallback_storage", "run_checkpoint", "run_checkpoints"]
+__all__ = ["create_run_dir", "run_dirs", "run_sequence", "versions", "write_summary", "START_FILES", "RUN_FILE"]
 
 #: The run's identity: ``{"id": ..., "sequence": N, "started_utc": ...}``.
 RUN_FILE = "run.json"
 #: What a run folder holds before its first update step: a folder with nothing else
 #: trained nothing, and a start that failed removes it (see octfw.engine.launch).
 START_FILES = frozenset({"recipe.toml", RUN_FILE, "versions.json", "git.json", "octfw.log", "owner.lock"})
-#: Folder of the run directory that takes the final state when the checkpointer cannot.
-FALLBACK_DIR = "fallback"
 #: At most this long a start waits for another start of the same recipe to record its sequence.
 SEQUENCE_LOCK_TIMEOUT_S = 60.0
 
@@ -207,58 +195,3 @@ def _write_json(path: Path, data: Any) -> None:
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any], quarantine: Any) -> None:
     _write_json(run_dir / "summary.json", {**summary, "quarantined_files": dict(quarantine.seen)})
-
-
-# --------------------------------------------------------------------------
-# which checkpoint a run stands at
-
-
-def fallback_storage(run_dir: Path) -> CheckpointStorage:
-    """RUN/fallback: the final state, when the checkpointer could not take it (a full disk, a store away)."""
-    return CheckpointStorage(str(run_dir / FALLBACK_DIR), keep_last=1)
-
-
-def _step(location: str, checkpointer: Checkpointer) -> int:
-    """The update step of checkpoint ``location``: from its name (``step_00000120.pt``) where it
-    has one, else from its contents (a checkpointer of other names)."""
-    step = checkpoint_step(location.rstrip("/").rsplit("/", 1)[-1])
-    return step if step is not None else int(checkpointer.load(location).get("update_step", 0))
-
-
-def run_checkpoint(run_dir: Path, checkpointer: Checkpointer) -> tuple[str | None, bool]:
-    """The checkpoint the run in ``run_dir`` stands at: (its location, or None before the run's
-    first save; whether it is the run's fallback copy). ``checkpointer``: the run's, built from
-    its recipe (it also loads the location, the fallback's included).
-
-    The fallback copy is preferred when it is newer than the checkpointer's newest complete,
-    intact checkpoint: it holds the final state of a run whose final save failed, which the
-    checkpointer never got, so the checkpointer's newest is older (exporting it would silently
-    drop the run's last steps). It is not preferred when the checkpointer has caught up or gone
-    past it (a resumed run that saved there, then was killed before its final save removed the
-    copy): taking it then would go backwards. The checkpointer's copy wins a tie: it is the
-    run's own store, and nothing is left to upload.
-    """
-    fallback = fallback_storage(run_dir).latest()
-    step = _step(fallback, checkpointer) if fallback is not None else None
-    if step is not None and isinstance(checkpointer, ListingCheckpointer) \
-            and all(listed < step for listed, _ in checkpointer.checkpoints()):
-        return fallback, True  # newer than all it lists: its newest need not be read (a download, on gs://)
-    newest = checkpointer.latest()
-    if step is not None and (newest is None or step > _step(newest, checkpointer)):
-        return fallback, True
-    return newest, False
-
-
-def run_checkpoints(run_dir: Path, checkpointer: Checkpointer) -> list[tuple[int, str]]:
-    """Every complete checkpoint of the run in ``run_dir`` as (update step, location), oldest
-    first, for choosing among them (``octfw eval --checkpoints``, ``octfw replay``): the last is
-    always the one :func:`run_checkpoint` chooses, the fallback copy where it is newer; a
-    listed checkpoint newer than that one is damaged (``latest()`` skipped it, saying so) and
-    left out. A checkpointer that cannot list (:class:`~octfw.types.ListingCheckpointer`)
-    gives its newest alone. Empty before the run's first save."""
-    chosen, _ = run_checkpoint(run_dir, checkpointer)
-    if chosen is None:
-        return []
-    step = _step(chosen, checkpointer)
-    listed = checkpointer.checkpoints() if isinstance(checkpointer, ListingCheckpointer) else []
-    return sorted({(s, location) for s, location in listed if s < step} | {(step, chosen)})

@@ -23,8 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.errors import UserError
-    from octfw.plots import plot_run
+    from octfw.display.errors import UserError
+    from octfw.display.plots import plot_run
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -42,10 +42,10 @@ def _schedule(run_dir: Path) -> tuple[list[int], list[float]] | None:
 
     import attrs
 
-    from octfw.commands._common import load_registry_once
-    from octfw.errors import UserError
+    from octfw.cli.commands._common import load_registry_once
+    from octfw.display.errors import UserError
     from octfw.recipe import load_recipe
-    from octfw.schedules import simulate
+    from octfw.engine.schedules import simulate
 
     try:
         total = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["total_update_steps"]

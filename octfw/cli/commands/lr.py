@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.cli.commands._common import add_recipe_arguments, load_recipe_from_args
 from octfw.types import WarmupSchedule
 
 __all__ = ["add_parser", "schedule_for"]
@@ -48,7 +48,7 @@ def schedule_for(recipe: Any, registry: Any, devices: int = 1,
 
     from octfw.engine.build import plan_update_steps
     from octfw.engine.distributed import layout_for
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
 
     if devices < 1:
         raise UserError(f"--devices {devices}: must be at least 1")
@@ -78,8 +78,8 @@ def schedule_for(recipe: Any, registry: Any, devices: int = 1,
 def run(args: argparse.Namespace) -> int:
     import math
 
-    from octfw.errors import UserError
-    from octfw.schedules import plot_schedule, simulate, validate_schedule
+    from octfw.display.errors import UserError
+    from octfw.engine.schedules import plot_schedule, simulate, validate_schedule
 
     recipe, registry = load_recipe_from_args(args)
     schedule, total, per_epoch = schedule_for(recipe, registry, args.devices, args.steps)

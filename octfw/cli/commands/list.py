@@ -8,7 +8,7 @@ import logging
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 from octfw.hookspecs import STAGES
 
 __all__ = ["add_parser"]
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"components": rows, "failures": [attrs.asdict(f) for f in registry.failures]},
                          indent=2))
         return 0
-    from octfw.tables import render_table
+    from octfw.display.tables import render_table
 
     columns = ("stage", "name", "distribution", "version", "summary")
     print(render_table([c.upper() for c in columns], [[r[c] for c in columns] for r in rows]))
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show_component(component, *, as_json: bool) -> int:
-    from octfw.reference import config_rows
+    from octfw.recipe.reference import config_rows
 
     options = config_rows(component.config)
     if as_json:

@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    from octfw.errors import UserError
+    from octfw.display.errors import UserError
 
     if len(args.source) > 1 and (args.shots is not None or args.checkpoints is not None):
         raise UserError(f"{len(args.source)} encoders: --shots and --checkpoints take one; compare several "
@@ -81,8 +81,8 @@ def _default_png(source: str, name: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octfw.commands._common import load_registry_once
-    from octfw.progress import progress_bar
+    from octfw.cli.commands._common import load_registry_once
+    from octfw.display.progress import progress_bar
     from octfw.evaluation.shots import parse_shots
     from octfw.evaluation.target import evaluate_target, format_report, load_eval_recipe, load_target
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from octfw.fields import Location, choices, doc, in_range, positive
+from octfw.recipe.fields import Location, choices, doc, in_range, positive
 
 __all__ = ["RunConfig", "EngineConfig"]
 

@@ -38,7 +38,7 @@ Warnings have one channel: logging. A module warns with
 and the run's ``octfw.log`` keeps it. A warning that a library caller should
 be able to catch by class (a volume's spacing defaulted:
 :class:`~octfw.dicom.reader.SpacingDefaulted`) is raised with
-:func:`warnings.warn` as an :class:`octfw.errors.OctfwWarning`;
+:func:`warnings.warn` as an :class:`octfw.display.errors.OctfwWarning`;
 :func:`setup_console_logging` routes those into the same logger
 (``octfw.warnings``), and leaves every other package's warnings as Python
 shows them. (A report a command prints on purpose, such as ``octfw check``'s
@@ -57,7 +57,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from octfw.errors import OctfwWarning
+from octfw.display.errors import OctfwWarning
 
 __all__ = ["LABEL", "LOG_FILE", "THIRD_PARTY_LEVELS", "setup_console_logging", "silence_console", "attach_run_log",
            "detach_run_log"]

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from octfw.errors import UserError
+from octfw.display.errors import UserError
 
 __all__ = ["Panel", "read_metrics", "plan_panels", "none_skipped", "collapse_thresholds", "plot_run",
            "plain_numbers", "step_axis", "step_label"]

@@ -22,9 +22,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_data_only(args: argparse.Namespace) -> int:
-    from octfw.commands._common import load_recipe_from_args
-    from octfw.errors import UserError
-    from octfw.progress import progress_bar
+    from octfw.cli.commands._common import load_recipe_from_args
+    from octfw.display.errors import UserError
+    from octfw.display.progress import progress_bar
 
     if args.grid:
         raise UserError("--data-only measures the loader alone: give --workers, not --grid")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from octfw.commands._common import add_recipe_arguments, load_recipe_from_args
-from octfw.errors import UserError
+from octfw.cli.commands._common import add_recipe_arguments, load_recipe_from_args
+from octfw.display.errors import UserError
 
 __all__ = ["add_parser"]
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 def preview(recipe, registry, processes: int, devices_per_process: int, steps: int) -> int:
     """``--steps S``: what needs no data (a recipe written for a pod, previewed on a laptop)."""
-    from octfw.commands.lr import schedule_for
+    from octfw.cli.commands.lr import schedule_for
     from octfw.diagnostics.check import schedule_line
     from octfw.engine.build import check_schedule_values
     from octfw.engine.distributed import layout_for

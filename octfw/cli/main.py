@@ -1,6 +1,6 @@
 """The ``octfw`` command line: parse, dispatch to a command, report user mistakes.
 
-octfw's own commands are the modules of :mod:`octfw.commands`, each with
+octfw's own commands are the modules of :mod:`octfw.cli.commands`, each with
 ``add_parser``; plugins add theirs through ``octfw_register_commands``
 (:func:`octfw.registry.load_commands`: ``octfw prepare`` is the ``prepared``
 dataset's), and ``octfw --help`` lists both by name. What a command does beyond
@@ -26,9 +26,9 @@ import pkgutil
 import sys
 from typing import Sequence
 
-import octfw.commands
-from octfw.errors import PluginError, UserError
-from octfw.exit_codes import BROKEN_PIPE_EXIT_CODE
+import octfw.cli.commands
+from octfw.display.errors import PluginError, UserError
+from octfw.cli.exit_codes import BROKEN_PIPE_EXIT_CODE
 from octfw.version import __version__
 
 __all__ = ["main", "build_parser"]
@@ -54,9 +54,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str], list]:
     parser.add_argument("--version", action="version", version=f"octfw {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    own = [m.name for m in pkgutil.iter_modules(octfw.commands.__path__) if not m.name.startswith("_")]
+    own = [m.name for m in pkgutil.iter_modules(octfw.cli.commands.__path__) if not m.name.startswith("_")]
     plugin_commands, failures = load_commands(reserved=own)  # a clash is a PluginError
-    adders = {name: importlib.import_module(f"octfw.commands.{name}").add_parser for name in own}
+    adders = {name: importlib.import_module(f"octfw.cli.commands.{name}").add_parser for name in own}
     for command in plugin_commands:
         adders[command.name] = lambda subparsers, _command=command: _add_plugin_command(
             subparsers, _command, third_party=_command.distribution != BUILTIN_DISTRIBUTION)
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_command(argv: Sequence[str] | None) -> int:
-    from octfw.logs import setup_console_logging
+    from octfw.display.logs import setup_console_logging
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(word.split("=", 1)[0] == "--nproc-per-node" for word in argv):
@@ -126,7 +126,3 @@ def _run_command(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         print("octfw: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

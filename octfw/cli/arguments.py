@@ -3,7 +3,7 @@
 A plugin's command (:meth:`octfw.hookspecs.OctfwSpecs.octfw_register_commands`) that
 takes a recipe reads it as ``octfw run`` does::
 
-    from octfw.arguments import add_recipe_arguments, load_recipe_from_args
+    from octfw.cli.arguments import add_recipe_arguments, load_recipe_from_args
 
     def add_arguments(parser):
         add_recipe_arguments(parser)          # RECIPE and --set TABLE.KEY=VALUE
@@ -50,7 +50,7 @@ def load_registry_once(*, report_failures: bool = True) -> Registry:
 
 def load_recipe_from_args(args: argparse.Namespace, *, report_failures: bool = True) -> tuple[Recipe, Registry]:
     """(recipe, registry) for a command that takes RECIPE and --set (:func:`add_recipe_arguments`);
-    a bad recipe raises :class:`octfw.errors.RecipeError`, every problem in it listed.
+    a bad recipe raises :class:`octfw.display.errors.RecipeError`, every problem in it listed.
     ``report_failures``: as for :func:`load_registry_once`."""
     from octfw.recipe import load_recipe
 

@@ -1,9 +1,0 @@
-"""What several commands share: the recipe arguments and loading the registry once, from
-:mod:`octfw.arguments` (where plugins' commands find them too).
-(The progress bar of long work is :func:`octfw.progress.progress_bar`.)"""
-
-from __future__ import annotations
-
-from octfw.arguments import add_recipe_arguments, load_recipe_from_args, load_registry_once
-
-__all__ = ["add_recipe_arguments", "load_registry_once", "load_recipe_from_args"]
