@@ -307,7 +307,7 @@ def test_no_load_error_ever_suggests_weights_only_false(tmp_path):
 
     from octfw.exports.pretrained import load_encoder
     from octfw.display.errors import UserError
-    from octfw.storage.checkpoints import load_checkpoint
+    from octfw.storage.checkpoint_reading import load_checkpoint
 
     with_object = tmp_path / "step_00000001.pt"
     torch.save({"model": datetime.date(2026, 11, 25)}, with_object)  # a class weights_only refuses
@@ -322,7 +322,7 @@ def test_no_load_error_ever_suggests_weights_only_false(tmp_path):
 
 def test_octfw_eval_refuses_a_damaged_checkpoint_file(tiny_recipe, tmp_path, registry):
     from octfw.evaluation.target import load_target
-    from octfw.storage.checkpoints import CorruptCheckpoint
+    from octfw.storage.checkpoint_reading import CorruptCheckpoint
 
     assert _run(tmp_path, tiny_recipe, "--set", "run.max_steps=2").returncode == 0
     [run_dir] = _runs(tmp_path / "runs" / "tiny")

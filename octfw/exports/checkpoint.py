@@ -26,7 +26,7 @@ def find_checkpoint(source: str | Path, registry: Registry) -> tuple[str, dict[s
     it stands at (:func:`octfw.runs.checkpoint.run_checkpoint`: its fallback copy where the final save
     failed, else the newest complete checkpoint of the checkpointer its recipe records), a file
     is read as a checkpoint. Raises UserError for anything else."""
-    from octfw.storage.checkpoints import load_checkpoint
+    from octfw.storage.checkpoint_reading import load_checkpoint
 
     path = Path(source)
     if path.is_dir():

@@ -29,7 +29,7 @@ def read_export(path: Path) -> dict[str, Any]:
     elif path.is_file() and _is_torchscript(path):
         data = _read_torchscript(path)
     elif path.is_file():
-        from octfw.storage.checkpoints import safe_load
+        from octfw.storage.checkpoint_reading import safe_load
 
         data = safe_load(str(path), str(path), what="encoder file")  # on the CPU; moved by the caller
     else:
@@ -104,7 +104,7 @@ def _read_torchscript(path: Path) -> dict[str, Any]:
 def _read_bundle(folder: Path) -> dict[str, Any]:
     """What ``octfw export --format monai-bundle`` wrote: ``info`` from ``configs/metadata.json``
     (its ``octfw`` entry), the weights from ``models/model.pt``."""
-    from octfw.storage.checkpoints import safe_load
+    from octfw.storage.checkpoint_reading import safe_load
 
     weights = folder / BUNDLE_WEIGHTS
     if not weights.is_file():

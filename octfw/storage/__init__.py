@@ -15,7 +15,13 @@ pipeline or a plugin.
   that is down is named in seconds instead of after gcsfs's minute of retries;
 - :mod:`octfw.storage.checkpoints`: checkpoint files in one folder, with the
   ``latest`` pointer, ``keep_last`` retention and SHA-256 checks written once
-  for every checkpointer (``CheckpointStorage``), and ``load_checkpoint(url)``;
+  for every checkpointer (``CheckpointStorage``), and the checkpointer over
+  one folder (``StoredCheckpointer``);
+- :mod:`octfw.storage.checkpoint_names`: the names of a checkpoint folder's
+  files, which ``keep_last`` deletes, and the ``latest`` pointer's format;
+- :mod:`octfw.storage.checkpoint_reading`: what a checkpoint may hold
+  (``check_plain``), its SHA-256 check, and reading one without running code
+  from it (``safe_load``, ``load_checkpoint(url)``);
 - :mod:`octfw.storage.owner`: one writer per folder (``FolderOwner``), for run
   folders, checkpoint folders and prepared stores;
 - :mod:`octfw.storage.failures`: the cause of a failed write in words (no

@@ -1,32 +1,16 @@
-"""Checkpoints of one run in one folder: naming, the ``latest`` pointer, retention, safe loading.
+"""Checkpoints of one run in one folder (``CheckpointStorage``), and the checkpointer over one (``StoredCheckpointer``).
 
 Every checkpointer keeps its files through :class:`CheckpointStorage`, on a
 local disk or any fsspec store, so what is complete, what ``latest`` means and
-what ``keep_last`` deletes are decided here, once. Layout of the folder::
-
-    step_00000120.pt         one checkpoint per save; names sort by update step
-    step_00000120.pt.sha256  its SHA-256, in ``sha256sum`` format (``sha256sum -c`` checks it)
-    step_00000120.pt.tmp     a local save in progress, or one that was interrupted
-    latest                   the pointer, written after the checkpoint and its checksum
-
-The pointer (format 1) lists the kept checkpoints, newest first, each with
-its size in bytes::
-
-    {"format": 1, "checkpoints": [{"name": "step_00000120.pt", "bytes": 10212539}, ...]}
-
-**Integrity.** The checksum is computed while the checkpoint is written (no
-second read) and checked before ``torch.load`` sees a byte: by ``latest()``
-(a mismatch is skipped with a warning naming it, and the previous good
-checkpoint is used) and by every load, of ``latest`` or of an explicit path
-(:func:`load_checkpoint` reads the ``.sha256`` file beside it), which raise
-:class:`CorruptCheckpoint`. A checkpoint written before octfw recorded
-checksums has none; it is loaded with a warning saying it is unverified.
+what ``keep_last`` deletes are decided here, once. The folder's file names
+and the pointer's format are :mod:`octfw.storage.checkpoint_names`'; what a
+checkpoint may hold, its SHA-256 check and reading one are
+:mod:`octfw.storage.checkpoint_reading`'s.
 
 ``latest()`` returns the first entry whose file exists with exactly that
 size, so it never names a checkpoint whose write was cut short, and falls back
-to an older entry when the newest is missing or truncated. A pointer in the
-older local format (the bare name of one checkpoint) is still read, as one
-entry whose size is unknown; the next save rewrites it in format 1.
+to an older entry when the newest is missing or truncated (or damaged: its
+SHA-256 does not match, and a warning names it).
 
 A save writes the checkpoint, then the pointer, then deletes what
 ``keep_last`` lets go and any ``.tmp`` leftovers. On a local disk a write goes
@@ -36,193 +20,32 @@ object store is written in place, and other fsspec stores may show an object
 while it is still written: there an object no pointer lists (a save that died
 before its pointer) is never trusted, and the next saves prune it.
 
-The state must hold only tensors and plain Python data (dict, list, tuple,
-str, bytes, int, float, complex, bool, None, torch dtypes and devices): loads
-use ``torch.load(weights_only=True)``, which cannot run code from the file.
-:func:`check_plain` refuses anything else at save time, so a state that could
-not be loaded back fails at its first save rather than at resume.
-
 Light at import time (stdlib only): torch and fsspec load inside the functions.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import logging
 import os
-import re
 import threading
 from typing import IO, Any, Iterable, Iterator, Mapping
 
-import attrs
-
 from octfw.display.errors import UserError
+from octfw.storage.checkpoint_names import (
+    LATEST, PointerEntry, checkpoint_name, checkpoint_step, checksum_name, checksummed_checkpoint,
+    format_pointer, is_leftover, parse_pointer, prunable,
+)
+from octfw.storage.checkpoint_reading import (
+    check_plain, load_checkpoint, read_checkpoint, recorded_checksum, sha256_of,
+)
 from octfw.storage.failures import format_bytes, free_bytes, storage_cause
 from octfw.storage.files import Data, is_local_filesystem, open_filesystem, write_atomically
 from octfw.storage.retry import RetryPolicy
 
-__all__ = [
-    "StoredCheckpointer",
-    "LATEST", "POINTER_FORMAT", "PointerEntry", "CheckpointStorage", "CorruptCheckpoint", "checksum_name",
-    "checkpoint_name", "checkpoint_step", "prunable", "parse_pointer", "format_pointer",
-    "check_plain", "safe_load", "load_checkpoint",
-]
+__all__ = ["CheckpointStorage", "StoredCheckpointer"]
 
 logger = logging.getLogger(__name__)
-
-#: Name of the pointer to the newest complete checkpoint, next to the checkpoints.
-LATEST = "latest"
-#: Version of the pointer's JSON layout.
-POINTER_FORMAT = 1
-
-_COMPLETE = re.compile(r"^step_(\d{8,})\.pt$")
-# What an interrupted local write leaves: a checkpoint's, its checksum's or the pointer's temporary file.
-_LEFTOVER = re.compile(r"^(step_\d{8,}\.pt(\.sha256)?|latest)\.tmp$")
-_CHECKSUM = re.compile(r"^(step_\d{8,}\.pt)\.sha256$")
-
-
-class CorruptCheckpoint(UserError):
-    """A checkpoint whose bytes do not match the SHA-256 recorded when it was written."""
-
-
-# --- names and retention ------------------------------------------------------
-
-
-def checkpoint_name(update_step: int) -> str:
-    """Name of the checkpoint taken at ``update_step``."""
-    return f"step_{update_step:08d}.pt"
-
-
-def checksum_name(name: str) -> str:
-    """Name of the file holding the SHA-256 of checkpoint ``name``."""
-    return f"{name}.sha256"
-
-
-def checkpoint_step(name: str) -> int | None:
-    """The update step of a checkpoint name; None for any other name (``.tmp``, ``latest``, paths)."""
-    match = _COMPLETE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def prunable(names: Iterable[str], keep_last: int, protected: Iterable[str] = ()) -> list[str]:
-    """Checkpoint names to delete so that the newest ``keep_last`` (by update step) remain.
-
-    Names in ``protected`` (the one just written) are never returned, even
-    when older: a run that restarted its numbering below an earlier run's
-    must not lose the checkpoint its pointer names.
-    """
-    keep = set(protected)
-    ordered = sorted((step, name) for name in names if (step := checkpoint_step(name)) is not None)
-    return [name for _, name in ordered[: max(0, len(ordered) - keep_last)] if name not in keep]
-
-
-# --- the pointer ----------------------------------------------------------------
-
-
-@attrs.frozen
-class PointerEntry:
-    """One checkpoint the pointer lists; ``bytes`` is None for an old-format pointer."""
-
-    name: str
-    bytes: int | None
-
-
-def parse_pointer(raw: bytes) -> list[PointerEntry]:
-    """Entries of a ``latest`` pointer, newest first; [] for a damaged or foreign one.
-
-    Reads format 1 (JSON, with sizes) and the older local format (one bare
-    checkpoint name). Only bare checkpoint names are followed, never a path
-    out of the folder.
-    """
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        return []
-    if checkpoint_step(text) is not None:
-        return [PointerEntry(text, None)]  # written by octfw before pointer format 1
-    try:
-        record = json.loads(text)
-        if record["format"] != POINTER_FORMAT:
-            return []  # a newer layout: trust none of it rather than misread it
-        entries = [PointerEntry(str(e["name"]), int(e["bytes"])) for e in record["checkpoints"]]
-    except (ValueError, KeyError, TypeError):
-        return []  # damaged, or not octfw's: trust no entry of it
-    return [e for e in entries if checkpoint_step(e.name) is not None]
-
-
-def format_pointer(entries: Iterable[PointerEntry]) -> bytes:
-    """The ``latest`` pointer (format 1) listing ``entries``, newest first."""
-    listed = [{"name": e.name, "bytes": e.bytes} for e in entries]
-    return json.dumps({"format": POINTER_FORMAT, "checkpoints": listed}).encode("utf-8")
-
-
-# --- what a checkpoint may hold, and reading one ------------------------------------
-
-
-def check_plain(value: Any, where: str = "state") -> None:
-    """Raise TypeError naming the first value ``torch.load(weights_only=True)`` would refuse."""
-    import torch
-
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.Tensor,
-                                           torch.dtype, torch.device)):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            check_plain(key, f"{where} key {key!r}")
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            check_plain(item, f"{where}[{index}]")
-        return
-    raise TypeError(
-        f"{where} is a {type(value).__module__}.{type(value).__qualname__}; a checkpoint holds only "
-        "tensors and plain Python data (convert it to a tensor or a list)"
-    )
-
-
-def _reason(exc: Exception) -> str:
-    """What a ``torch.load`` error says about this file, without torch's advice to retry with
-    ``weights_only=False``: that would run whatever code the file holds."""
-    text = str(exc)
-    if "WeightsUnpickler error:" in text:  # the refused object or opcode follows this marker
-        text = text.split("WeightsUnpickler error:", 1)[1]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    specific = [line.split(". Please use", 1)[0] for line in lines
-                if "weights_only" not in line and not line.startswith(("Please file an issue", "Check the doc"))]
-    return (specific or ["not a checkpoint octfw can read"])[0]
-
-
-def sha256_of(source: str | bytes) -> str:
-    """SHA-256 (hex) of a local file's bytes, or of ``source`` itself when it is bytes."""
-    if isinstance(source, bytes):
-        return hashlib.sha256(source).hexdigest()
-    digest = hashlib.sha256()
-    with open(source, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def parse_checksum(raw: bytes) -> str | None:
-    """The hex digest of a ``.sha256`` file (``sha256sum`` format); None when it holds none."""
-    first = raw.decode("utf-8", "replace").strip().split(maxsplit=1)
-    return first[0].lower() if first and re.fullmatch(r"[0-9a-fA-F]{64}", first[0]) else None
-
-
-def verify(location: str, actual: str, expected: str | None) -> None:
-    """Raise :class:`CorruptCheckpoint` unless ``actual`` is the recorded checksum; warn when a
-    checkpoint (a ``step_N.pt``) has none. Other files (an exported encoder) may have none."""
-    if expected is None and checkpoint_step(location.rsplit("/", 1)[-1]) is None:
-        return
-    if expected is None:
-        logger.warning("checkpoint %s has no recorded SHA-256 (written before octfw recorded them): "
-                       "loaded unverified", location)
-    elif actual != expected:
-        raise CorruptCheckpoint(f"checkpoint {location} is damaged: its SHA-256 is {actual[:12]}..., "
-                                f"recorded {expected[:12]}... when it was written; it is not loaded")
 
 
 class _HashingWriter:
@@ -244,81 +67,6 @@ class _HashingWriter:
     def flush(self) -> None:
         self.file.flush()
 
-
-def safe_load(source: str | IO[bytes], location: str, what: str = "checkpoint") -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` onto the CPU; UserError naming ``location`` if refused.
-
-    ``source`` is a local path or a binary file object (a BytesIO of a remote
-    object). weights_only cannot run code from the file: a pickled arbitrary
-    object is refused, not executed.
-    """
-    import pickle
-
-    import torch
-
-    try:
-        state = torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:  # weights_only refused an object: never executed
-        raise UserError(
-            f"{what} {location} cannot be loaded safely ({type(exc).__name__}: {_reason(exc)}); "
-            "octfw loads tensors and plain Python data only"
-        ) from exc
-    except Exception as exc:  # noqa: BLE001 - re-raised with the checkpoint's name
-        raise UserError(
-            f"{what} {location} cannot be read ({type(exc).__name__}: {_reason(exc)}); "
-            f"the file is cut short or not {_a(what)}"
-        ) from exc
-    if not isinstance(state, dict):
-        raise UserError(f"{what} {location} holds a {type(state).__name__}, not a dict")
-    return state
-
-
-def _a(noun: str) -> str:
-    """``noun`` with its indefinite article: "a checkpoint", "an encoder file"."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
-
-
-def _recorded_checksum(fs: Any, path: str, retry: RetryPolicy) -> str | None:
-    """The SHA-256 recorded beside the checkpoint at ``path``; None when there is none."""
-    try:
-        raw = retry.run(f"read {path}.sha256", fs.cat_file, checksum_name(path), **retry.options(fs))
-    except FileNotFoundError:
-        return None
-    return parse_checksum(raw)
-
-
-def _read_checkpoint(fs: Any, path: str, location: str, retry: RetryPolicy,
-                     data: bytes | None = None) -> dict[str, Any]:
-    """Verify the checkpoint at ``path`` against its recorded SHA-256, then load it.
-    ``data``: its bytes, when a remote object was downloaded (and verified) already."""
-    expected = _recorded_checksum(fs, path, retry)
-    if is_local_filesystem(fs):
-        if not os.path.isfile(path):
-            raise UserError(f"checkpoint {location} does not exist")
-        verify(location, sha256_of(path), expected)
-        return safe_load(path, location)  # torch reads the file itself: no second copy in memory
-    if data is None:
-        try:
-            data = retry.run(f"download {location}", fs.cat_file, path, **retry.options(fs))
-        except FileNotFoundError:
-            raise UserError(f"checkpoint {location} does not exist") from None
-    verify(location, sha256_of(data), expected)
-    return safe_load(io.BytesIO(data), location)
-
-
-def load_checkpoint(url: str, retry: RetryPolicy = RetryPolicy()) -> dict[str, Any]:
-    """Read the checkpoint file at ``url`` (local path, ``file://`` or fsspec URL) onto the CPU.
-
-    Checks it against the SHA-256 beside it first (:class:`CorruptCheckpoint`
-    on a mismatch), then uses ``torch.load(weights_only=True)``; raises
-    UserError for a missing file or one holding anything but tensors and
-    plain Python data. Remote reads are tried as ``retry`` says.
-    """
-    fs, path = open_filesystem(url, fresh=True)
-    return _read_checkpoint(fs, path, url, retry)
-
-
-# --- one folder of checkpoints ------------------------------------------------------
 
 
 class CheckpointStorage:
@@ -462,7 +210,8 @@ class CheckpointStorage:
         # Only this process writes here and its own writes have finished: a .tmp left is an
         # interrupted save, a checksum without its checkpoint a pruned one; both would pile up.
         doomed |= {checksum_name(n) for n in doomed}
-        orphans = [n for n in names if _LEFTOVER.match(n) or ((m := _CHECKSUM.match(n)) and m.group(1) not in names)]
+        orphans = [n for n in names
+                   if is_leftover(n) or ((c := checksummed_checkpoint(n)) and c not in names)]
         self._delete(sorted(doomed & set(names)) + orphans)
         return self.location(name)
 
@@ -514,7 +263,7 @@ class CheckpointStorage:
         else:
             self._downloaded = (name, self._call(f"download {self.location(name)}", "cat_file", path))
             actual = sha256_of(self._downloaded[1])
-        expected = _recorded_checksum(self.fs, path, self.retry)
+        expected = recorded_checksum(self.fs, path, self.retry)
         if expected is None or actual == expected:
             return True
         logger.warning("checkpoint %s is damaged (its SHA-256 does not match the one recorded when it "
@@ -544,7 +293,7 @@ class CheckpointStorage:
             name = location[len(inside):]
             downloaded, self._downloaded = self._downloaded, None  # latest() may have fetched it already
             data = downloaded[1] if downloaded and downloaded[0] == name else None
-            return _read_checkpoint(self.fs, self._path(name), location, self.retry, data)
+            return read_checkpoint(self.fs, self._path(name), location, self.retry, data)
         # `--resume URL` of a checkpoint elsewhere: its own filesystem, the same retries.
         return load_checkpoint(location, self.retry)
 

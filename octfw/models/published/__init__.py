@@ -141,7 +141,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
             return dict(load_file(str(path)))
         except (SafetensorError, OSError) as exc:
             raise UserError(f"model.init {path}: cannot be read as safetensors ({exc})") from None
-    from octfw.storage.checkpoints import safe_load
+    from octfw.storage.checkpoint_reading import safe_load
 
     return safe_load(str(path), str(path), what="model.init file")
 
