@@ -459,17 +459,22 @@ def test_the_trainer_reads_in_one_sitting():
 
 
 def test_the_start_path_stays_short():
-    """Issue #49: from `octfw run`'s parsed arguments to the first update step, a new run and a
-    `--resume auto` each move through at most 30 stays and climb back at most 3 times
-    (scripts/start_path.py says how they are counted, on a real run)."""
+    """Issues #49 and #59: from `octfw run`'s parsed arguments to the first update step, following
+    every value derived from them, a new run and a `--resume auto` each move through at most 30
+    stays, climb back at most 3 times and enter no file more than twice (scripts/start_path.py
+    says how they are counted, on a real run; its output is the message of a failure)."""
     import os
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "start_path.py")], cwd=ROOT,
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    counts = re.findall(r"^(\d+) stays in \d+ files, (\d+) climbs back", out.stdout, re.MULTILINE)
+    paths = out.stdout[out.stdout.index("octfw run, a new run:"):] if "octfw run, a new run:" in out.stdout else ""
+    counts = re.findall(r"^(\d+) stays in \d+ files, (\d+) climbs back, at most (\d+) entries in a file",
+                        paths, re.MULTILINE)
     assert len(counts) == 2, out.stdout + out.stderr
-    for stays, climbs in counts:
-        assert int(stays) <= 30 and int(climbs) <= 3, out.stdout
-    assert out.returncode == 0, out.stdout + out.stderr
+    for stays, climbs, entries in counts:
+        assert int(stays) <= 30 and int(climbs) <= 3 and int(entries) <= 2, paths
+    for stop in ("octfw/engine/plan.py", "octfw/runs/folder.py", "octfw/engine/build.py", "octfw/engine/trainer.py"):
+        assert stop in paths, paths  # the decisions and the build are on the path: the trace follows them
+    assert out.returncode == 0, paths + out.stderr

@@ -68,3 +68,33 @@ def test_a_plan_for_a_folder_continues_its_fallback_copy_before_the_checkpointer
     (tmp_path / "given.pt").unlink()  # a checkpoint no process can read: refused before anything loads
     with pytest.raises(UserError, match="cannot be read by every process"):
         plan_for_folder(recipe, registry, run_dir, str(tmp_path / "given.pt"))
+
+
+def test_resume_auto_reads_the_runs_and_their_checkpoints_once(tmp_path, monkeypatch):
+    """Issue #59: the plan reads the recipe's runs and the checkpoint the chosen one stands at
+    once (rank 0), decides, then holds the folder; the checkpoint is not asked again for the plan."""
+    import octfw.engine.plan as plan_module
+    from octfw.engine.backend import this_process
+    from octfw.engine.distributed import Peers
+    from octfw.recipe import load_recipe
+    from octfw.registry import load_registry
+    from octfw.runs.checkpoint import fallback_storage, run_checkpoint
+    from octfw.runs.folder import create_run_dir
+    from octfw.storage.owner import is_owned
+
+    (tmp_path / "tiny.toml").write_text(TINY_RECIPE)
+    registry = load_registry()
+    recipe = load_recipe(tmp_path / "tiny.toml", [f"run.output_dir={tmp_path / 'runs'}"], registry)
+    older, newer = create_run_dir(recipe, registry), create_run_dir(recipe, registry)
+    saved = fallback_storage(older).save(3, {"update_step": 3, "model": {}})
+    asked = []
+    monkeypatch.setattr(plan_module, "run_checkpoint",
+                        lambda run_dir, checkpointer: asked.append(run_dir) or run_checkpoint(run_dir, checkpointer))
+
+    processes = this_process("cpu")
+    with plan_module.planned_run(recipe, registry, resume="auto", processes=processes,
+                                 peers=Peers(processes)) as plan:
+        assert (plan.run_dir, plan.resume_from, plan.from_fallback) == (older, saved, True)
+        assert is_owned(older) is not None  # held while the block runs
+    assert asked == [newer, older]  # newest first; each asked once, the chosen one not again
+    assert is_owned(older) is None

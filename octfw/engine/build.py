@@ -33,7 +33,6 @@ class Components(ByStage):
 
 def plan_update_steps(recipe: Recipe, dataset_size: int, layout: BatchLayout) -> tuple[int, int]:
     """(steps per epoch, total update steps), derived once, in update steps."""
-    run = recipe.run
     steps_per_epoch = dataset_size // layout.global_batch
     if steps_per_epoch == 0:
         raise UserError(
@@ -42,10 +41,7 @@ def plan_update_steps(recipe: Recipe, dataset_size: int, layout: BatchLayout) ->
             f"(engine.per_device_batch {layout.per_device_batch} x {counted(layout.devices, 'device')} x "
             f"engine.grad_accum_steps {layout.grad_accum_steps})"
         )
-    total = steps_per_epoch * run.epochs if run.epochs is not None else run.max_steps
-    if run.max_steps is not None:
-        total = min(total, run.max_steps)
-    return steps_per_epoch, total
+    return steps_per_epoch, recipe.total_update_steps(steps_per_epoch)
 
 
 def build_components(
@@ -55,7 +51,7 @@ def build_components(
     """Build dataset first (its size fixes the schedule), then every other stage in STAGES order.
     ``layout``: the run's global batch arithmetic (default: one device). ``apply_init``: False
     when the run restores a checkpoint after this, so a model does not read its ``init`` weights."""
-    from octfw.engine.data import dataset_domains  # imports torch: not at module level (octfw list)
+    from octfw.engine.domains import dataset_domains  # imports torch: not at module level (octfw list)
 
     from octfw.engine.distributed import layout_for
 

@@ -122,9 +122,20 @@ def _checkpoint(run_dir: Path, recipe: Recipe, registry: Registry) -> tuple[str 
     return run_checkpoint(run_dir, recipe.by_stage["checkpointer"].build(ctx))
 
 
-def _resumable_run(recipe: Recipe, registry: Registry) -> tuple[Path | None, dict[str, Any] | None]:
-    """(the run of ``recipe`` to continue, or None to start a new one; the summary of that
-    run if it finished). See the module docstring."""
+@attrs.frozen
+class _Found:
+    """What ``--resume auto`` read of a recipe's runs: the run to continue (None: a new one), its
+    summary if it finished, and the checkpoint it stands at (location, whether the fallback copy)."""
+
+    run_dir: Path | None = None
+    finished: dict[str, Any] | None = None
+    checkpoint: tuple[str | None, bool] = (None, False)
+
+
+def _resumable_run(recipe: Recipe, registry: Registry) -> _Found:
+    """What the runs folder and the checkpoint store say of ``recipe``'s runs, read once: the
+    run to continue, its summary if it finished, the checkpoint it stands at. See the module
+    docstring."""
     runs = run_dirs(recipe)
     for run_dir in runs:
         owner = is_owned(run_dir)
@@ -134,14 +145,15 @@ def _resumable_run(recipe: Recipe, registry: Registry) -> tuple[Path | None, dic
     for run_dir in runs:
         summary = _finished(run_dir, recipe)
         if summary is not None:
-            return run_dir, summary
-        if _checkpoint(run_dir, recipe, registry)[0] is not None:
+            return _Found(run_dir, summary)
+        checkpoint = _checkpoint(run_dir, recipe, registry)
+        if checkpoint[0] is not None:
             logger.info("--resume auto: continuing %s", run_dir)
-            return run_dir, None
+            return _Found(run_dir, None, checkpoint)
         logger.info("--resume auto: skipping %s (no complete checkpoint: it never saved one)", run_dir)
     logger.info("--resume auto: no earlier run of %r under %s to continue; starting a new run",
                 recipe.name, recipe.run.output_dir)
-    return None, None
+    return _Found()
 
 
 def _failed_start(run_dir: Path) -> bool:
@@ -164,6 +176,13 @@ def plan_for_folder(recipe: Recipe, registry: Registry, run_dir: Path, resume: s
         return _checkpoint(run_dir, recipe, registry) if resume == "auto" else (resume, False)
 
     location, from_fallback = peers.decide(checkpoint)
+    return _plan(recipe, run_dir, processes, peers, location, from_fallback, resume, allow_recipe_change)
+
+
+def _plan(recipe: Recipe, run_dir: Path, processes: Processes, peers: Peers, location: str | None,
+          from_fallback: bool, resume: str | None, allow_recipe_change: bool) -> RunPlan:
+    """The plan, once the folder and the checkpoint are decided: refused unless every process
+    can read the checkpoint."""
     if location is not None and not peers.all_agree(_readable(location)):
         raise UserError(f"the checkpoint to resume, {location}, cannot be read by every process of the job; "
                         "put checkpointer.dir on storage that every node reads (gs://, a shared file system)")
@@ -220,31 +239,33 @@ def planned_run(recipe: Recipe, registry: Registry, *, resume: str | None, proce
         if created and run_dir is not None and _failed_start(run_dir):  # nothing --resume auto could take
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def decide() -> tuple[Path, dict[str, Any] | None]:  # rank 0: (the run folder, its summary if finished)
+    def decide() -> tuple[Path, dict[str, Any] | None, str | None, bool]:
+        """Rank 0: read (the recipe's runs, their owners and checkpoints), decide, then create
+        (a new folder) and hold the folder trained. (The run folder, its summary if it finished,
+        the checkpoint continued, whether it is the fallback copy.)"""
         nonlocal run_dir, owner, created
         # Once per run, here on rank 0: what the extends chain dropped, a missing safety guard,
         # a checkpoint cadence in step with another.
         for warning in (*recipe.warnings(), *cadence_warnings(recipe.engine)):
             logger.warning(warning)
-        finished = None
-        if resume == "auto":
-            run_dir, finished = _resumable_run(recipe, registry)
+        found = _resumable_run(recipe, registry) if resume == "auto" else _Found(checkpoint=(resume, False))
+        run_dir = found.run_dir
+        checkpoint = found.checkpoint
         if run_dir is None:
-            # A new run folder; with "auto" the checkpointer is still asked for its newest
-            # checkpoint: a gs:// checkpoint folder outlives a preempted VM and its local disk.
             run_dir, created = create_run_dir(recipe, registry), True
-        if finished is None:  # rank 0 writes the folder: it holds it until the run ends
+            if resume == "auto":  # the checkpointer's newest: a gs:// folder outlives a preempted VM's disk
+                checkpoint = _checkpoint(run_dir, recipe, registry)
+        if found.finished is None:  # rank 0 writes the folder: it holds it until the run ends
             owner = _held(run_dir)
-        return run_dir, finished
+        return run_dir, found.finished, *checkpoint
 
     if stop_requests is not None:
         stop_requests.abandon_hooks.append(remove_failed_start)
     try:
-        run_dir, finished = peers.decide(decide)  # a refusal on rank 0 is every process's
+        run_dir, finished, location, from_fallback = peers.decide(decide)  # a refusal on rank 0 is every process's
         if finished is not None:
             raise AlreadyFinished(run_dir, finished)
-        yield plan_for_folder(recipe, registry, run_dir, resume, processes=processes, peers=peers,
-                              allow_recipe_change=allow_recipe_change)
+        yield _plan(recipe, run_dir, processes, peers, location, from_fallback, resume, allow_recipe_change)
     except BaseException:
         remove_failed_start()
         raise

@@ -59,7 +59,7 @@ def check_recipe_change(trained_with: dict[str, Any] | None, recipe: Recipe, reg
             f"{'; '.join(trains)} (resume with the recipe it began with, start a new run, or accept them with "
             "--allow-recipe-change)"))
     if trains:
-        problem = _changed_schedule_problem(trained_with, recipe, registry, parts, layout, start_step)
+        problem = _changed_schedule_problem(trained_with, recipe, registry, parts, start_step)
         if problem is not None:
             raise UserError(f"{where} --allow-recipe-change: {problem}")
     if not changes:
@@ -114,15 +114,14 @@ class _ResumedSchedule:
 
 
 def _changed_schedule_problem(trained_with: dict[str, Any], recipe: Recipe, registry: Registry, parts: Components,
-                              layout: BatchLayout, start: int) -> str | None:
+                              start: int) -> str | None:
     """None when the old schedule up to ``start`` and the new one after it make a schedule that
     the pre-flight check takes; else why not, in one line."""
-    from octfw.engine.build import plan_update_steps
     from octfw.recipe import validate
     from octfw.engine.schedules import validate_schedule
 
     old_recipe = validate(trained_with, registry, recipe.source)
-    _per_epoch, old_total = plan_update_steps(old_recipe, len(parts.dataset), layout)
+    old_total = old_recipe.total_update_steps(parts.steps_per_epoch)  # the same data, the same global batch
     old = old_recipe.scheduler.build(attrs.evolve(parts.ctx, total_update_steps=old_total))
     combined = _ResumedSchedule(old, old_recipe.engine.base_lr, parts.scheduler, recipe.engine.base_lr, start)
     problems = validate_schedule(combined, parts.ctx.total_update_steps, recipe.engine.base_lr,

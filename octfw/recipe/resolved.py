@@ -113,6 +113,13 @@ class Recipe(ByStage):
                          "(as recipes/quickstart.toml does)")
         return lines
 
+    def total_update_steps(self, steps_per_epoch: int) -> int:
+        """How long this recipe trains, in update steps, an epoch being ``steps_per_epoch`` of
+        them: ``run.epochs`` epochs, at most ``run.max_steps``."""
+        run = self.run
+        total = steps_per_epoch * run.epochs if run.epochs is not None else run.max_steps
+        return min(total, run.max_steps) if run.max_steps is not None else total
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe with every default filled in (unset values as None)."""
         out: dict[str, Any] = {key: plain(getattr(self, key)) for key in CORE_TABLES}
