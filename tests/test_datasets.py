@@ -21,18 +21,11 @@ import pytest
 
 from octfw.dicom.dataset import DicomDataset, list_dicom_files
 from octfw.dicom.reader import read_oct_volume, write_oct_dicom
-from octfw.plugins.datasets.synthetic.cohort import (
-    CORRUPTION_KINDS,
-    PROFILES,
-    TASKS,
-    VendorProfile,
-    cohort_key,
-    cohort_options,
-    corrupt_count,
-    read_cohort,
-    synthetic_volume,
-    write_synthetic_cohort,
-)
+from octfw.plugins.datasets.synthetic.cohort import cohort_key, cohort_options, read_cohort, write_synthetic_cohort
+from octfw.plugins.datasets.synthetic.corruption import CORRUPTION_KINDS, corrupt_count
+from octfw.plugins.datasets.synthetic.labels import TASKS
+from octfw.plugins.datasets.synthetic.retina import synthetic_volume
+from octfw.plugins.datasets.synthetic.vendors import PROFILES, VendorProfile
 from octfw.display.errors import CorruptFile, UserError
 from octfw.registry import load_registry
 from octfw.types import BuildContext, Dataset

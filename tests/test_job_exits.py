@@ -229,7 +229,7 @@ def test_a_second_ctrl_c_ends_every_rank_at_once_exit_130_keeping_the_last_check
 def test_records_are_the_jobs_every_ranks_quarantined_files_listed_and_evaluators_run_once(misbehaving):
     """Corrupt files met by any of the 4 ranks reach rank 0's quarantine.jsonl and the summary's
     count; an evaluator runs on rank 0 alone, at each of its steps."""
-    from octfw.plugins.datasets.synthetic.cohort import corrupt_count
+    from octfw.plugins.datasets.synthetic.corruption import corrupt_count
 
     volumes, fraction = 16, 0.25
     result = run4(misbehaving, "records", f"--set=dataset.n_volumes={volumes}",

@@ -22,11 +22,11 @@ from octfw.dicom.reader import write_oct_dicom
 from octfw.plugins.datasets.phantom import cohort as phantom_cohort
 from octfw.plugins.datasets.phantom.cohort import family_module, write_phantom_cohort
 from octfw.plugins.datasets.phantom.devices import Vendor
-from octfw.plugins.datasets.synthetic import cohort as synthetic
-from octfw.plugins.datasets.synthetic.cohort import (
-    DEVICE_PROFILES, LAYER_NAMES, PROFILES, read_cohort, synthetic_volume, synthetic_volume_and_layers,
-    write_synthetic_cohort,
-)
+from octfw.plugins.datasets.synthetic import retina as synthetic_retina
+from octfw.plugins.datasets.synthetic.cohort import LAYERS_VERSION, read_cohort, write_synthetic_cohort
+from octfw.plugins.datasets.synthetic.labels import LAYER_NAMES
+from octfw.plugins.datasets.synthetic.retina import synthetic_volume, synthetic_volume_and_layers
+from octfw.plugins.datasets.synthetic.vendors import DEVICE_PROFILES, PROFILES
 from octfw.registry import load_registry
 from octfw.types import BuildContext, LabelPreparingTransform, LayeredDataset
 
@@ -118,7 +118,7 @@ def test_each_labelled_boundary_is_where_the_drawn_intensity_steps():
     # synthetic-oct: a profile with little speckle and noise, and enough voxels per layer.
     profile = attrs.evolve(PROFILES["heidelberg"], looks=200.0, noise=0.0)
     volume, labels = synthetic_volume_and_layers(np.random.default_rng(4), (4, 320, 24), profile)
-    reflectivity = [0.0] + [r for _n, _t, r in synthetic._LAYERS[:7]] + [0.0, 1.0, 0.3]  # SRF 0; choroid < 0.45
+    reflectivity = [0.0] + [r for _n, _t, r in synthetic_retina._LAYERS[:7]] + [0.0, 1.0, 0.3]  # SRF 0; choroid < 0.45
     pairs = _adjacent_means(volume.astype(float), labels, reflectivity)
     assert len(pairs) == len(LAYER_NAMES) - 2  # every label present but SRF (no fluid)
     for above, measured, drawn in pairs:
@@ -157,13 +157,13 @@ def test_a_thinning_finding_thins_the_onl_label_by_the_drawn_amount():
     rng.uniform(size=4), rng.uniform(size=2), rng.uniform()
     z = np.linspace(-1.0, 1.0, shape[0])[:, None, None]
     x = np.linspace(-1.0, 1.0, shape[2])[None, None, :]
-    lost = (synthetic._THINNING_DEPTH
-            * np.exp(-synthetic._footprint(rng, z, x, synthetic._THINNING_RADII, 1.0) ** 2))[:, 0, :]
+    lost = (synthetic_retina._THINNING_DEPTH
+            * np.exp(-synthetic_retina._footprint(rng, z, x, synthetic_retina._THINNING_RADII, 1.0) ** 2))[:, 0, :]
     onl = LAYER_NAMES.index("ONL")
     before, after = (healthy == onl).sum(axis=1), (thinned == onl).sum(axis=1)
     # Voxel counts of a layer are its thickness x (H - 1) within a voxel at each end.
     assert np.abs(after - before * (1 - lost)).max() <= 2.0
-    assert (before - after).max() >= 0.6 * before.max() * synthetic._THINNING_DEPTH
+    assert (before - after).max() >= 0.6 * before.max() * synthetic_retina._THINNING_DEPTH
     for other in range(len(LAYER_NAMES)):  # the other layers keep their thickness
         if other not in (onl, 0):
             assert np.abs((healthy == other).sum(axis=1) - (thinned == other).sum(axis=1)).max() <= 2, other
@@ -234,7 +234,7 @@ def test_a_cohort_written_before_layer_labels_is_written_again_with_the_same_vol
     assert [Path(f).read_bytes() for f in files] == before
     dataset = DicomDataset.from_location(str(tmp_path / "manifest.jsonl"))
     assert all(dataset.layers(i) is not None for i in range(3))
-    assert read_cohort(tmp_path)["layers_version"] == synthetic.LAYERS_VERSION
+    assert read_cohort(tmp_path)["layers_version"] == LAYERS_VERSION
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -18,7 +18,8 @@ from octfw.dicom.reader import read_oct_volume
 from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
 from octfw.plugins.transforms.oct_standard.resize import resize
 from octfw.plugins.transforms.oct_standard.transform import OCTStandardTransform
-from octfw.plugins.datasets.synthetic.cohort import PROFILES, write_synthetic_cohort
+from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
+from octfw.plugins.datasets.synthetic.vendors import PROFILES
 from octfw.types import Sample
 
 #: float32 rounding, relative to the largest value: the two differ in the order of the sums only.

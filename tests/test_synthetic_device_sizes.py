@@ -12,18 +12,11 @@ import pydicom
 import pytest
 
 from octfw.dicom.reader import encode_oct_dicom, read_header, read_oct_volume
-from octfw.plugins.datasets.synthetic.cohort import (
-    _LOG_FLOOR,
-    CORRUPTION_KINDS,
-    DEVICE_PROFILES,
-    PROFILES,
-    VendorProfile,
-    cohort_key,
-    cohort_options,
-    read_cohort,
-    synthetic_volume,
-    write_synthetic_cohort,
-)
+from octfw.plugins.datasets.synthetic.cohort import cohort_key, cohort_options, read_cohort, write_synthetic_cohort
+from octfw.plugins.datasets.synthetic.corruption import CORRUPTION_KINDS
+from octfw.plugins.datasets.synthetic.rendering import _LOG_FLOOR
+from octfw.plugins.datasets.synthetic.retina import synthetic_volume
+from octfw.plugins.datasets.synthetic.vendors import DEVICE_PROFILES, PROFILES, VendorProfile
 from octfw.plugins.datasets.synthetic.config import SyntheticOctConfig
 from octfw.display.errors import CorruptFile, UserError
 from octfw.recipe import load_recipe

@@ -6,6 +6,14 @@ while its options are unchanged), then read back by the same
 a quickstart on synthetic data exercises the real DICOM path end to end.
 
 Registration and factory; the config lives in :mod:`octfw.plugins.datasets.synthetic.config`.
+The implementation, one concern a module, which ``build`` alone imports (numpy, pydicom):
+
+- :mod:`.cohort`: the options, and writing (or reusing) a cohort's folder;
+- :mod:`.vendors`: the device profiles (size, spacing, gain, speckle, bits);
+- :mod:`.retina`: the drawn geometry (layers, fovea, findings) of one volume;
+- :mod:`.rendering`: that geometry as stored voxels (reflectivity, speckle, noise);
+- :mod:`.labels`: the classification tasks and every voxel's layer label;
+- :mod:`.corruption`: which files are broken, and how.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Config of the ``synthetic-oct`` component (light: attrs only).
 
-It lives below the implementation that reads it (:mod:`.cohort`, which
-imports numpy), so it names the choices a recipe may make itself: validating
-a recipe must not import numpy. :mod:`octfw.plugins.datasets.synthetic` registers it and
-holds the factory; a test checks that these names are the cohort's.
+It lives below the implementation that reads it (:mod:`.cohort` and the
+modules it draws with, which import numpy), so it names the choices a recipe
+may make itself: validating a recipe must not import numpy.
+:mod:`octfw.plugins.datasets.synthetic` registers it and holds the factory;
+a test checks that these names are the cohort's.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import attrs
 
 from octfw.recipe.fields import Location, choices, doc, in_range, non_negative, positive
 
-#: The vendor domains a cohort draws (each a profile in :data:`.cohort.PROFILES`).
+#: The vendor domains a cohort draws (each a profile in :data:`.vendors.PROFILES`).
 DOMAINS: tuple[str, ...] = ("heidelberg", "topcon", "zeiss")
-#: Volume sizes (:data:`.cohort.SIZES`): "small" for the CPU, "device" as devices export.
+#: Volume sizes (:data:`.vendors.SIZES`): "small" for the CPU, "device" as devices export.
 SIZE_NAMES: tuple[str, ...] = ("small", "device")
-#: Labelled tasks (:data:`.cohort.TASKS`).
+#: Labelled tasks (:data:`.labels.TASKS`).
 TASK_NAMES: tuple[str, ...] = ("lesion", "fluid", "thinning", "finding")
 
 
