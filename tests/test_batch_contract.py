@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from octfw.engine.build import build_components
-from octfw.engine.data import SampleSource, collate
+from octfw.engine.collate import collate
+from octfw.engine.data import SampleSource
 from octfw.display.errors import ContractError, UserError
 from octfw.recipe import load_recipe
 from octfw.registry import DISABLE_ENV

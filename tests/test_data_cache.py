@@ -16,13 +16,9 @@ from octfw.dicom.dataset import DicomDataset
 from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build
 from octfw.plugins.transforms.oct_standard.cache import PreparedCache
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
-from octfw.engine.data import (
-    BalancedEpochOrder,
-    EpochOrder,
-    SampleSource,
-    domain_report,
-    make_loader,
-)
+from octfw.engine.data import SampleSource, make_loader
+from octfw.engine.domains import domain_report
+from octfw.engine.sampling import BalancedEpochOrder, EpochOrder
 from octfw.types import BuildContext, PreparingTransform, SourcedDataset
 
 IMAGE = (4, 16, 16)

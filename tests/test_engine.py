@@ -177,7 +177,8 @@ def test_loss_is_logged_per_domain_from_each_samples_domain(tiny_recipe, probe):
 
 def test_each_sample_carries_the_id_of_its_own_domain(tiny_recipe):
     from octfw.engine.build import build_components
-    from octfw.engine.data import SampleSource, collate
+    from octfw.engine.collate import collate
+    from octfw.engine.data import SampleSource
 
     registry = load_registry()
     parts = build_components(load_recipe(tiny_recipe, [], registry), registry, run_dir=None, with_loggers=False)

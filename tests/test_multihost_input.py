@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_RECIPE
-from octfw.engine.data import BalancedEpochOrder, EpochOrder, SampleSource, make_loader
+from octfw.engine.data import SampleSource, make_loader
+from octfw.engine.sampling import BalancedEpochOrder, EpochOrder
 from octfw.engine.distributed import BatchLayout
 from octfw.types import BatchKey, Provenance, Sample
 from test_xla_engine import FAST_COMPILE

@@ -31,7 +31,7 @@ from octfw.plugins.datasets.prepared.store import (
     CHUNK, HEADER_FILE, dequantize, quantize, read_header,
 )
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
-from octfw.engine.data import domain_counts
+from octfw.engine.domains import domain_counts
 from octfw.display.errors import CorruptFile
 from octfw.recipe import load_recipe
 from octfw.registry import load_registry
@@ -171,8 +171,9 @@ def test_an_8_bit_cohort_is_stored_as_uint8_within_its_bound_of_the_transforms_o
 
 def assert_views_travel_as_stored(dataset, transform, dtype):
     """Unaugmented, the views stay as stored (``dtype``) through the loader and become
-    transform.prepare()'s float32 on the device, bit for bit (octfw.engine.data.float_views)."""
-    from octfw.engine.data import SampleSource, collate, float_views
+    transform.prepare()'s float32 on the device, bit for bit (octfw.engine.collate.float_views)."""
+    from octfw.engine.collate import collate, float_views
+    from octfw.engine.data import SampleSource
 
     spec = transform.batch_spec()
     batch = collate([SampleSource(dataset, transform, seed=0)[(0, i)] for i in range(2)], spec)["tensors"]

@@ -307,7 +307,8 @@ def test_each_broken_file_is_in_quarantine_jsonl_once_across_epochs_workers_and_
     import json
 
     from octfw.dicom.dataset import DicomDataset
-    from octfw.engine.data import Quarantine, SampleSource, make_loader
+    from octfw.engine.data import SampleSource, make_loader
+    from octfw.engine.quarantine import Quarantine
 
     dataset = DicomDataset.from_location(mixed_cohort)
     source = SampleSource(dataset, _transform(tmp_path), seed=0)
@@ -324,7 +325,7 @@ def test_each_broken_file_is_in_quarantine_jsonl_once_across_epochs_workers_and_
 
 
 def test_a_quarantine_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
-    from octfw.engine.data import Quarantine
+    from octfw.engine.quarantine import Quarantine
 
     (tmp_path / "quarantine.jsonl").write_text('{"url": "/a.dcm", "reason": "truncated"}\n{"url": "/b.d')
     quarantine = Quarantine(tmp_path)
@@ -336,7 +337,7 @@ def test_counts_before_reading_say_files_and_series(tmp_path, mixed_cohort):
 
     from octfw.dicom.dataset import DicomDataset
     from octfw.dicom.reader import write_oct_dicom
-    from octfw.engine.data import domain_report
+    from octfw.engine.domains import domain_report
 
     # Three B-scans of one series, one file each: one series entry.
     for i in range(3):
@@ -348,7 +349,7 @@ def test_counts_before_reading_say_files_and_series(tmp_path, mixed_cohort):
 
 
 def test_a_batch_that_skipped_one_file_twice_records_it_once(tmp_path):
-    from octfw.engine.data import Quarantine
+    from octfw.engine.quarantine import Quarantine
 
     Quarantine(tmp_path).record([("/a.dcm", "truncated"), ("/a.dcm", "truncated")])
     assert (tmp_path / "quarantine.jsonl").read_text().count("/a.dcm") == 1

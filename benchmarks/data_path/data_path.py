@@ -266,7 +266,8 @@ def main() -> None:
     from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
     from octfw.plugins.datasets.prepared.dataset import PreparedDataset
     from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
-    from octfw.engine.data import SampleSource, collate
+    from octfw.engine.collate import collate
+    from octfw.engine.data import SampleSource
     from octfw.types import BuildContext
     from test_resize import monai_prepare
 

@@ -154,7 +154,8 @@ def stream(location: str, transform: Any, samples: int, batch: int = 4) -> dict[
     import torch
 
     from octfw.plugins.datasets.prepared.dataset import PreparedDataset
-    from octfw.engine.data import SampleSource, collate
+    from octfw.engine.collate import collate
+    from octfw.engine.data import SampleSource
 
     torch.set_num_threads(1)
     dataset = PreparedDataset.open(location)
@@ -178,7 +179,7 @@ def build_times(location: str, scratch: Path) -> dict[str, Any]:
 
     from octfw.plugins.datasets.prepared.dataset import PreparedDataset
     from octfw.plugins.datasets.prepared.store import HEADER_FILE, INDEX_FILE, read_header
-    from octfw.engine.data import domain_counts
+    from octfw.engine.domains import domain_counts
 
     header = read_header(location)
     template = [json.loads(line) for line in Path(location, header.index).read_text().splitlines()]

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 from octfw.engine.build import build_components, check_schedule
-from octfw.engine.data import SampleSource, collate, domain_counts, float_views, listed, view_keys
+from octfw.engine.collate import collate, float_views, view_keys
+from octfw.engine.data import SampleSource
+from octfw.engine.domains import domain_counts, listed
 from octfw.engine.distributed import layout_for, step_time
 from octfw.engine.update import grad_norm
 from octfw.display.errors import ContractError

@@ -267,7 +267,7 @@ class DicomDataset:
         return len(self.entries)
 
     def __repr__(self) -> str:
-        series = sum(1 for e in self.entries if e.files)  # files until read: see engine.data.listed
+        series = sum(1 for e in self.entries if e.files)  # files until read: see engine.domains.listed
         return f"DicomDataset({len(self) - series} files, {series} series from {self.location})"
 
     def url(self, index: int) -> str:

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from octfw.engine.attention import kernel_priority, priority_context
-from octfw.engine.data import float_views, view_keys, with_aliases
+from octfw.engine.collate import float_views, view_keys, with_aliases
 from octfw.engine.distributed import BatchLayout, Processes, layout_for, xla_spmd
 from octfw.display.errors import UserError
 from octfw.types import DOMAIN_ID_KEY, BatchKey

@@ -51,7 +51,7 @@ def build_components(
     """Build dataset first (its size fixes the schedule), then every other stage in STAGES order.
     ``layout``: the run's global batch arithmetic (default: one device). ``apply_init``: False
     when the run restores a checkpoint after this, so a model does not read its ``init`` weights."""
-    from octfw.engine.domains import dataset_domains  # imports torch: not at module level (octfw list)
+    from octfw.engine.domains import dataset_domains
 
     from octfw.engine.distributed import layout_for
 

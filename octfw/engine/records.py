@@ -16,14 +16,18 @@ from typing import Any
 import torch
 
 from octfw.engine.backend import Backend
-from octfw.engine.data import provenance_record
 from octfw.engine.distributed import all_reduce_
-from octfw.types import ModelOutput
+from octfw.types import ModelOutput, Provenance
 
 __all__ = ["DeviceTotals", "GuardLog", "PROVENANCE_WINDOW", "device_metrics", "model_metrics"]
 
 #: The key under which :func:`device_metrics` hands the model's health Gram matrix to the one read.
 _HEALTH_GRAM = "health_gram"
+
+
+def provenance_record(provenance: Provenance) -> dict[str, Any]:
+    """What the guard event log lists of one sample: its file and domain."""
+    return {"source": provenance.source, "domain": provenance.domain}
 
 
 def device_metrics(out: ModelOutput) -> dict[str, torch.Tensor]:

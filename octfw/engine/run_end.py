@@ -25,7 +25,7 @@ import torch
 from octfw.engine.backend import Backend
 from octfw.engine.build import Components
 from octfw.engine.checkpointing import BackgroundSaver
-from octfw.engine.data import Quarantine
+from octfw.engine.quarantine import Quarantine
 from octfw.engine.distributed import PeerLost, Peers
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.preemption import StopRequests

@@ -30,13 +30,14 @@ from octfw.engine.attention import record_attention
 from octfw.engine.backend import select_backend, training_forward
 from octfw.engine.build import build_components, check_schedule
 from octfw.engine.checkpointing import BackgroundSaver
-from octfw.engine.data import (Quarantine, SampleSource, domain_report, loader_workers, make_loader,
-                               stating_shared_memory)
+from octfw.engine.data import SampleSource, loader_workers, make_loader, stating_shared_memory
 from octfw.engine.distributed import Peers, PeerLost, all_reduce_, min_across_ranks
+from octfw.engine.domains import domain_report
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics
 from octfw.engine.optim import apply_schedule, make_optimizer, seed_everything
 from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
+from octfw.engine.quarantine import Quarantine
 from octfw.engine.records import DeviceTotals, GuardLog, device_metrics, model_metrics
 from octfw.engine.plan import RunPlan, planned_folder
 from octfw.engine.resume import check_recipe_change
@@ -104,10 +105,9 @@ class Trainer:
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
         self.loader_workers = loader_workers(engine.num_workers, backend.kind)
-        loader = make_loader(source, engine.per_device_batch * backend.local_devices,
-                             recipe.run.seed, self.throughput.samples_done(self.start_step),
-                             self.loader_workers[0], backend.rank, backend.world_size,
-                             domain_sampling=engine.domain_sampling,
+        loader = make_loader(source, engine.per_device_batch * backend.local_devices, recipe.run.seed,
+                             self.throughput.samples_done(self.start_step), self.loader_workers[0],
+                             backend.rank, backend.world_size, domain_sampling=engine.domain_sampling,
                              views_to_device=backend.kind != "cpu", pin_memory=backend.kind == "cuda")
         self.batches = iter(backend.device_batches(stating_shared_memory(loader), parts.transform.batch_spec()))
         writes = run_dir if backend.is_main_process else None  # only rank 0 writes files

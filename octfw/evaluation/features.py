@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 import torch
 
-from octfw.engine.data import float_views, view_keys
+from octfw.engine.collate import float_views, view_keys
 from octfw.display.errors import CorruptFile, UserError
 from octfw.types import Dataset, EmbeddingModel, PatientDataset, PreparingTransform, Sample
 from octfw.display.tables import counted

@@ -27,7 +27,7 @@ __all__ = [
 #: ``octfw prepare`` stored as uint8 (each byte ``b`` meaning ``b / 255``) or
 #: float16, and not augmented, goes through the loader workers and onto the
 #: device in a quarter or a half of float32's bytes, and the engine converts
-#: it there (``octfw.engine.data.float_views``, exactly what ``prepare()``
+#: it there (``octfw.engine.collate.float_views``, exactly what ``prepare()``
 #: gives) before the model sees it: a model always receives float32.
 #: - ``context_idx``: int64 ``[N_context]``, indices of visible patches.
 #: - ``target_idx``: int64 ``[N_target]``, indices of masked patches.
