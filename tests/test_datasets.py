@@ -20,7 +20,8 @@ import pydicom
 import pytest
 
 from octfw.dicom.dataset import DicomDataset, list_dicom_files
-from octfw.dicom.reader import read_oct_volume, write_oct_dicom
+from octfw.dicom.decoding import read_oct_volume
+from octfw.dicom.writing import write_oct_dicom
 from octfw.plugins.datasets.synthetic.cohort import cohort_key, cohort_options, read_cohort, write_synthetic_cohort
 from octfw.plugins.datasets.synthetic.corruption import CORRUPTION_KINDS, corrupt_count
 from octfw.plugins.datasets.synthetic.labels import TASKS
@@ -524,7 +525,7 @@ def _write_series(folder, volume, *, series_uid="1.2.3.4.5", manufacturer="Heide
     """One single-frame OPT file per B-scan, written in a shuffled file-name order."""
     import io
 
-    from octfw.dicom.reader import encode_oct_dicom
+    from octfw.dicom.writing import encode_oct_dicom
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from octfw.models.vit3d import ViT3DEncoder
 from octfw.dicom.dataset import DicomDataset
 from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest
 from octfw.dicom.masks import SEGMENTATION_SOP_CLASS, read_finding_mask
-from octfw.dicom.reader import write_oct_dicom
+from octfw.dicom.writing import write_oct_dicom
 from octfw.registry import load_registry
 from octfw.types import BuildContext, MaskedDataset, MaskPreparingTransform
 

@@ -11,15 +11,10 @@ import pytest
 from pydicom.data import get_testdata_file
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, JPEGLSLossless, RLELossless
 
-from octfw.dicom.reader import (
-    OCT_SOP_CLASS_UID,
-    SpacingDefaulted,
-    normalise_manufacturer,
-    read_header,
-    read_oct_volume,
-    write_bytes,
-    write_oct_dicom,
-)
+from octfw.dicom.decoding import read_oct_volume
+from octfw.dicom.files import write_bytes
+from octfw.dicom.header import SpacingDefaulted, normalise_manufacturer, read_header
+from octfw.dicom.writing import OCT_SOP_CLASS_UID, write_oct_dicom
 from octfw.display.errors import CorruptFile
 
 PATIENT = {"PatientName": "Doe^Janet", "PatientID": "MRN-99817", "PatientBirthDate": "19610412"}

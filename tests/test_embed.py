@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from octfw.cli.main import main
-from octfw.dicom.reader import read_oct_volume
+from octfw.dicom.decoding import read_oct_volume
 from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort
 from octfw.exports.pretrained import load_encoder
 from octfw.display.errors import UserError

@@ -249,7 +249,7 @@ def cohort(tmp_path_factory):
     """One real volume and one series of three B-scans, for rows to name."""
     import numpy as np
 
-    from octfw.dicom.reader import write_oct_dicom
+    from octfw.dicom.writing import write_oct_dicom
 
     folder = tmp_path_factory.mktemp("fuzz-cohort")
     rng = np.random.default_rng(0)

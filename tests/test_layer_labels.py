@@ -18,7 +18,7 @@ import pytest
 
 from octfw.dicom.dataset import DicomDataset
 from octfw.dicom.manifest import ManifestRow, read_manifest, write_manifest
-from octfw.dicom.reader import write_oct_dicom
+from octfw.dicom.writing import write_oct_dicom
 from octfw.plugins.datasets.phantom import cohort as phantom_cohort
 from octfw.plugins.datasets.phantom.cohort import family_module, write_phantom_cohort
 from octfw.plugins.datasets.phantom.devices import Vendor

@@ -20,7 +20,7 @@ import pydicom
 import torch
 
 from octfw.cli.main import main
-from octfw.dicom.reader import encode_oct_dicom, write_oct_dicom
+from octfw.dicom.writing import encode_oct_dicom, write_oct_dicom
 
 PATIENT = {
     "PatientName": "Qorvalis^Zentrick",

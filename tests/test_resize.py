@@ -14,7 +14,7 @@ import pytest
 import torch
 from monai.transforms import Resize
 
-from octfw.dicom.reader import read_oct_volume
+from octfw.dicom.decoding import read_oct_volume
 from octfw.plugins.transforms.oct_standard.config import OCTStandardConfig
 from octfw.plugins.transforms.oct_standard.resize import resize
 from octfw.plugins.transforms.oct_standard.transform import OCTStandardTransform

@@ -11,7 +11,9 @@ import numpy as np
 import pydicom
 import pytest
 
-from octfw.dicom.reader import encode_oct_dicom, read_header, read_oct_volume
+from octfw.dicom.decoding import read_oct_volume
+from octfw.dicom.header import read_header
+from octfw.dicom.writing import encode_oct_dicom
 from octfw.plugins.datasets.synthetic.cohort import cohort_key, cohort_options, read_cohort, write_synthetic_cohort
 from octfw.plugins.datasets.synthetic.corruption import CORRUPTION_KINDS
 from octfw.plugins.datasets.synthetic.rendering import _LOG_FLOOR

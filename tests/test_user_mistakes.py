@@ -261,7 +261,7 @@ def mixed_cohort(tmp_path):
     import numpy as np
     from pydicom.data import get_testdata_file
 
-    from octfw.dicom.reader import write_oct_dicom
+    from octfw.dicom.writing import write_oct_dicom
 
     folder = tmp_path / "cohort"
     folder.mkdir()
@@ -336,7 +336,7 @@ def test_counts_before_reading_say_files_and_series(tmp_path, mixed_cohort):
     import numpy as np
 
     from octfw.dicom.dataset import DicomDataset
-    from octfw.dicom.reader import write_oct_dicom
+    from octfw.dicom.writing import write_oct_dicom
     from octfw.engine.domains import domain_report
 
     # Three B-scans of one series, one file each: one series entry.

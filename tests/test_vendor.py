@@ -165,7 +165,7 @@ def test_topcon_fda_jpeg2000_bscans_read_exactly(tmp_path, oct_converter):
 
 
 def test_heidelberg_e2e_reads_log_intensities_axial_spacing_and_no_identifiers(tmp_path, oct_converter):
-    from octfw.dicom.reader import SpacingDefaulted
+    from octfw.dicom.header import SpacingDefaulted
 
     values = _e2e_values(4)
     data = e2e_bytes(values, axial_mm=0.0039, patient=PATIENT)
@@ -190,7 +190,7 @@ def test_heidelberg_e2e_reads_log_intensities_axial_spacing_and_no_identifiers(t
 
 
 def test_bioptigen_oct_reads_bscans_axial_by_lateral(tmp_path, oct_converter):
-    from octfw.dicom.reader import SpacingDefaulted
+    from octfw.dicom.header import SpacingDefaulted
 
     volume = _volume(9, shape=(4, 30, 14))
     (tmp_path / "mouse_OD.OCT").write_bytes(
@@ -255,7 +255,7 @@ def test_opt_dicom_converted_by_oct_converter_from_a_zeiss_img_is_read_with_its_
         tmp_path, oct_converter):
     from oct_converter.dicom import create_dicom_from_oct
 
-    from octfw.dicom.reader import read_oct_volume
+    from octfw.dicom.decoding import read_oct_volume
 
     rows, cols, slices = 24, 16, 5
     raw = np.random.default_rng(5).integers(1, 255, size=(rows, cols, slices), dtype=np.uint8)
@@ -280,7 +280,8 @@ def test_opt_dicom_from_oct_converters_writer_keeps_spacing_and_drops_identifier
                                               OCTImageParams, PatientMeta, SeriesMeta)
 
     from octfw.dicom.dataset import DicomDataset
-    from octfw.dicom.reader import read_header, read_oct_volume
+    from octfw.dicom.decoding import read_oct_volume
+    from octfw.dicom.header import read_header
 
     meta = DicomMetadata(
         patient_info=PatientMeta(first_name=FIRST, last_name=LAST, patient_id=PATIENT_ID,

@@ -262,7 +262,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from octfw.dicom.reader import read_oct_volume
+    from octfw.dicom.decoding import read_oct_volume
     from octfw.plugins.transforms.oct_standard import OCTStandardConfig, build as build_transform
     from octfw.plugins.datasets.prepared.dataset import PreparedDataset
     from octfw.plugins.datasets.synthetic.cohort import write_synthetic_cohort

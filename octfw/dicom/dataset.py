@@ -2,7 +2,7 @@
 
 The files are listed once, when the dataset is built: from a folder (walked
 recursively), a glob, or a manifest. ``load`` reads one file with
-:func:`octfw.dicom.reader.read_oct_volume` and raises
+:func:`octfw.dicom.decoding.read_oct_volume` and raises
 :class:`~octfw.display.errors.CorruptFile` for an unusable one. ``domain`` answers
 without decoding pixels: from the manifest, the parent folder's name, or the
 file's header (read once, then remembered).
@@ -12,10 +12,10 @@ volume as one file per B-scan. With ``series=True`` (the default) a folder
 or glob listing reads every file's header once, at build time, and the
 single-frame files (NumberOfFrames 1) that share a SeriesInstanceUID *and a
 folder* become one sample, read by
-:func:`octfw.dicom.reader.read_oct_series`. Its source URL is the folder
+:func:`octfw.dicom.series.read_oct_series`. Its source URL is the folder
 (``.../scan_0001``), or ``<folder>#series-<hash>`` when that folder holds
 more than one such series. A lone single-frame file stays a sample of its
-own, which loading quarantines (:data:`octfw.dicom.reader.SINGLE_FRAME`).
+own, which loading quarantines (:data:`octfw.dicom.decoding.SINGLE_FRAME`).
 A manifest row names a series by a path ending in ``/`` (the folder); other
 rows are single files. The header reads also give every file's domain,
 which the engine needs at start anyway.
@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import attrs
 
+from octfw.dicom.decoding import read_oct_volume
+from octfw.dicom.header import UNKNOWN_DOMAIN, read_header
 from octfw.dicom.manifest import is_manifest, read_manifest
-from octfw.dicom.reader import UNKNOWN_DOMAIN, read_header, read_oct_series, read_oct_volume
+from octfw.dicom.series import read_oct_series
 from octfw.display.errors import CorruptFile, UserError
 from octfw.types import Sample
 

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import attrs
 
-from octfw.dicom.reader import open_file, write_bytes
+from octfw.dicom.files import open_file, write_bytes
 from octfw.display.errors import UserError
 
 __all__ = ["MANIFEST_SUFFIXES", "ManifestRow", "is_manifest", "read_manifest", "write_manifest"]

@@ -26,7 +26,7 @@ import io
 
 import numpy as np
 
-from octfw.dicom.reader import open_file
+from octfw.dicom.files import open_file
 from octfw.display.errors import CorruptFile
 
 __all__ = ["SEGMENTATION_SOP_CLASS", "NIFTI_SUFFIXES", "read_finding_mask", "read_layer_labels"]

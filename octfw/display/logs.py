@@ -37,7 +37,7 @@ Warnings have one channel: logging. A module warns with
 ``logging.getLogger(__name__).warning(...)``, so the console shows one line
 and the run's ``octfw.log`` keeps it. A warning that a library caller should
 be able to catch by class (a volume's spacing defaulted:
-:class:`~octfw.dicom.reader.SpacingDefaulted`) is raised with
+:class:`~octfw.dicom.header.SpacingDefaulted`) is raised with
 :func:`warnings.warn` as an :class:`octfw.display.errors.OctfwWarning`;
 :func:`setup_console_logging` routes those into the same logger
 (``octfw.warnings``), and leaves every other package's warnings as Python

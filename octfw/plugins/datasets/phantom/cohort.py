@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from octfw.dicom.files import open_file, write_bytes
 from octfw.dicom.manifest import ManifestRow, write_manifest
-from octfw.dicom.reader import encode_oct_dicom, open_file, write_bytes
+from octfw.dicom.writing import encode_oct_dicom
 from octfw.storage.files import open_filesystem
 
 __all__ = ["GENERATOR_VERSION", "LAYERS_VERSION", "COHORT_FILE", "MANIFEST_FILE", "family_module",

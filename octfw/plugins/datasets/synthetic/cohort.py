@@ -29,8 +29,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from octfw.dicom.files import open_file, write_bytes
 from octfw.dicom.manifest import ManifestRow, write_manifest
-from octfw.dicom.reader import encode_oct_dicom, open_file, write_bytes
+from octfw.dicom.writing import encode_oct_dicom
 from octfw.display.progress import progress_bar
 from octfw.display.tables import counted
 from octfw.plugins.datasets.synthetic.corruption import corrupt_bytes, corrupted_files

@@ -5,7 +5,7 @@ OCT archives hold the devices' own formats as often as DICOM: Heidelberg
 ``oct-converter`` (the ``vendor`` extra) parses them; this module turns its
 result into a :class:`~octfw.types.Sample` ``[D, H, W]`` (B-scans, axial,
 lateral) with the same checks, provenance and quarantine behaviour as
-:mod:`octfw.dicom.reader`:
+:mod:`octfw.dicom.decoding`:
 
 - every failure is a :class:`~octfw.display.errors.CorruptFile` whose reason is
   written here (never an exception's text, which may quote file contents).
@@ -15,7 +15,7 @@ lateral) with the same checks, provenance and quarantine behaviour as
   read; provenance is the file URL, the domain and the geometry;
 - spacing ``(dz, dy, dx)`` comes from the file for each axis the format
   records, else from ``default_spacing``, else 1.0 mm with a
-  :class:`~octfw.dicom.reader.SpacingDefaulted` warning. Topcon ``.fds`` /
+  :class:`~octfw.dicom.header.SpacingDefaulted` warning. Topcon ``.fds`` /
   ``.fda`` record all three; Heidelberg ``.e2e`` only the axial one as
   oct-converter reads it; Zeiss ``.img`` and Bioptigen ``.OCT`` none (see
   :func:`_recorded_spacing`). Zeiss ``.img`` files record no B-scan size
@@ -43,8 +43,8 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
+from octfw.dicom.header import UNKNOWN_DOMAIN, SpacingDefaulted
 from octfw.dicom.manifest import is_manifest, read_manifest
-from octfw.dicom.reader import UNKNOWN_DOMAIN, SpacingDefaulted
 from octfw.plugins.datasets.vendor.config import DOMAIN_SOURCES, FORMATS, VENDOR_EXTENSIONS
 from octfw.display.errors import CorruptFile, UserError
 from octfw.storage.files import is_local, local_path
