@@ -23,7 +23,8 @@ from octfw.exports.pretrained import encoder_from_config
 from octfw.display.errors import UserError
 from octfw.models.published import FORMATS, InitTargets, initialise, register_format
 from octfw.models.published.adapt import adapt_channels, inflate_kernel, resample_positions
-from octfw.models.vit3d import ViT3DEncoder, weight_decay_groups
+from octfw.engine.optim import weight_decay_groups
+from octfw.models.vit3d import ViT3DEncoder
 from octfw.plugins.models.mae3d import MAE3DConfig
 from octfw.plugins.models.mae3d import build as build_mae
 from octfw.plugins.models.vjepa3d import VJEPA3DConfig, build

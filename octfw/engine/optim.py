@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from octfw.engine.backend import Backend
     from octfw.recipe import Recipe
 
-__all__ = ["GatedAdamW", "apply_schedule", "make_optimizer", "seed_everything"]
+__all__ = ["GatedAdamW", "apply_schedule", "make_optimizer", "seed_everything", "weight_decay_groups"]
 
 
 def seed_everything(seed: int) -> None:
@@ -182,3 +182,22 @@ class GatedAdamW(torch.optim.Optimizer):
                     if count not in shared:
                         shared[count] = torch.tensor(count, dtype=torch.float32, device=p.device)
                     state["step"] = shared[count]
+
+
+def weight_decay_groups(parameters: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two optimizer groups over the trainable ones of ``parameters``, kept in
+    their order (a saved optimizer state relies on it).
+
+    ``decay`` holds every weight matrix/kernel (``ndim >= 2``) with
+    ``weight_decay``; ``no_decay`` holds biases, LayerNorm parameters and every
+    other 1-D parameter (mask tokens included) with 0, and a learned position table
+    (marked ``no_weight_decay``) too.
+    """
+    decay, no_decay = [], []
+    for param in parameters:
+        if param.requires_grad:
+            (decay if param.ndim >= 2 and not getattr(param, "no_weight_decay", False) else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]

@@ -11,14 +11,17 @@ no forward branches on tensor values.
 
 This module imports torch only, never octfw: ``octfw export --format
 monai-bundle`` ships it as it is (``scripts/vit3d.py``) so that MONAI users
-build the encoder without octfw (``tests/test_embed.py`` checks it).
+build the encoder without octfw (``tests/test_embed.py`` checks it). That is
+why it is one file of one concern, the encoder network, longer than octfw's
+other modules: split into positions and blocks, the bundle would need octfw
+or a package of its own. What is not the network lives elsewhere (the
+optimizer's weight-decay groups in :mod:`octfw.engine.optim`).
 """
 
 from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +51,6 @@ __all__ = [
     "ViT3DEncoder",
     "init_weights",
     "rescale_residual_branches",
-    "weight_decay_groups",
 ]
 
 #: Standard deviation of the truncated-normal initialisation of weights.
@@ -413,25 +415,6 @@ def rescale_residual_branches(blocks: nn.ModuleList) -> None:
         for layer, block in enumerate(blocks, start=1):
             block.attn.proj.weight.div_(math.sqrt(2.0 * layer))
             block.mlp.fc2.weight.div_(math.sqrt(2.0 * layer))
-
-
-def weight_decay_groups(parameters: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
-    """Two optimizer groups over the trainable ones of ``parameters``, kept in
-    their order (a saved optimizer state relies on it).
-
-    ``decay`` holds every weight matrix/kernel (``ndim >= 2``) with
-    ``weight_decay``; ``no_decay`` holds biases, LayerNorm parameters and every
-    other 1-D parameter (mask tokens included) with 0, and a learned position table
-    (marked ``no_weight_decay``) too.
-    """
-    decay, no_decay = [], []
-    for param in parameters:
-        if param.requires_grad:
-            (decay if param.ndim >= 2 and not getattr(param, "no_weight_decay", False) else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
 
 
 class ViT3DEncoder(nn.Module):

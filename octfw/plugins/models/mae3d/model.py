@@ -25,7 +25,8 @@ from torch import nn
 
 from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
-from octfw.models.vit3d import NORM_EPS, ViT3DEncoder, gather_tokens, weight_decay_groups
+from octfw.engine.optim import weight_decay_groups
+from octfw.models.vit3d import NORM_EPS, ViT3DEncoder, gather_tokens
 from octfw.types import BATCH_KEYS, ModelOutput, mask_keys
 
 __all__ = ["NORM_PIX_EPS", "MAE3D", "patchify", "masked_pixel_loss"]
@@ -175,7 +176,7 @@ class MAE3D(nn.Module):
     # --- training hooks -----------------------------------------------------
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """Two optimizer groups (see :func:`~octfw.models.vit3d.weight_decay_groups`):
+        """Two optimizer groups (see :func:`~octfw.engine.optim.weight_decay_groups`):
         weight matrices decay, biases, norms and the mask token do not."""
         return weight_decay_groups(self.parameters(), weight_decay)
 

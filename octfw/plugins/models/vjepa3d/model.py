@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octfw.engine.optim import weight_decay_groups
 from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import (
@@ -30,7 +31,6 @@ from octfw.models.vit3d import (
     gather_tokens,
     layer_norm,
     set_activation_checkpointing,
-    weight_decay_groups,
 )
 from octfw.plugins.models.vjepa3d.hierarchical import HierarchicalPredictor, level_depths
 from octfw.types import BATCH_KEYS, ModelOutput, mask_keys
