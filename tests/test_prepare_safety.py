@@ -344,13 +344,16 @@ class DiskEmulator(GCSEmulator):
         The emulator rewrites ``.meta`` in place (truncate, then write); killed between the two, it
         cannot start again (a JSONDecodeError at start: seen in CI). That is a fault of the test's
         stand-in, not of the store it stands for, so the kill waits for a moment the index is whole.
+        SIGSTOP is delivered asynchronously, so the index is read only once every thread of the
+        emulator has stopped: a thread still running after the signal could truncate a whole index
+        between the check and the kill (the likely cause of the one restart that failed so in CI).
         """
         if self.process is None or self.process.poll() is not None:
             return
         meta = self.objects / ".meta"
         for _ in range(1000):
             os.killpg(self.process.pid, signal.SIGSTOP)  # frozen, the index cannot change under the check
-            whole = _whole_json_or_absent(meta)
+            whole = _all_threads_stopped(self.process.pid) and _whole_json_or_absent(meta)
             if whole:
                 break
             os.killpg(self.process.pid, signal.SIGCONT)
@@ -359,6 +362,22 @@ class DiskEmulator(GCSEmulator):
         self.process.wait()
         if not whole:
             raise RuntimeError(f"{meta} stayed half-written for 1000 tries")
+
+
+def _all_threads_stopped(pid: int, wait_s: float = 2.0) -> bool:
+    """Whether every thread of ``pid`` has stopped (state T in /proc), waiting up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, IndexError):
+                continue  # a thread that ended
+        if states and all(state in "tT" for state in states):
+            return True
+        time.sleep(0.001)
+    return False
 
 
 def _whole_json_or_absent(path: Path) -> bool:
