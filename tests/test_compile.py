@@ -133,7 +133,7 @@ def test_ddp_of_the_compiled_model_splits_at_gradient_buckets_without_a_graph_br
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from octfw.engine.trainer import training_forward
+    from octfw.engine.backend import Backend, training_forward
 
     graphs: list[torch.fx.GraphModule] = []
 
@@ -155,7 +155,9 @@ def test_ddp_of_the_compiled_model_splits_at_gradient_buckets_without_a_graph_br
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         counters.clear()
-        forward = training_forward(Layers(), compile=True, ddp=True)
+        # a backend of two processes asks for DDP; its group here has one, which DDP runs on alike
+        backend = Backend(kind="cpu", device=torch.device("cpu"), precision="fp32", world_size=2)
+        forward = training_forward(Layers(), backend, compile=True)
         assert isinstance(forward, nn.parallel.DistributedDataParallel)
         for _ in range(2):
             forward(torch.randn(2, 512)).sum().backward()

@@ -1,5 +1,6 @@
 """Device backends: CPU and CUDA through torch, TPU (or CPU in tests) through torch_xla, and the
-module an update step calls on one (:func:`training_forward`: compiled, wrapped in DDP).
+module an update step calls on one (:func:`training_forward`: compiled, then wrapped in DDP or
+sharded with FSDP2 over the job's processes, :mod:`octfw.engine.sharding`).
 
 torch_xla is imported only when the ``xla`` device is chosen: importing it
 patches ``torch.nn.utils.clip_grad_norm_`` for the whole process.
@@ -51,6 +52,9 @@ class Backend:
     world_size: int = 1  #: number of data-parallel processes
     local_devices: int = 1  #: devices this process drives (SPMD); 1 otherwise
     mesh: Any = None  #: the SPMD device mesh, one axis "data"; None without SPMD
+    #: ``engine.parallelism``: "data" (every process holds the whole model: DDP) or "fsdp"
+    #: (parameters, gradients, optimizer state and EMA sharded over the processes: FSDP2)
+    parallelism: str = "data"
     #: the attention kernels tried first, in order (:func:`~octfw.engine.attention.kernel_priority`);
     #: empty: torch's own order
     attention_priority: tuple[str, ...] = ()
@@ -60,10 +64,25 @@ class Backend:
         return self.rank == 0
 
     @property
-    def ddp(self) -> bool:
-        """Data parallel over processes through torch.distributed (under SPMD, XLA inserts the
-        all-reduce itself, and the hosts' gloo group carries host-side decisions only)."""
+    def across_processes(self) -> bool:
+        """Gradients averaged over processes through torch.distributed, by DDP or FSDP (under
+        SPMD, XLA inserts the all-reduce itself, and the hosts' gloo group carries host-side
+        decisions only)."""
         return self.kind != "xla" and self.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients, optimizer state and EMA sharded over the processes (FSDP2)."""
+        return self.across_processes and self.parallelism == "fsdp"
+
+    def accumulating(self, forward: torch.nn.Module, last_micro: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-step's forward and backward: gradients are reduced over the processes
+        on the last micro-step of an update only, and accumulate locally before it."""
+        if self.sharded:
+            forward.set_requires_gradient_sync(last_micro)
+        elif self.across_processes and not last_micro:
+            return forward.no_sync()
+        return contextlib.nullcontext()
 
     @property
     def device_count(self) -> int:
@@ -242,14 +261,26 @@ def resolved_precision(precision: str, kind: str) -> str:
     return precision
 
 
-def select_backend(processes: Processes, precision: str, compile: bool = False) -> Backend:
+def refuse_unbuilt_sharding(parallelism: str, kind: str, compile: bool) -> None:
+    """``engine.parallelism = "fsdp"`` where it is not built yet, refused in one line."""
+    if parallelism == "fsdp" and kind == "xla":
+        raise UserError('engine.parallelism = "fsdp" is not built for xla yet (its SPMD mesh is to come); '
+                        'use "data" there')
+    if parallelism == "fsdp" and compile:
+        raise UserError('engine.compile = true with engine.parallelism = "fsdp" is not built yet; '
+                        "leave one of them out")
+
+
+def select_backend(processes: Processes, precision: str, compile: bool = False,
+                   parallelism: str = "data") -> Backend:
     """The backend of this process: its device was selected by :func:`octfw.engine.distributed.join`."""
     refuse_compile_on_xla(compile, processes.kind)
+    refuse_unbuilt_sharding(parallelism, processes.kind, compile)
     precision = resolved_precision(precision, processes.kind)
     if processes.kind == "xla":
         return _xla_backend(precision, processes)
     return Backend(kind=processes.kind, device=processes.device, precision=precision,
-                   rank=processes.rank, world_size=processes.world_size,
+                   rank=processes.rank, world_size=processes.world_size, parallelism=parallelism,
                    attention_priority=kernel_priority(processes.device))
 
 
@@ -272,8 +303,10 @@ def this_process(requested: str) -> Processes:
     return Processes(kind, {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", 0)}[kind])
 
 
-def training_forward(model: torch.nn.Module, *, compile: bool, ddp: bool) -> torch.nn.Module:
-    """What an update step calls: ``model``, compiled and wrapped in DDP as asked.
+def training_forward(model: torch.nn.Module, backend: Backend, *, compile: bool,
+                     reshard_after_forward: bool = True) -> torch.nn.Module:
+    """What an update step calls: ``model``, compiled and wrapped in DDP, or sharded, as asked.
+    Made before the optimizer: a sharded model's parameters are its slices.
 
     Compiled, then wrapped: ``DDP(torch.compile(model))``, as PyTorch's "Where
     to apply torch.compile?" advises (compile the module passed to the wrapper;
@@ -285,9 +318,14 @@ def training_forward(model: torch.nn.Module, *, compile: bool, ddp: bool) -> tor
     ``_inside_ddp_forward``) and splits the model's graph the same
     (``tests/test_compile.py`` checks the split). A separate compiled module rather
     than ``model.compile()``: ``model`` stays eager for the FLOP count on meta
-    tensors, the evaluators and export.
+    tensors, the evaluators and export. Sharded (FSDP2, :mod:`octfw.engine.sharding`), the
+    model itself is what runs: ``fully_shard`` changes it in place.
     """
+    if backend.sharded:
+        from octfw.engine.sharding import shard_model
+
+        return shard_model(model, precision=backend.precision, reshard_after_forward=reshard_after_forward)
     forward = torch.compile(model) if compile else model
-    if ddp:  # gradients averaged across the processes
+    if backend.across_processes:  # gradients averaged across the processes
         forward = torch.nn.parallel.DistributedDataParallel(forward)
     return forward

@@ -298,7 +298,8 @@ def _join_xla(timeout_s: float) -> tuple[Processes, "Peers"]:
 
 
 def all_reduce_(*tensors: torch.Tensor) -> None:
-    """Sum in place across DDP processes (the caller knows it is one: ``Backend.ddp``)."""
+    """Sum in place across the job's processes (the caller knows there are several:
+    ``Backend.across_processes``)."""
     import torch.distributed as dist
 
     for t in tensors:

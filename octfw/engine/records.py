@@ -107,7 +107,7 @@ class DeviceTotals:
         """The interval's means, summed over DDP ranks, and ``extra``, in one
         device-to-host transfer. Note: a sync point (log steps only)."""
         ranks = 1
-        if backend.ddp:  # sums over the processes; SPMD's are global already
+        if backend.across_processes:  # sums over the processes; SPMD's are global already
             all_reduce_(self.loss, self.applied, self.domain_loss, self.domain_count)
             ranks = backend.world_size
         return backend.read({

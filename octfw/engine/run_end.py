@@ -121,16 +121,24 @@ class RunEnd:
         and its outcome shared: every process ends the same way. Not after a lost peer: the
         others cannot hear the outcome. Then the encoder of a finished run."""
         stops, done = self.stop_requests, end.done
+        saves = end.peer_lost is None and not stops.stop_now and (
+            end.vanished or done > self.start_step or self.upload_fallback)
+        finished = done == self.parts.ctx.total_update_steps or end.finished_early is not None
+        if self.backend.sharded and end.peer_lost is None and (saves or finished):
+            # Gathering a sharded state is a collective: every process, once, here; the saves
+            # below (rank 0's) and the encoder export take this copy. After a lost peer no
+            # process can gather: the run's newest checkpoint is its last state.
+            gathered = self.capture(done)
+            self.capture = lambda _done: gathered
         if end.vanished:  # every process: exit 74; rank 0 puts the folder back with the final state
             gone = self.vanished() if self.backend.is_main_process else []
             end.final_save_failed, end.fallback = True, self.restore_run_folder(done, gone) if gone else None
             self._hear_outcome(end)
-        elif end.peer_lost is None and not stops.stop_now and (done > self.start_step or self.upload_fallback):
+        elif saves:
             end.final_save_failed, end.fallback = self.save_final(done)  # rank 0's outcome: (False, None) elsewhere
             self._hear_outcome(end)
         elif self.backend.is_main_process and stops.stop_now:
             self.saver.cancel_in_flight(done)
-        finished = done == self.parts.ctx.total_update_steps or end.finished_early is not None
         if finished and not end.final_save_failed and not end.peer_lost:
             end.encoder = self.export_encoder(done)
 
@@ -230,6 +238,10 @@ class RunEnd:
         if not (self.backend.is_main_process and self.recipe.run.export_encoder
                 and isinstance(encoder, ExportableEncoder)):
             return None
+        if self.backend.sharded:  # the whole encoder, rebuilt on this one process from the gathered state
+            from octfw.exports.checkpoint import rebuild_model
+
+            encoder = rebuild_model(self.capture(done), str(self.run_dir), self.parts.ctx.registry).encoder
         folder = self.run_dir / "encoder"
         info = encoder_info(encoder.architecture(), self.parts.ctx.recipe, self.saver.latest or "", done, versions())
         try:

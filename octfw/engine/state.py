@@ -26,6 +26,7 @@ import torch
 
 from octfw.engine.build import Components
 from octfw.engine.distributed import BatchLayout
+from octfw.engine.sharding import is_sharded, shard_like, shard_optimizer_state
 from octfw.display.errors import UserError
 from octfw.display.tables import counted
 from octfw.types import NamingDataset, Stateful
@@ -38,7 +39,10 @@ FORMAT_VERSION = 1
 
 
 def host_copy(value: Any) -> Any:
-    """CPU copies of every tensor in ``value`` (dicts, lists and tuples walked)."""
+    """CPU copies of every tensor in ``value`` (dicts, lists and tuples walked). A sharded
+    tensor is gathered whole first: a collective, so every process of the job copies alike."""
+    if is_sharded(value):
+        value = value.full_tensor()
     if torch.is_tensor(value):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
@@ -203,12 +207,12 @@ def restore(location: str, parts: Components, model: torch.nn.Module, optimizer:
     if not isinstance(state, dict) or "model" not in state or "update_step" not in state:
         raise UserError(f"--resume {location}: not an octfw training checkpoint")
     _refuse_incompatible(state, location, parts, layout, fingerprint)
-    try:
-        model.load_state_dict(state["model"])
+    try:  # a checkpoint holds the full state; a sharded model takes its slices of it
+        model.load_state_dict(shard_like(state["model"], model.state_dict()))
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0]
         raise UserError(f"--resume {location}: its weights do not fit this model ({first})") from None
-    optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(shard_optimizer_state(state["optimizer"], optimizer))
     for stage, components, saved_states in (("guard", parts.guards, state["guards"]),
                                             ("logger", parts.loggers, state["loggers"])):
         if _names(state.get("recipe"), stage) != _names(parts.ctx.recipe, stage):

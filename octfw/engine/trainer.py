@@ -44,6 +44,7 @@ from octfw.engine.resume import check_recipe_change
 from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, RunEnd, RunSummary, fallback_storage
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import Throughput
+from octfw.engine.sharding import meta_twin, replicated_scalars
 from octfw.engine.update import grad_norm, step_unless_vetoed
 from octfw.recipe import Recipe
 from octfw.registry import Registry
@@ -52,8 +53,7 @@ from octfw.display.tables import counted
 from octfw.types import (DOMAIN_ID_KEY, ClaimingCheckpointer, EMAModel, GuardInputs, ModelOutput, StepListener,
                          StopTraining, TrainingDone)
 
-__all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR", "make_optimizer",
-           "training_forward"]
+__all__ = ["train", "Trainer", "RunSummary", "SAVE_FAILED_EXIT_CODE", "FALLBACK_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Trainer:
         seed_everything(recipe.run.seed)
         self.recipe, self.run_dir = recipe, run_dir
         engine = recipe.engine
-        self.backend = backend = select_backend(plan.processes, engine.precision, engine.compile)
+        self.backend = backend = select_backend(plan.processes, engine.precision, engine.compile, engine.parallelism)
         self.peers = peers or Peers(plan.processes)
         #: the global batch arithmetic, worked out once: build, resume, data position, throughput
         self.layout = layout = backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps,
@@ -81,9 +81,10 @@ class Trainer:
                                               apply_init=plan.resume_from is None)
         check_schedule(recipe, parts)
         self.model = parts.model.to(backend.device)
+        self.forward = training_forward(self.model, backend, compile=engine.compile,  # sharded: before the optimizer
+                                        reshard_after_forward=engine.reshard_after_forward)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, recipe, backend)
-        self.forward = training_forward(self.model, compile=recipe.engine.compile, ddp=backend.ddp)
         self.total = parts.ctx.total_update_steps
         #: samples one update step consumes on every device of the run (throughput, MFU)
         self.samples_per_update = layout.global_batch
@@ -102,6 +103,7 @@ class Trainer:
                                     layout=layout, run_dir=run_dir, writes=backend.is_main_process,
                                     trained_batch=run_record.get("global_batch"))
         self.throughput = Throughput(backend, layout, engine, self.start_step)
+        self.flop_model = meta_twin(recipe, registry) if backend.sharded else self.model  # FLOPs: on meta tensors
 
         source = SampleSource(parts.dataset, parts.transform, recipe.run.seed, parts.domains)
         self.loader_workers = loader_workers(engine.num_workers, backend.kind)
@@ -124,8 +126,7 @@ class Trainer:
                                                        else (StopRequests(), True))
         self.run_end = RunEnd(recipe, parts, self.model, backend, peers=self.peers, saver=self.saver,
                               fallback=fallback_storage(run_dir), upload_fallback=plan.from_fallback,
-                              capture=self._capture,
-                              stop_requests=self.stop_requests, heartbeat=self.heartbeat,
+                              capture=self._capture, stop_requests=self.stop_requests, heartbeat=self.heartbeat,
                               quarantine=self.quarantine, run_dir=run_dir, start_step=self.start_step)
         #: a guard's or logger's StopTraining/TrainingDone on this process, acted on once every
         #: process has heard of it (end of the update step)
@@ -177,8 +178,7 @@ class Trainer:
                         end.finished_early, end.stopped = (reason, None) if by == "target" else (None, reason)
                         end.preempted, end.vanished = by == "signal", by == "vanished"
                         break
-                    every = engine.checkpoint_every_steps
-                    if every and done % every == 0 and done != total:
+                    if (every := engine.checkpoint_every_steps) and done % every == 0 and done != total:
                         self.save_checkpoint(done)
             except StopNow as why:
                 end.preempted = True
@@ -272,11 +272,10 @@ class Trainer:
             self.quarantine.record(batch["quarantined"])
             provenance += batch["provenance"]
             last_micro = micro == accum - 1
-            # DDP all-reduces gradients on the last micro-step only.
-            sync = self.forward.no_sync() if backend.ddp and not last_micro else contextlib.nullcontext()
-            # The attention kernel that really ran, named in the summary: seen in the run's first
-            # eager micro-step (a dispatch mode, too slow to keep on; compiled code is not watched).
-            first = update_step == self.start_step and micro == 0 and not engine.compile
+            sync = backend.accumulating(self.forward, last_micro)  # gradients reduced on the last micro-step only
+            # The attention kernel that really ran, named in the summary: seen in the first eager micro-step
+            # (a dispatch mode, too slow to keep on; not in compiled code, nor sharded: FSDP swaps storage).
+            first = update_step == self.start_step and micro == 0 and not (engine.compile or backend.sharded)
             with sync, (record_attention() if first else contextlib.nullcontext()) as seen:
                 with backend.forward_context():
                     out: ModelOutput = self.forward(batch["tensors"])
@@ -294,7 +293,7 @@ class Trainer:
                 # for `small` at the seeds' size (benchmarks/accelerators/README.md).
                 backend.step_boundary()
         self.guard_log.remember(update_step + 1, provenance)
-        if backend.ddp:  # every rank's guards see the same (mean) loss; SPMD's is global already
+        if backend.across_processes:  # every rank's guards see the same (mean) loss; SPMD's is global already
             all_reduce_(step_loss)
             step_loss /= backend.world_size
 
@@ -304,18 +303,19 @@ class Trainer:
         inputs = GuardInputs(update_step, step_loss, norm, tuple(self.parameters),
                              effective_lr(schedule, update_step, engine.base_lr))
         verdict = None
-        for guard in guards:
-            vote = self._deferring_stops(guard.before_step, inputs, veto=self._vetoed)
-            if vote is not None:
-                verdict = vote if verdict is None else verdict & vote
-        if verdict is not None and backend.ddp:
-            verdict = min_across_ranks(verdict)  # every rank takes the same decision
-        step_unless_vetoed(self.optimizer, verdict)
-        ok = self._applied if verdict is None else verdict
-        momentum = schedule.ema_momentum(update_step)
-        if momentum is not None and isinstance(self.model, EMAModel):
-            # Momentum 1.0 leaves the EMA untouched when the update was skipped.
-            self.model.ema_update(torch.where(ok, backend.scalar(momentum), 1.0))
+        with replicated_scalars(backend.sharded):  # the job's norm, verdict and momentum meet sharded tensors
+            for guard in guards:
+                vote = self._deferring_stops(guard.before_step, inputs, veto=self._vetoed)
+                if vote is not None:
+                    verdict = vote if verdict is None else verdict & vote
+            if verdict is not None and backend.across_processes:
+                verdict = min_across_ranks(verdict)  # every rank takes the same decision
+            step_unless_vetoed(self.optimizer, verdict)
+            ok = self._applied if verdict is None else verdict
+            momentum = schedule.ema_momentum(update_step)
+            if momentum is not None and isinstance(self.model, EMAModel):
+                # Momentum 1.0 leaves the EMA untouched when the update was skipped.
+                self.model.ema_update(torch.where(ok, backend.scalar(momentum), 1.0))
         self.optimizer.zero_grad(set_to_none=True)
         self.totals.add_update(ok, step_loss)
         backend.step_boundary()
@@ -338,7 +338,7 @@ class Trainer:
         host = model_metrics(self.totals.read(self.backend, grad_norm=norm, **device_metrics(out)), out)
         schedule, engine = self.parts.scheduler, self.recipe.engine
         metrics = log_metrics(
-            host, **self.throughput.interval(done, self.model),
+            host, **self.throughput.interval(done, self.flop_model),
             epoch=self.throughput.samples_done(done) * self.backend.world_size / len(self.parts.dataset),
             lr=effective_lr(schedule, done - 1, engine.base_lr),
             ema_momentum=schedule.ema_momentum(done - 1), domains=self.parts.domains,
@@ -356,12 +356,11 @@ class Trainer:
         self.totals.reset_interval()
 
     def evaluate(self, done: int) -> None:
-        """Run the evaluators due at this step, once per job (rank 0, which logs them; the others
-        wait for it at the next collective, within ``engine.collective_timeout_s``); they never
-        touch the training RNG stream."""
+        """Run the evaluators due at this step, once per job (rank 0, which logs them; the others wait at
+        the next collective, within ``engine.collective_timeout_s``); never on the training RNG stream."""
         due = [(spec, ev) for spec, ev in zip(self.recipe.evaluators, self.parts.evaluators)
                if (ev.every_steps and done % ev.every_steps == 0) or done == self.total]
-        if not due or not self.backend.is_main_process:
+        if not due or not (self.backend.is_main_process or self.backend.sharded):  # sharded: every rank's forward
             return
         self.heartbeat.waiting_on("evaluation")
         started = time.perf_counter()
@@ -384,10 +383,11 @@ class Trainer:
 
     def save_checkpoint(self, done: int) -> None:
         """Hand a checkpoint to the background saver (rank 0 only); skipped, without a copy,
-        while the previous save is still being written."""
+        while the previous save is still being written. Sharded, every process gathers it first."""
+        state = self._capture(done) if self.backend.sharded else None  # a collective: every rank, every save
         if self.backend.is_main_process:
             self.heartbeat.waiting_on("the checkpoint save")
-            self.saver.submit(done, lambda: self._capture(done))
+            self.saver.submit(done, lambda: state or self._capture(done))
 
 
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,

@@ -24,7 +24,7 @@ UNTRAINED = (
     "run.output_dir", "run.cache_dir", "run.export_encoder", "run.device",
     "engine.log_every_steps", "engine.checkpoint_every_steps", "engine.num_workers", "engine.compile",
     "engine.peak_flops_per_device", "engine.save_deadline_s", "engine.heartbeat_s",
-    "engine.collective_timeout_s",
+    "engine.collective_timeout_s", "engine.parallelism", "engine.reshard_after_forward",
     "model.activation_checkpointing",  # how memory is spent, not the numbers (engine.state's rule too)
     "logger", "checkpointer", "evaluator",
 )

@@ -87,6 +87,18 @@ class EngineConfig:
         "itself uses the cores). `octfw bench --data-only` measures what one worker delivers.",
         default=None, validator=attrs.validators.optional(in_range(0, 256)),
     )
+    parallelism: str = doc(
+        "How the job's processes share the model: data (each holds all of it, and its gradients, "
+        "AdamW moments and EMA encoder; gradients all-reduced: DDP) or fsdp (each holds 1/N of "
+        "them, a transformer block gathered for its forward and backward only: FSDP2, cuda and cpu). "
+        "The same numbers either way; a checkpoint of one resumes the other.",
+        default="data", validator=choices("data", "fsdp"),
+    )
+    reshard_after_forward: bool = doc(
+        "fsdp: free a block's gathered parameters after its forward and gather them again for its "
+        "backward (less memory, one more all-gather per block).",
+        default=True,
+    )
     compile: bool = doc(
         "torch.compile the model (cuda only; refused on xla, where it caused the "
         "seeds' compile-worker storm). `octfw check` then reports the graphs, graph breaks "

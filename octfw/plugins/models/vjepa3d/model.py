@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octfw.engine.optim import weight_decay_groups
+from octfw.models.ema import ema_update_
 from octfw.models.health import health_metrics, rank_gram
 from octfw.models.masked_decoder import MaskedTokenDecoder, mask_metrics
 from octfw.models.vit3d import (
@@ -354,25 +355,15 @@ class VJEPA3D(nn.Module):
 
     @torch.no_grad()
     def ema_update(self, momentum: torch.Tensor | float) -> None:
-        """``ema = m * ema + (1 - m) * online`` for every target-encoder parameter.
-
-        ``momentum`` is a float or a 0-dim tensor on the model's device (no
-        host sync). Computed as ``ema + (1 - m) * (online - ema)``, which is
-        the EMA exactly unchanged for ``m == 1``: how the engine leaves it
-        untouched on a skipped update. Out-of-place ops and one copy back, not
-        ``lerp_``: torch_xla traces an in-place lerp about 4 times slower.
-        """
+        """``ema = m * ema + (1 - m) * online`` for every target-encoder parameter
+        (:func:`octfw.models.ema.ema_update_`; ``momentum``: a float or a 0-dim tensor on the
+        model's device, no host sync)."""
         ema = list(self.target_encoder.parameters())
         online = list(self.context_encoder.parameters())
         if self.hierarchical:  # V-JEPA 2.1's level norms are part of its EMA encoder
             ema += list(self.target_level_norms.parameters())
             online += list(self.level_norms.parameters())
-        if isinstance(momentum, torch.Tensor):
-            weight = (1.0 - momentum).to(device=ema[0].device, dtype=ema[0].dtype)
-        else:
-            weight = 1.0 - float(momentum)
-        step = torch._foreach_mul(torch._foreach_sub(online, ema), weight)
-        torch._foreach_copy_(ema, torch._foreach_add(ema, step))
+        ema_update_(ema, online, momentum)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Two optimizer groups over the trainable parameters.
