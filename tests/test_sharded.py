@@ -144,3 +144,28 @@ def octfw_run(tmp_path: Path, args: list[str], nproc: int, env: dict[str, str]) 
         command = [*command[:4], "--nproc-per-node", str(nproc), *command[4:]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)]), **env}
     return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+
+
+def test_resume_auto_on_4_then_2_then_3_processes_keeps_the_global_batch_without_a_flag(tmp_path):
+    """Issue 60: a run of 4 processes (global batch 12 = 1 x 4 x 3 micro-steps, not pinned), resumed
+    on 2 and on 3 (data and fsdp in turn): the global batch recorded at its first start is kept,
+    the accumulation derived (6, then 4), every step trained once, the losses those of one process
+    training the same global batch."""
+    setup(tmp_path)
+    make_dist(tmp_path / "site", "octfw-preempt", "plug_preempt", PREEMPT_PLUGIN)
+    shape = ["--set", "run.max_steps=6", "--set", "dataset.n_volumes=24", "--set", "engine.per_device_batch=1",
+             "--set", 'logger=[{name="jsonl"},{name="preempt"}]']
+    whole = metrics(launch(tmp_path, [*shape, "--set", "engine.grad_accum_steps=12"]))
+    out = tmp_path / "resumed"
+    common = [*shape, "--set", f"run.output_dir={out}", "--resume", "auto"]
+    for nproc, stop_at, parallelism, accum, code in ((4, 2, "fsdp", 3, 75), (2, 4, "data", 6, 75),
+                                                     (3, 0, "fsdp", 4, 0)):
+        result = octfw_run(tmp_path, [*common, "--set", "engine.grad_accum_steps=3", "--set",
+                                      f"engine.parallelism={parallelism}"], nproc, {"OCTFW_TEST_PREEMPT_AT": str(stop_at)})
+        assert result.returncode == code, result.stderr[-3000:]
+        assert f"global batch 12 = per_device_batch 1 x {nproc} devices x grad_accum_steps {accum}" in result.stderr
+    (run_dir,) = (out / "tiny").iterdir()
+    resumed = metrics(run_dir)
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    for a, b in zip(whole, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=TOLERANCE)

@@ -89,12 +89,13 @@ class Backend:
         """Devices taking part in data parallelism, over all processes."""
         return self.world_size * self.local_devices
 
-    def batch_layout(self, per_device_batch: int, grad_accum_steps: int, global_batch: int | None = None
-                     ) -> BatchLayout:
+    def batch_layout(self, per_device_batch: int, grad_accum_steps: int, global_batch: int | None = None, *,
+                     kept: int | None = None) -> BatchLayout:
         """The global batch arithmetic of this run: processes x local devices x micro-steps
-        (``global_batch`` pinned: the micro-steps derived from the devices found)."""
+        (``global_batch`` pinned: the micro-steps derived from the devices found; else ``kept``,
+        the global batch the run continued trains at, likewise)."""
         return layout_for(per_device_batch, grad_accum_steps, global_batch, processes=self.world_size,
-                          devices_per_process=self.local_devices)
+                          devices_per_process=self.local_devices, kept=kept)
 
     def input_sharding(self, spec: Mapping[str, BatchKey]) -> dict[str, Any] | None:
         """SPMD: how each batch tensor goes onto the mesh; None without SPMD.

@@ -110,18 +110,24 @@ def _duration(seconds: float) -> str:
 
 
 def layout_for(per_device_batch: int, grad_accum_steps: int, global_batch: int | None, *,
-               processes: int = 1, devices_per_process: int = 1) -> BatchLayout:
+               processes: int = 1, devices_per_process: int = 1, kept: int | None = None) -> BatchLayout:
     """The run's :class:`BatchLayout` on the devices found. With ``engine.global_batch`` pinned,
     ``grad_accum_steps`` is derived from the device count (the seeds' formula, ``global_batch /
-    (per_device_batch x devices)``), and refused in one line when it does not divide."""
+    (per_device_batch x devices)``), and refused in one line when it does not divide. Unpinned,
+    ``kept`` (the global batch a resumed run trains at, recorded at its first start) is kept
+    the same way: the schedule and the data order count in it, whatever the devices now."""
+    what = "engine.global_batch"
+    if global_batch is None and kept is not None:
+        global_batch, what = kept, "the global batch the run trains at (RUN/run.json)"
     if global_batch is not None:
         devices = processes * devices_per_process
         per_micro_step = per_device_batch * devices
         if global_batch % per_micro_step:
-            raise UserError(
-                f"engine.global_batch = {global_batch} does not divide over {counted(devices, 'device')} x "
-                f"engine.per_device_batch {per_device_batch} = {per_micro_step} samples per micro-step; "
-                f"choose a multiple of {per_micro_step}")
+            way_out = (f"choose a multiple of {per_micro_step}" if what == "engine.global_batch" else
+                       "run it on a device count that divides it, or with an engine.per_device_batch that does")
+            raise UserError(f"{what} = {global_batch} does not divide over {counted(devices, 'device')} x "
+                            f"engine.per_device_batch {per_device_batch} = {per_micro_step} samples per "
+                            f"micro-step; {way_out}")
         grad_accum_steps = global_batch // per_micro_step
     return BatchLayout(per_device_batch, grad_accum_steps, processes=processes,
                        devices_per_process=devices_per_process)

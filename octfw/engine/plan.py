@@ -39,7 +39,7 @@ script, a queued job that is requeued), and never goes backwards:
   as on a recreated spot TPU), else from scratch.
 
 "Newest" is the run started last by its recorded sequence
-(:func:`octfw.runs.folder.run_dirs`), never a folder name or a clock.
+(:func:`octfw.runs.folder.recipe_runs`), never a folder name or a clock.
 
 **The checkpoint continued** is, with ``auto``, the one the run stands at
 (:func:`octfw.runs.checkpoint.run_checkpoint`, which ``octfw export``, ``eval`` and
@@ -47,7 +47,9 @@ script, a queued job that is requeued), and never goes backwards:
 could not take (``RUN/fallback``) where it is newer than the checkpointer's
 newest complete checkpoint, else that one; with a PATH, that checkpoint.
 Every process must be able to read it, or the run is refused before anyone
-loads anything. **A resumed run is the run that was started**: the trainer
+loads anything. **The global batch** of a run continued by ``auto`` is the one
+it recorded at its first start (``RUN/run.json``): kept on another number of
+devices, the accumulation derived from those found. **A resumed run is the run that was started**: the trainer
 compares the recipe with the one that trained that checkpoint
 (:func:`octfw.engine.resume.check_recipe_change`).
 """
@@ -71,7 +73,7 @@ from octfw.display.errors import UserError
 from octfw.recipe import Recipe, read_with_extends
 from octfw.registry import Registry
 from octfw.runs.checkpoint import run_checkpoint
-from octfw.runs.folder import START_FILES, create_run_dir, run_dirs
+from octfw.runs.folder import START_FILES, create_run_dir, recipe_runs, run_record
 from octfw.storage.owner import FolderInUse, FolderOwner, describe_owner, is_owned
 
 __all__ = ["RunPlan", "AlreadyFinished", "planned_run", "planned_folder", "plan_for_folder"]
@@ -91,6 +93,9 @@ class RunPlan:
     #: checkpointer, even with no update step left
     from_fallback: bool = False
     allow_recipe_change: bool = False  #: ``--allow-recipe-change``: a resume may train otherwise
+    #: the global batch the run continued trains at (recorded in its ``run.json``), kept on other
+    #: devices; None: a new run, or a checkpoint named by its path
+    trained_batch: int | None = None
 
 
 class AlreadyFinished(Exception):
@@ -130,26 +135,28 @@ class _Found:
     run_dir: Path | None = None
     finished: dict[str, Any] | None = None
     checkpoint: tuple[str | None, bool] = (None, False)
+    trained_batch: int | None = None  #: the global batch the run recorded at its first start
 
 
 def _resumable_run(recipe: Recipe, registry: Registry) -> _Found:
     """What the runs folder and the checkpoint store say of ``recipe``'s runs, read once: the
     run to continue, its summary if it finished, the checkpoint it stands at. See the module
     docstring."""
-    runs = run_dirs(recipe)
-    for run_dir in runs:
+    runs = recipe_runs(recipe)
+    for run_dir in (run.folder for run in runs):
         owner = is_owned(run_dir)
         if owner is not None:
             raise FolderInUse(f"--resume auto: run folder {run_dir} is in use by {describe_owner(owner)}; "
                               "one process trains a run at a time")
-    for run_dir in runs:
+    for run in runs:
+        run_dir = run.folder
         summary = _finished(run_dir, recipe)
         if summary is not None:
             return _Found(run_dir, summary)
         checkpoint = _checkpoint(run_dir, recipe, registry)
         if checkpoint[0] is not None:
             logger.info("--resume auto: continuing %s", run_dir)
-            return _Found(run_dir, None, checkpoint)
+            return _Found(run_dir, None, checkpoint, run.global_batch)
         logger.info("--resume auto: skipping %s (no complete checkpoint: it never saved one)", run_dir)
     logger.info("--resume auto: no earlier run of %r under %s to continue; starting a new run",
                 recipe.name, recipe.run.output_dir)
@@ -175,12 +182,17 @@ def plan_for_folder(recipe: Recipe, registry: Registry, run_dir: Path, resume: s
     def checkpoint() -> tuple[str | None, bool]:
         return _checkpoint(run_dir, recipe, registry) if resume == "auto" else (resume, False)
 
-    location, from_fallback = peers.decide(checkpoint)
-    return _plan(recipe, run_dir, processes, peers, location, from_fallback, resume, allow_recipe_change)
+    location, from_fallback, batch = peers.decide(lambda: (*checkpoint(), _trained_batch(run_dir, resume)))
+    return _plan(recipe, run_dir, processes, peers, location, from_fallback, resume, allow_recipe_change, batch)
+
+
+def _trained_batch(run_dir: Path, resume: str | None) -> int | None:
+    """The global batch recorded by the run ``--resume auto`` continues in ``run_dir``."""
+    return run_record(run_dir).global_batch if resume == "auto" else None
 
 
 def _plan(recipe: Recipe, run_dir: Path, processes: Processes, peers: Peers, location: str | None,
-          from_fallback: bool, resume: str | None, allow_recipe_change: bool) -> RunPlan:
+          from_fallback: bool, resume: str | None, allow_recipe_change: bool, trained_batch: int | None) -> RunPlan:
     """The plan, once the folder and the checkpoint are decided: refused unless every process
     can read the checkpoint."""
     if location is not None and not peers.all_agree(_readable(location)):
@@ -191,7 +203,7 @@ def _plan(recipe: Recipe, run_dir: Path, processes: Processes, peers: Peers, loc
                        "it is written to the checkpointer at the end of this run", location)
     elif resume == "auto" and location is None:  # a new run, or one killed before its first save
         logger.info("--resume auto: no complete checkpoint yet; training from the start")
-    return RunPlan(recipe, run_dir, processes, location, from_fallback, allow_recipe_change)
+    return RunPlan(recipe, run_dir, processes, location, from_fallback, allow_recipe_change, trained_batch)
 
 
 def _held(run_dir: Path) -> FolderOwner:
@@ -239,10 +251,10 @@ def planned_run(recipe: Recipe, registry: Registry, *, resume: str | None, proce
         if created and run_dir is not None and _failed_start(run_dir):  # nothing --resume auto could take
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def decide() -> tuple[Path, dict[str, Any] | None, str | None, bool]:
+    def decide() -> tuple[Path, dict[str, Any] | None, str | None, bool, int | None]:
         """Rank 0: read (the recipe's runs, their owners and checkpoints), decide, then create
         (a new folder) and hold the folder trained. (The run folder, its summary if it finished,
-        the checkpoint continued, whether it is the fallback copy.)"""
+        the checkpoint continued, whether it is the fallback copy, the global batch it trains at.)"""
         nonlocal run_dir, owner, created
         # Once per run, here on rank 0: what the extends chain dropped, a missing safety guard,
         # a checkpoint cadence in step with another.
@@ -257,15 +269,15 @@ def planned_run(recipe: Recipe, registry: Registry, *, resume: str | None, proce
                 checkpoint = _checkpoint(run_dir, recipe, registry)
         if found.finished is None:  # rank 0 writes the folder: it holds it until the run ends
             owner = _held(run_dir)
-        return run_dir, found.finished, *checkpoint
+        return run_dir, found.finished, *checkpoint, found.trained_batch
 
     if stop_requests is not None:
         stop_requests.abandon_hooks.append(remove_failed_start)
     try:
-        run_dir, finished, location, from_fallback = peers.decide(decide)  # a refusal on rank 0 is every process's
+        run_dir, finished, location, from_fallback, batch = peers.decide(decide)  # a refusal on rank 0: every process's
         if finished is not None:
             raise AlreadyFinished(run_dir, finished)
-        yield _plan(recipe, run_dir, processes, peers, location, from_fallback, resume, allow_recipe_change)
+        yield _plan(recipe, run_dir, processes, peers, location, from_fallback, resume, allow_recipe_change, batch)
     except BaseException:
         remove_failed_start()
         raise

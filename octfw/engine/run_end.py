@@ -32,6 +32,7 @@ from octfw.engine.preemption import StopRequests
 from octfw.cli.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.recipe import Recipe
 from octfw.runs.checkpoint import FALLBACK_DIR, fallback_storage
+from octfw.runs.folder import record_global_batch
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.failures import storage_cause
 from octfw.types import EncoderModel, ExportableEncoder
@@ -102,16 +103,20 @@ class Ending:
 class RunEnd:
     """A run's end, for the trainer. ``capture(done)``: the host copy of the training state
     after update step ``done``. ``upload_fallback``: the run continues the fallback copy, so
-    the final save must reach the checkpointer, even with no step left."""
+    the final save must reach the checkpointer, even with no step left. ``unrecorded_batch``: the
+    global batch of a run that has not recorded it yet (its first start), which rank 0 records in
+    ``RUN/run.json``, where ``--resume auto`` on other devices reads it."""
 
     def __init__(self, recipe: Recipe, parts: Components, model: torch.nn.Module, backend: Backend, *,
                  peers: Peers, saver: BackgroundSaver, fallback: CheckpointStorage, upload_fallback: bool,
                  capture: Callable[[int], dict[str, Any]], stop_requests: StopRequests, heartbeat: Heartbeat,
-                 quarantine: Quarantine, run_dir: Path, start_step: int):
+                 quarantine: Quarantine, run_dir: Path, start_step: int, unrecorded_batch: int | None = None):
         self.recipe, self.parts, self.model, self.backend, self.peers = recipe, parts, model, backend, peers
         self.saver, self.fallback, self.upload_fallback, self.capture = saver, fallback, upload_fallback, capture
         self.stop_requests, self.heartbeat, self.quarantine = stop_requests, heartbeat, quarantine
         self.run_dir, self.start_step = run_dir, start_step
+        if unrecorded_batch is not None and backend.is_main_process:  # the run's first start: kept on resumes
+            record_global_batch(run_dir, unrecorded_batch)
         #: the run folder's start files, to put a folder deleted under the run back (rank 0)
         self._start_files = {name: (run_dir / name).read_bytes() for name in START_FILES_KEPT
                              if backend.is_main_process and (run_dir / name).exists()}

@@ -75,7 +75,7 @@ class Trainer:
         self.peers = peers or Peers(plan.processes)
         #: the global batch arithmetic, worked out once: build, resume, data position, throughput
         self.layout = layout = backend.batch_layout(engine.per_device_batch, engine.grad_accum_steps,
-                                                    engine.global_batch)
+                                                    engine.global_batch, kept=plan.trained_batch)
         # A resumed run's checkpoint restores the weights: [model] init is not read again.
         self.parts = parts = build_components(recipe, registry, run_dir=run_dir, rank=backend.rank, layout=layout,
                                               apply_init=plan.resume_from is None)
@@ -86,10 +86,6 @@ class Trainer:
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, recipe, backend)
         self.total = parts.ctx.total_update_steps
-        #: samples one update step consumes on every device of the run (throughput, MFU)
-        self.samples_per_update = layout.global_batch
-        #: this process's share of them (its data loader's position, a checkpoint's ``samples_done``)
-        self.local_samples_per_update = layout.process_batch
         self.fingerprint = dataset_fingerprint(parts.dataset)
 
         self.resumed_from = plan.resume_from
@@ -127,7 +123,8 @@ class Trainer:
         self.run_end = RunEnd(recipe, parts, self.model, backend, peers=self.peers, saver=self.saver,
                               fallback=fallback_storage(run_dir), upload_fallback=plan.from_fallback,
                               capture=self._capture, stop_requests=self.stop_requests, heartbeat=self.heartbeat,
-                              quarantine=self.quarantine, run_dir=run_dir, start_step=self.start_step)
+                              quarantine=self.quarantine, run_dir=run_dir, start_step=self.start_step,
+                              unrecorded_batch=None if plan.trained_batch else layout.global_batch)
         #: a guard's or logger's StopTraining/TrainingDone on this process, acted on once every
         #: process has heard of it (end of the update step)
         self._pending: StopTraining | None = None

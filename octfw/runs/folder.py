@@ -41,12 +41,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+import attrs
+
 from octfw.display.errors import UserError
 from octfw.recipe import Recipe, to_toml
 from octfw.registry import Registry
 from octfw.storage.failures import storage_cause
+from octfw.storage.files import write_atomically
 
-__all__ = ["create_run_dir", "run_dirs", "run_sequence", "versions", "write_summary", "START_FILES", "RUN_FILE"]
+__all__ = ["create_run_dir", "run_dirs", "recipe_runs", "run_record", "RunRecord", "run_sequence", "versions",
+           "write_summary", "START_FILES", "RUN_FILE", "record_global_batch"]
 
 #: The run's identity: ``{"id": ..., "sequence": N, "started_utc": ...}``.
 RUN_FILE = "run.json"
@@ -170,23 +174,47 @@ def _sequence_lock(root: Path) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
+@attrs.frozen
+class RunRecord:
+    """What a run's ``run.json`` says of it: its folder, its place among its recipe's runs (0: a
+    folder from before octfw recorded it) and the global batch it trains at (None: not recorded
+    yet, or by an older octfw)."""
+
+    folder: Path
+    sequence: int = 0
+    global_batch: int | None = None
+
+
+def run_record(run_dir: Path) -> RunRecord:
+    """``run_dir``'s :class:`RunRecord`, read once."""
+    try:
+        record = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return RunRecord(run_dir)
+    sequence, batch = record.get("sequence"), record.get("global_batch")
+    return RunRecord(run_dir, sequence if isinstance(sequence, int) else 0, batch if isinstance(batch, int) else None)
+
+
 def run_sequence(run_dir: Path) -> int:
     """The run's place among its recipe's runs (0: a folder from before octfw recorded it)."""
-    try:
-        return int(json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))["sequence"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
+    return run_record(run_dir).sequence
 
 
 def _run_folders(root: Path) -> list[Path]:
     return [p for p in root.glob("*") if (p / "recipe.toml").exists()] if root.exists() else []
 
 
+def recipe_runs(recipe: Recipe) -> list[RunRecord]:
+    """The runs of this recipe's name, the last started first (for ``--resume auto``): by
+    recorded sequence, never by folder name or clock; a folder name breaks only a tie (two runs
+    started at once) and orders the folders of older octfw versions, which come last."""
+    records = [run_record(folder) for folder in _run_folders(_runs_root(recipe))]
+    return sorted(records, key=lambda r: (r.sequence, r.folder.name), reverse=True)
+
+
 def run_dirs(recipe: Recipe) -> list[Path]:
-    """The run directories of this recipe's name, the last started first (for ``--resume auto``):
-    by recorded sequence, never by folder name or clock; a folder name breaks only a tie (two
-    runs started at once) and orders the folders of older octfw versions, which come last."""
-    return sorted(_run_folders(_runs_root(recipe)), key=lambda p: (run_sequence(p), p.name), reverse=True)
+    """The run directories of this recipe's name, the last started first (:func:`recipe_runs`)."""
+    return [record.folder for record in recipe_runs(recipe)]
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -195,3 +223,14 @@ def _write_json(path: Path, data: Any) -> None:
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any], quarantine: Any) -> None:
     _write_json(run_dir / "summary.json", {**summary, "quarantined_files": dict(quarantine.seen)})
+
+
+def record_global_batch(run_dir: Path, global_batch: int) -> None:
+    """Record in ``run.json`` the global batch the run trains at, once: a resume on other devices
+    keeps it (the schedule and the data order count in it). Replaced whole, never half-written."""
+    path = run_dir / RUN_FILE
+    record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if record.get("global_batch") is not None:
+        return
+    text = json.dumps({**record, "global_batch": global_batch}, indent=2, sort_keys=True) + "\n"
+    write_atomically(path, text.encode("utf-8"))
