@@ -169,3 +169,21 @@ def test_resume_auto_on_4_then_2_then_3_processes_keeps_the_global_batch_without
     assert [m["step"] for m in resumed] == list(range(1, 7))
     for a, b in zip(whole, resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=TOLERANCE)
+
+
+def test_evaluators_during_a_sharded_run_score_as_in_a_data_parallel_one(tmp_path):
+    """A linear probe every step and a kNN every two, during a 2-process run: sharded, every
+    process runs the encoder's forwards (its slices are needed for each), rank 0 logs; the
+    scores are those of the data-parallel run."""
+    from test_evaluators import PROBES
+
+    setup(tmp_path)
+    (tmp_path / "tiny.toml").write_text((tmp_path / "tiny.toml").read_text() + PROBES)
+    shape = ["--set", "run.max_steps=2", "--set", "engine.per_device_batch=1"]
+    data = metrics(launch(tmp_path, shape, nproc=2))
+    sharded = metrics(launch(tmp_path, [*shape, "--set", "engine.parallelism=fsdp"], nproc=2))
+    scores = [key for key in data[-1] if key.startswith("eval/")]
+    assert scores and any("knn" in key for key in scores), data[-1]
+    for a, b in zip(data, sharded):
+        for key in (k for k in a if k.startswith("eval/")):
+            assert b[key] == pytest.approx(a[key], abs=1e-4), key

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 __all__ = ["shard_model", "sharding_units", "shard_like", "shard_optimizer_state", "replicated_scalars",
-           "is_sharded", "meta_twin"]
+           "is_sharded", "meta_twin", "whole_outside_blocks"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -82,6 +82,22 @@ def meta_twin(recipe: Any, registry: Any) -> torch.nn.Module:
     meta ones under FSDP's hooks, the model was left with slices where a forward needs the whole."""
     with torch.device("meta"):
         return recipe.model.build(recipe.build_context(registry=registry, apply_init=False))
+
+
+@contextlib.contextmanager
+def whole_outside_blocks(model: torch.nn.Module, sharded: bool) -> Iterator[None]:
+    """While the block runs, the sharded ``model``'s parameters outside its blocks are whole on
+    every process: for calls that do not go through the model's own forward (an evaluator's
+    ``embed``, which runs the target encoder alone). Each block still gathers its own for its
+    forward; every process must make the same calls."""
+    if not sharded:
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 @contextlib.contextmanager

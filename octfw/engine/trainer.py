@@ -44,7 +44,7 @@ from octfw.engine.resume import check_recipe_change
 from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, RunEnd, RunSummary, fallback_storage
 from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import Throughput
-from octfw.engine.sharding import meta_twin, replicated_scalars
+from octfw.engine.sharding import meta_twin, replicated_scalars, whole_outside_blocks
 from octfw.engine.update import grad_norm, step_unless_vetoed
 from octfw.recipe import Recipe
 from octfw.registry import Registry
@@ -353,8 +353,8 @@ class Trainer:
         self.totals.reset_interval()
 
     def evaluate(self, done: int) -> None:
-        """Run the evaluators due at this step, once per job (rank 0, which logs them; the others wait at
-        the next collective, within ``engine.collective_timeout_s``); never on the training RNG stream."""
+        """Run the evaluators due at this step on rank 0, which logs them (sharded, on every process: each
+        forward needs all); the others wait at the next collective. Never on the training RNG stream."""
         due = [(spec, ev) for spec, ev in zip(self.recipe.evaluators, self.parts.evaluators)
                if (ev.every_steps and done % ev.every_steps == 0) or done == self.total]
         if not due or not (self.backend.is_main_process or self.backend.sharded):  # sharded: every rank's forward
@@ -363,7 +363,8 @@ class Trainer:
         started = time.perf_counter()
         results: dict[str, float] = {}
         devices = [self.backend.device] if self.backend.kind == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), \
+                whole_outside_blocks(self.model, self.backend.sharded):
             for spec, evaluator in due:
                 for key, value in evaluator.evaluate(self.model, self.backend.device, done).items():
                     results[f"eval/{spec.name}/{key}"] = float(value)
