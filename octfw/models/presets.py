@@ -35,14 +35,16 @@ DEFAULT_NORM_EPS = 1e-5
 #: seeds' encoder (ViT-S width), 'base' ViT-B, 'large' ViT-L (V-JEPA 2's ViT-L/16,
 #: MAE's and RETFound's ViT-L), 'giant' V-JEPA 2's ViT-g (facebookresearch/vjepa2
 #: ``vit_giant_xformers``, the published ViT-g/16: 22 heads of 64 channels, an MLP
-#: 48/11 as wide, 6,144 channels). Published weights load into the preset of
-#: their width, depth and heads (docs/published-weights.md).
+#: 48/11 as wide, 6,144 channels), 'gigantic' V-JEPA 2.1's ViT-G (``vit_gigantic_xformers``,
+#: 1.8B parameters: 26 heads of 64 channels, an MLP 64/13 as wide, 8,192 channels). Published
+#: weights load into the preset of their width, depth and heads (docs/published-weights.md).
 ENCODER_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(embed_dim=96, depth=4, num_heads=3, mlp_ratio=4.0),
     "small": dict(embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
     "base": dict(embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0),
     "large": dict(embed_dim=1024, depth=24, num_heads=16, mlp_ratio=4.0),
     "giant": dict(embed_dim=1408, depth=40, num_heads=22, mlp_ratio=48 / 11),
+    "gigantic": dict(embed_dim=1664, depth=48, num_heads=26, mlp_ratio=64 / 13),
 }
 
 

@@ -30,6 +30,7 @@ DECODER_PRESETS: dict[str, dict[str, Any]] = {
     "base": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
     "large": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
     "giant": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+    "gigantic": dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
 }
 
 #: Network sizes by preset name: the encoder of the same vjepa3d preset and a decoder.
@@ -44,6 +45,7 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
     "base": (111_982_848, 85_843_200),
     "large": (329_631_744, 303_361_024),
     "giant": (1_039_445_584, 1_011_453_056),
+    "gigantic": (1_873_540_672, 1_843_071_872),
 }
 
 

@@ -29,6 +29,9 @@ PREDICTOR_PRESETS: dict[str, dict[str, Any]] = {
     # vit_predictor's MLP is 4 wide whatever the encoder's, 48/11 for the ViT-g).
     "large": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, predictor_mlp_ratio=4.0),
     "giant": dict(predictor_embed_dim=384, predictor_depth=12, predictor_num_heads=12, predictor_mlp_ratio=4.0),
+    # V-JEPA 2.1 trains its ViT-G with a predictor of 24 blocks, 384 wide (a misfit with a
+    # checkpoint's predictor is refused naming both: set predictor_depth to its depth).
+    "gigantic": dict(predictor_embed_dim=384, predictor_depth=24, predictor_num_heads=12, predictor_mlp_ratio=4.0),
 }
 
 #: Network sizes by preset name. ``small`` is the seeds' V-JEPA3D: with one
@@ -45,6 +48,7 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
     "base": (107_728_896, 85_843_200),
     "large": (325_443_584, 303_361_024),
     "giant": (1_033_830_912, 1_011_453_056),
+    "gigantic": (1_886_940_160, 1_843_071_872),
 }
 
 
