@@ -187,3 +187,34 @@ def test_evaluators_during_a_sharded_run_score_as_in_a_data_parallel_one(tmp_pat
     for a, b in zip(data, sharded):
         for key in (k for k in a if k.startswith("eval/")):
             assert b[key] == pytest.approx(a[key], abs=1e-4), key
+
+
+def test_the_spmd_fsdp_mesh_on_four_xla_cpu_devices_equals_the_data_mesh(tmp_path):
+    """XLA: a ("data", "fsdp") mesh over 4 CPU devices, parameters split over "fsdp", trains as
+    the one-axis "data" mesh does, step for step."""
+    from test_distributed import losses
+    from test_xla_engine import FAST_COMPILE
+
+    setup(tmp_path)
+    common = ["--set", "run.device=xla", "--set", "model.depth=1", "--set", "model.predictor_depth=1",
+              "--set", "run.max_steps=3", "--set", "engine.per_device_batch=1"]
+    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_FLAGS": FAST_COMPILE}
+    data = launch(tmp_path, common, env=env)
+    sharded = launch(tmp_path, [*common, "--set", "engine.parallelism=fsdp"], env=env)
+    assert len(losses(sharded)) == 3
+    for a, b in zip(losses(data), losses(sharded)):
+        assert b == pytest.approx(a, rel=TOLERANCE)
+
+
+def test_on_the_spmd_fsdp_mesh_weights_gradients_moments_and_ema_are_split_over_its_devices(tmp_path, monkeypatch):
+    """What torch_xla holds for a block's weight after an AdamW step on the ("data", "fsdp") mesh
+    of 4 CPU devices: the weight, its gradient, its AdamW moment and its EMA copy each split in 4
+    along their first dimension (tests/xla/fsdp_mesh.py)."""
+    from conftest import TINY_RECIPE, run_xla_script
+
+    (tmp_path / "tiny.toml").write_text(TINY_RECIPE)
+    monkeypatch.setenv("OCTFW_TEST_RECIPE", str(tmp_path / "tiny.toml"))
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    report = run_xla_script("fsdp_mesh.py")
+    assert report["axes"] == ["data", "fsdp"] and report["mesh"] == [1, 4]
+    assert set(report["specs"].values()) == {"{devices=[4,1]0,1,2,3}"}, report["specs"]

@@ -51,7 +51,9 @@ class Backend:
     rank: int = 0  #: this process among the data-parallel processes (DDP rank or SPMD host)
     world_size: int = 1  #: number of data-parallel processes
     local_devices: int = 1  #: devices this process drives (SPMD); 1 otherwise
-    mesh: Any = None  #: the SPMD device mesh, one axis "data"; None without SPMD
+    #: the SPMD device mesh: one axis "data", or ("data", "fsdp") with ``parallelism = "fsdp"``,
+    #: whose "fsdp" axis splits parameters, gradients, optimizer state and EMA; None without SPMD
+    mesh: Any = None
     #: ``engine.parallelism``: "data" (every process holds the whole model: DDP) or "fsdp"
     #: (parameters, gradients, optimizer state and EMA sharded over the processes: FSDP2)
     parallelism: str = "data"
@@ -74,6 +76,11 @@ class Backend:
     def sharded(self) -> bool:
         """Parameters, gradients, optimizer state and EMA sharded over the processes (FSDP2)."""
         return self.across_processes and self.parallelism == "fsdp"
+
+    @property
+    def sharded_on_mesh(self) -> bool:
+        """The same over the SPMD mesh's "fsdp" axis (XLA places the gathers and reductions)."""
+        return self.mesh is not None and self.parallelism == "fsdp"
 
     def accumulating(self, forward: torch.nn.Module, last_micro: bool) -> contextlib.AbstractContextManager:
         """Around a micro-step's forward and backward: gradients are reduced over the processes
@@ -114,7 +121,8 @@ class Backend:
         import torch_xla.distributed.spmd as xs
 
         ranks = {**{key: field.rank for key, field in spec.items()}, DOMAIN_ID_KEY: 0}
-        return {key: xs.ShardingSpec(self.mesh, ("data",) + (None,) * rank, minibatch=self.world_size > 1)
+        batch_axis = ("data", "fsdp") if self.sharded_on_mesh else "data"  # the batch over every device
+        return {key: xs.ShardingSpec(self.mesh, (batch_axis,) + (None,) * rank, minibatch=self.world_size > 1)
                 for key, rank in ranks.items()}
 
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -216,7 +224,7 @@ class Backend:
             xm.wait_device_ops()
 
 
-def _xla_backend(precision: str, processes: Processes) -> Backend:
+def _xla_backend(precision: str, processes: Processes, parallelism: str = "data") -> Backend:
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -229,11 +237,14 @@ def _xla_backend(precision: str, processes: Processes) -> Backend:
         import numpy as np
         import torch_xla.distributed.spmd as xs
 
+        # With parallelism = "fsdp", a second axis "fsdp" over every device splits the model's
+        # state (torch_xla's FSDPv2 layout); the batch is split over both axes.
         devices = xr.global_runtime_device_count()
-        mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
+        mesh = (xs.Mesh(np.arange(devices), (1, devices), ("data", "fsdp")) if parallelism == "fsdp"
+                else xs.Mesh(np.arange(devices), (devices,), ("data",)))
         local = xr.addressable_runtime_device_count()
-    return Backend(kind="xla", device=torch_xla.device(), precision=precision,
-                   rank=processes.rank, world_size=processes.world_size, local_devices=local, mesh=mesh)
+    return Backend(kind="xla", device=torch_xla.device(), precision=precision, rank=processes.rank,
+                   world_size=processes.world_size, local_devices=local, mesh=mesh, parallelism=parallelism)
 
 
 def require_torch_xla() -> None:
@@ -264,9 +275,6 @@ def resolved_precision(precision: str, kind: str) -> str:
 
 def refuse_unbuilt_sharding(parallelism: str, kind: str, compile: bool) -> None:
     """``engine.parallelism = "fsdp"`` where it is not built yet, refused in one line."""
-    if parallelism == "fsdp" and kind == "xla":
-        raise UserError('engine.parallelism = "fsdp" is not built for xla yet (its SPMD mesh is to come); '
-                        'use "data" there')
     if parallelism == "fsdp" and compile:
         raise UserError('engine.compile = true with engine.parallelism = "fsdp" is not built yet; '
                         "leave one of them out")
@@ -279,7 +287,7 @@ def select_backend(processes: Processes, precision: str, compile: bool = False,
     refuse_unbuilt_sharding(parallelism, processes.kind, compile)
     precision = resolved_precision(precision, processes.kind)
     if processes.kind == "xla":
-        return _xla_backend(precision, processes)
+        return _xla_backend(precision, processes, parallelism)
     return Backend(kind=processes.kind, device=processes.device, precision=precision,
                    rank=processes.rank, world_size=processes.world_size, parallelism=parallelism,
                    attention_priority=kernel_priority(processes.device))
@@ -326,6 +334,10 @@ def training_forward(model: torch.nn.Module, backend: Backend, *, compile: bool,
         from octfw.engine.sharding import shard_model
 
         return shard_model(model, precision=backend.precision, reshard_after_forward=reshard_after_forward)
+    if backend.sharded_on_mesh:
+        from octfw.engine.sharding import shard_on_mesh
+
+        return shard_on_mesh(model, backend.mesh)
     forward = torch.compile(model) if compile else model
     if backend.across_processes:  # gradients averaged across the processes
         forward = torch.nn.parallel.DistributedDataParallel(forward)

@@ -1,4 +1,5 @@
-"""Sharded data parallelism (``engine.parallelism = "fsdp"``) on CUDA and the CPU, through FSDP2.
+"""Sharded data parallelism (``engine.parallelism = "fsdp"``): FSDP2 on CUDA and the CPU, the
+SPMD mesh's "fsdp" axis on XLA (:func:`shard_on_mesh`).
 
 With ``"data"`` every process holds the whole model, its gradients, its AdamW moments and the
 EMA target encoder (DDP). With ``"fsdp"`` each of N processes holds 1/N of each
@@ -35,7 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["shard_model", "sharding_units", "shard_like", "shard_optimizer_state", "replicated_scalars",
+__all__ = ["shard_on_mesh", "shard_model", "sharding_units", "shard_like", "shard_optimizer_state", "replicated_scalars",
            "is_sharded", "meta_twin", "whole_outside_blocks"]
 
 
@@ -82,6 +83,22 @@ def meta_twin(recipe: Any, registry: Any) -> torch.nn.Module:
     meta ones under FSDP's hooks, the model was left with slices where a forward needs the whole."""
     with torch.device("meta"):
         return recipe.model.build(recipe.build_context(registry=registry, apply_init=False))
+
+
+def shard_on_mesh(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """``model`` on XLA's SPMD mesh with its state split over the mesh's "fsdp" axis, in place:
+    each parameter's first dimension (torch_xla's FSDPv2 layout), where it divides; the EMA
+    encoder's alike, so its update stays on each device's slice. XLA's compiler then places
+    the gathers and the reduce-scatters, and gradients and AdamW's moments take the
+    parameters' layout. A parameter whose first dimension does not divide (a small bias) stays
+    whole on every device."""
+    import torch_xla.distributed.spmd as xs
+
+    devices = mesh.mesh_shape[mesh.axis_names.index("fsdp")]
+    for parameter in model.parameters():
+        if parameter.dim() and parameter.shape[0] % devices == 0:
+            xs.mark_sharding(parameter, mesh, ("fsdp",) + (None,) * (parameter.dim() - 1))
+    return model
 
 
 @contextlib.contextmanager
