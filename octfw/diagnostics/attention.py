@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import torch
 
-from octfw.engine.attention import MATH, AttentionCall, AttentionRecord, priority_context, record_attention
+from octfw.engine.attention import BLOCKED, MATH, AttentionCall, AttentionRecord, priority_context, record_attention
 
 __all__ = ["AttentionCall", "AttentionRecord", "describe", "record_attention", "sdpa_backend", "sdpa_call"]
 
@@ -61,7 +61,7 @@ def sdpa_call(device: str | torch.device, dtype: torch.dtype, batch: int, heads:
         if backward:
             out.float().sum().backward()
     (call,) = record.calls
-    if backward and record.backward_kernels != ([] if call.kernel == MATH else [call.kernel]):
+    if backward and record.backward_kernels != ([] if call.kernel in (MATH, BLOCKED) else [call.kernel]):
         raise RuntimeError(f"attention forward ran {call.kernel}, backward ran {record.backward_kernels}")
     return call
 
@@ -69,7 +69,8 @@ def sdpa_call(device: str | torch.device, dtype: torch.dtype, batch: int, heads:
 def sdpa_backend(device: str | torch.device, dtype: torch.dtype, batch: int, heads: int, tokens: int,
                  head_dim: int, *, backward: bool = False, priority: tuple[str, ...] = ()) -> str:
     """The kernel octfw's attention runs for that size and precision (see
-    :func:`sdpa_call`): "flash", "efficient", "cudnn", "overrideable" or "math"."""
+    :func:`sdpa_call`): "flash", "efficient", "cudnn", "overrideable", "math" or, on XLA
+    beyond one query block, "blocked"."""
     return sdpa_call(device, dtype, batch, heads, tokens, head_dim, backward=backward, priority=priority).kernel
 
 

@@ -8,7 +8,10 @@ materialises the ``[heads, N, N]`` scores: at the seeds' 9,216 tokens that is
 2 GB per sample for ``small`` in fp32. So the engine sets the priority by
 device (:func:`kernel_priority`) and names the kernel that ran
 (:func:`record_attention`, a dispatch mode that sees the aten operator torch
-really dispatched, forward and backward, not a prediction).
+really dispatched, forward and backward, not a prediction). On XLA, where
+torch_xla's SDPA keeps the N x N probabilities, octfw's attention runs long
+sequences through :func:`octfw.models.vit3d.blocked_attention`, which the
+record names ``blocked``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AttentionCall", "AttentionRecord", "KERNELS", "MATH", "kernel_priority", "priority_context",
+from octfw.models.vit3d import blocked_attention
+
+__all__ = ["AttentionCall", "AttentionRecord", "BLOCKED", "KERNELS", "MATH", "kernel_priority", "priority_context",
            "record_attention"]
 
 #: The aten operator of each fused SDPA kernel (forward; its backward is the
@@ -36,6 +41,9 @@ KERNELS: dict[str, str] = {
     "_scaled_dot_product_fused_attention_overrideable": "overrideable",
 }
 MATH = "math"
+#: octfw's query-blocked attention on XLA (:func:`~octfw.models.vit3d.blocked_attention`): plain
+#: matmuls too, so no fused operator names it; the function itself is seen.
+BLOCKED = "blocked"
 _BACKWARD = {f"{op}_backward": name for op, name in KERNELS.items()}
 
 
@@ -47,7 +55,7 @@ class AttentionCall:
     key_shape: tuple[int, ...]
     dtype: str  #: of the query as dispatched (after autocast)
     masked: bool  #: an explicit attn_mask was passed
-    kernel: str  #: "flash", "efficient", "cudnn", "overrideable" or "math"
+    kernel: str  #: "flash", "efficient", "cudnn", "overrideable", "math" or "blocked"
 
 
 @attrs.define
@@ -84,7 +92,8 @@ class _KernelOps(TorchDispatchMode):
 
 class _AttentionCalls(TorchFunctionMode):
     """Brackets every ``F.scaled_dot_product_attention`` call, so the kernel
-    operators dispatched inside it belong to that call."""
+    operators dispatched inside it belong to that call; notes every
+    :func:`~octfw.models.vit3d.blocked_attention` call as ``blocked``."""
 
     def __init__(self, ops: _KernelOps, record: AttentionRecord):
         super().__init__()
@@ -92,6 +101,12 @@ class _AttentionCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is blocked_attention:
+            out = func(*args, **kwargs)
+            self.record.calls.append(AttentionCall(
+                query_shape=tuple(args[0].shape), key_shape=tuple(args[1].shape),
+                dtype=str(args[0].dtype).replace("torch.", ""), masked=False, kernel=BLOCKED))
+            return out
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         seen = len(self.ops.forward)

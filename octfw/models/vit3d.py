@@ -40,6 +40,9 @@ __all__ = [
     "PatchEmbed3D",
     "standardise_volume",
     "volume_statistics",
+    "QUERY_BLOCK",
+    "attention",
+    "blocked_attention",
     "Attention",
     "MLP",
     "LayerNorm",
@@ -254,8 +257,105 @@ class PatchEmbed3D(nn.Module):
         return tokens.flatten(2).transpose(1, 2)
 
 
+#: Queries per block of :func:`blocked_attention`, the attention :func:`attention` runs on
+#: XLA for sequences longer than one block. One block's backward holds about six
+#: ``[B, heads, QUERY_BLOCK, N]`` float32 temporaries (XLA:CPU's buffer assignment,
+#: ``benchmarks/accelerators/xla_attention_memory.py``): 1.8 GB per sample for ``large``
+#: (16 heads) at the seeds' 9,216 tokens, against 2.7 GB of bf16 probabilities per layer
+#: that XLA's own attention keeps.
+QUERY_BLOCK = 512
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of ``q`` over ``k``, ``v`` (each ``[B, heads, N, head_dim]``).
+
+    ``F.scaled_dot_product_attention`` picks a fused kernel on the CPU and on CUDA
+    (memory linear in N). torch_xla lowers it to matmul, softmax, matmul and keeps the
+    ``[B, heads, N, N]`` probabilities for the backward pass (70 GiB of a 76 GiB
+    estimate for ``large`` at the seeds' size); on XLA a sequence longer than
+    :data:`QUERY_BLOCK` runs :func:`blocked_attention` instead. The branch is on the
+    device type and shapes only, never on values (docs/performance.md).
+    """
+    if q.device.type == "xla" and q.shape[-2] > QUERY_BLOCK:
+        return blocked_attention(q, k, v, QUERY_BLOCK)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = QUERY_BLOCK) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v)`` (no mask, no dropout), a block of
+    ``block`` queries at a time: each block's exact softmax over all keys, keeping a
+    log-sum-exp per query for the backward pass, which recomputes each block's
+    probabilities from it (as a flash kernel does, in plain torch). Memory for one block's
+    ``[B, heads, block, N]`` at a time instead of ``N x N``. Modes see it as a torch
+    function (``record_attention`` names it ``blocked``)."""
+    if torch.overrides.has_torch_function((q, k, v)):
+        return torch.overrides.handle_torch_function(blocked_attention, (q, k, v), q, k, v, block)
+    return _BlockedAttention.apply(q, k, v, block)
+
+
+def _after(x: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+    """``x``, made to depend on ``earlier``: plus zero times one element of each of its
+    ``[batch, head]`` rows (XLA folds ``x * 0`` only for integers, and a NaN is already
+    everywhere). Orders the blocks of :class:`_BlockedAttention` for any compiler: XLA:CPU
+    removes optimization barriers before scheduling, and then both starts every block's
+    ``N``-wide temporaries at once and merges the backward's recomputed scores with the
+    forward's, keeping them all alive."""
+    return x + earlier[..., :1, :1].to(x.dtype) * 0
+
+
+class _BlockedAttention(torch.autograd.Function):
+    """:func:`blocked_attention`: saves ``q``, ``k``, ``v``, the output and a float32
+    log-sum-exp per query, what a fused kernel saves. Scores and softmax statistics in
+    float32 (float64 for float64 inputs), the products in the inputs' dtype (bf16 under
+    autocast)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block):
+        scale, exact = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)
+        keys = k.transpose(-2, -1)
+        outs, lses, previous = [], [], None
+        for start in range(0, q.shape[-2], block):
+            queries = q[..., start:start + block, :]
+            if previous is not None:
+                queries = _after(queries, previous)
+            scores = (queries @ keys).to(exact) * scale
+            peak = scores.amax(dim=-1, keepdim=True)
+            weights = torch.exp(scores - peak)
+            total = weights.sum(dim=-1, keepdim=True)
+            out = ((weights.to(v.dtype) @ v).to(exact) / total).to(q.dtype)
+            outs.append(out)
+            lses.append((peak + torch.log(total)).squeeze(-1))
+            previous = out
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.block = block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, exact = q.shape[-1] ** -0.5, lse.dtype
+        keys, values = k.transpose(-2, -1), v.transpose(-2, -1)
+        grad_k = torch.zeros(k.shape, dtype=exact, device=k.device)
+        grad_v = torch.zeros(v.shape, dtype=exact, device=v.device)
+        grad_q, previous = [], grad_out
+        for start in reversed(range(0, q.shape[-2], ctx.block)):
+            rows = slice(start, start + ctx.block)
+            queries, grad = _after(q[..., rows, :], previous), _after(grad_out[..., rows, :], previous)
+            weights = torch.exp((queries @ keys).to(exact) * scale - lse[..., rows, None])
+            grad_v = grad_v + weights.to(grad.dtype).transpose(-2, -1) @ grad
+            grad_weights = (grad @ values).to(exact)
+            row_dot = (grad.to(exact) * out[..., rows, :].to(exact)).sum(dim=-1, keepdim=True)
+            grad_scores = (weights * (grad_weights - row_dot) * scale).to(q.dtype)
+            grad_q.append(grad_scores @ k)
+            grad_k = grad_k + grad_scores.transpose(-2, -1) @ queries
+            previous = grad_q[-1]
+        return torch.cat(grad_q[::-1], dim=-2), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention through ``F.scaled_dot_product_attention``."""
+    """Multi-head self-attention through :func:`attention`: ``F.scaled_dot_product_attention``,
+    or on XLA :func:`blocked_attention` for sequences longer than one block."""
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -273,7 +373,7 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, N, head_dim]
         if rope is not None:  # a structural choice, not a branch on tensor values
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
 
 
