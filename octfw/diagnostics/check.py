@@ -138,8 +138,8 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 
     # --- memory (octfw.diagnostics.memory): estimated per device, warned before the run ---
-    from octfw.diagnostics.memory import (batch_advice, device_memory, estimate_memory, flash_attention_line,
-                                         memory_report)
+    from octfw.diagnostics.memory import (batch_advice, device_memory, estimate_memory, memory_report,
+                                         xla_attention_line)
 
     precision = resolved_precision(recipe.engine.precision, kind)
     estimate = estimate_memory(model, batch, device=kind, precision=precision)
@@ -147,7 +147,7 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
     memory_line, memory_warning = memory_report(estimate, *memory)
     report(memory_line)
     if kind == "xla":
-        report(flash_attention_line(model, batch, estimate, precision))
+        report(xla_attention_line(model, batch, estimate, precision))
     if memory[0]:
         report(batch_advice(model, batch, memory[0], kind, precision))
     if memory_warning:  # a verdict of the report (stdout, before "check passed"), not a log record

@@ -17,8 +17,9 @@ What is counted, in bytes, for one device:
 - ``activations``: the tensors autograd saves for the backward pass of one
   micro-batch, measured by running the forward on ``meta`` tensors (shapes
   only: nothing is computed or allocated) with ``saved_tensors_hooks``, with
-  attention saved as the device's kernel saves it (:data:`ATTENTION_BY_DEVICE`)
-  and checkpointed blocks counted by what they keep (:class:`SavedTensors`).
+  attention saved as the device's kernel saves it (:data:`ATTENTION_BY_DEVICE`;
+  on xla with one query block's temporaries on top) and checkpointed blocks
+  counted by what they keep (:class:`SavedTensors`).
   Under bf16 autocast the forward runs on fake CPU tensors under the CPU's
   autocast, so each saved tensor is counted at the dtype autocast gives it,
   the bf16 copies of the weights included (:func:`saved_tensors`);
@@ -42,18 +43,20 @@ set on TPU VMs). ``OCTFW_DEVICE_MEMORY_GIB`` or ``octfw check
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any, Callable, Mapping
 
 import attrs
 import torch
 
+from octfw.models.vit3d import QUERY_BLOCK
 from octfw.recipe import fields
 from octfw.types import ActivationCheckpointing
 
 __all__ = [
-    "ATTENTION_BY_DEVICE", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
-    "batch_advice", "flash_attention_line", "device_memory", "estimate_memory", "largest_batch", "largest_fitting",
+    "ATTENTION_BY_DEVICE", "BLOCK_TEMPORARIES", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
+    "batch_advice", "xla_attention_line", "device_memory", "estimate_memory", "largest_batch", "largest_fitting",
     "memory_report", "device_memory_bytes", "peak_rss_growth", "resized_batch", "saved_tensors",
 ]
 
@@ -115,13 +118,22 @@ def resized_batch(batch: Mapping[str, Any], size: int) -> dict[str, Any]:
             for k, v in batch.items()}
 
 
-#: How ``F.scaled_dot_product_attention`` keeps what its backward needs, by
-#: device kind. The fused kernels (flash / memory-efficient; on the CPU and on
-#: CUDA for these shapes, see :mod:`octfw.diagnostics.attention`) keep q, k, v, the
-#: output and a log-sum-exp per row; torch_xla lowers it to matmul, softmax,
-#: matmul and keeps the ``[B, heads, N, N]`` probabilities, which at 9,216
-#: tokens are most of the activations.
-ATTENTION_BY_DEVICE = {"cpu": "fused", "cuda": "fused", "xla": "math"}
+#: How octfw's attention keeps what its backward needs, by device kind. "fused": the
+#: fused kernels of ``F.scaled_dot_product_attention`` (flash / memory-efficient; on the
+#: CPU and on CUDA for these shapes, see :mod:`octfw.diagnostics.attention`) keep q, k, v,
+#: the output and a log-sum-exp per row. "math": torch_xla lowers SDPA to matmul, softmax,
+#: matmul and keeps the ``[B, heads, N, N]`` probabilities, which at 9,216 tokens are most
+#: of the activations. "blocked" (xla): octfw's query-blocked attention
+#: (:func:`octfw.models.vit3d.blocked_attention`) for sequences longer than
+#: :data:`~octfw.models.vit3d.QUERY_BLOCK` keeps what the fused kernels keep, and one
+#: block's backward holds :data:`BLOCK_TEMPORARIES` more; shorter ones run "math".
+ATTENTION_BY_DEVICE = {"cpu": "fused", "cuda": "fused", "xla": "blocked"}
+
+#: Float32 ``[B, heads, QUERY_BLOCK, N]`` temporaries one block of blocked attention holds in
+#: its backward (scores, probabilities, their gradients and transposes): XLA:CPU's buffer
+#: assignment planned 5.4-6.2 of them, inputs and outputs included, at 2,048-8,192 tokens
+#: (benchmarks/accelerators/xla_attention_memory.py).
+BLOCK_TEMPORARIES = 6
 
 #: Temporaries of the optimizer step, in trainable-parameter sizes, by device
 #: kind: torch's foreach AdamW on the CPU keeps one (a square root) beside its
@@ -134,12 +146,22 @@ EMA_TEMPORARIES = 2
 
 class _FusedAttention(torch.overrides.TorchFunctionMode):
     """Meta tensors run attention on the math path; this swaps in the fused
-    kernel's op (its meta function gives the shapes it saves)."""
+    kernel's op (its meta function gives the shapes it saves) for queries longer
+    than ``longer_than``, and notes the bytes of one float32 block of
+    ``block`` queries' scores of each such call (blocked attention)."""
+
+    def __init__(self, longer_than: int = 0, block: int = QUERY_BLOCK):
+        super().__init__()
+        self.longer_than, self.block = longer_than, block
+        self.block_bytes: list[int] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
+        if (func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None
+                and args[0].shape[-2] > self.longer_than):
             query, key, value = args[:3]
+            *leading, queries, _ = query.shape
+            self.block_bytes.append(4 * min(queries, self.block) * key.shape[-2] * math.prod(leading))
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
                 scale=kwargs.get("scale"))[0]
@@ -157,16 +179,19 @@ class SavedTensors:
     sizes: dict[int, int]  #: bytes of each saved storage, by id
     outside: frozenset[int]  #: saved outside every checkpointable module
     calls: tuple[tuple[bool, frozenset[int], frozenset[int]], ...]  #: (checkpointed, input, saved inside)
+    #: bytes one block of the largest blocked-attention call holds in its backward (0 without blocked attention)
+    transient: int = 0
 
     def total(self) -> int:
         """Bytes alive at the start of backward plus, for checkpointed modules,
-        the largest one's recomputed activations (recomputed one at a time)."""
+        the largest one's recomputed activations (recomputed one at a time), plus
+        one attention block's temporaries."""
         kept = set(self.outside)
         for checkpointed, inputs, inside in self.calls:
             kept |= inputs if checkpointed else inside
         recomputed = [sum(self.sizes[i] for i in inside - kept) for checkpointed, _, inside in self.calls
                       if checkpointed]
-        return sum(self.sizes[i] for i in kept) + max(recomputed, default=0)
+        return sum(self.sizes[i] for i in kept) + max(recomputed, default=0) + self.transient
 
 
 def saved_tensors(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
@@ -247,10 +272,13 @@ def _saved_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], shape
         for m in checkpointable:
             m.checkpoint_activations = False  # run plainly, so every saved tensor is seen
             handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
-        mode = _FusedAttention() if attention == "fused" else _math_attention()
+        # blocked: the fused kernel's saved tensors beyond one query block, math within it
+        fused = _FusedAttention(longer_than=QUERY_BLOCK if attention == "blocked" else 0)
+        decomposed = _math_attention() if attention != "fused" else contextlib.nullcontext()
+        mode = fused if attention != "math" else contextlib.nullcontext()
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
                     else contextlib.nullcontext())
-        with mode, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with decomposed, mode, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, (shaped_batch,))
     finally:
         for handle in handles:
@@ -258,8 +286,9 @@ def _saved_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], shape
         for m in checkpointable:
             m.checkpoint_activations = configured[id(m)]
     sizes = {key: _nbytes(t) for key, t in keep_alive.items()}
+    transient = BLOCK_TEMPORARIES * max(fused.block_bytes, default=0) if attention == "blocked" else 0
     return SavedTensors(sizes, frozenset(outside),
-                        tuple((c, frozenset(i), frozenset(s)) for c, i, s in calls))
+                        tuple((c, frozenset(i), frozenset(s)) for c, i, s in calls), transient)
 
 
 def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any], *, attention: str = "fused",
@@ -274,7 +303,7 @@ def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device:
                     attention: str | None = None) -> MemoryEstimate:
     """Estimate the peak per-device bytes of training ``model`` on micro-batches like ``batch``
     on a device of kind ``device`` (cpu, cuda, xla) at ``precision`` (fp32, or bf16 autocast);
-    ``checkpointing``: see :func:`saved_tensors`; ``attention``: "fused" or "math", by default
+    ``checkpointing``: see :func:`saved_tensors`; ``attention``: "fused", "blocked" or "math", by default
     the device's (:data:`ATTENTION_BY_DEVICE`)."""
     trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
     frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad)
@@ -411,15 +440,15 @@ def memory_report(estimate: MemoryEstimate, device_bytes: int | None, device_des
     return line, warning
 
 
-def flash_attention_line(model: torch.nn.Module, batch: Mapping[str, Any], estimate: MemoryEstimate,
-                         precision: str) -> str:
-    """For xla: the activations and peak a flash-attention kernel (no ``N x N`` probabilities
-    kept) would give, beside ``estimate``'s for XLA's own attention, which octfw runs
-    (torch_xla's Pallas kernel is not used: docs/performance.md says why)."""
-    flash = estimate_memory(model, batch, device="xla", precision=precision, attention="fused")
-    return (f"          with flash attention: activations {_gib(flash.parts['activations'])} instead of "
-            f"{_gib(estimate.parts['activations'])}, ~{_gib(flash.total)} per device "
-            "(XLA's own attention runs: docs/performance.md)")
+def xla_attention_line(model: torch.nn.Module, batch: Mapping[str, Any], estimate: MemoryEstimate,
+                       precision: str) -> str:
+    """For xla: the activations and peak XLA's own attention (torch_xla's SDPA, keeping the
+    ``N x N`` probabilities) would give, beside ``estimate``'s for octfw's query-blocked
+    attention, which runs (docs/performance.md says why not torch_xla's Pallas kernel)."""
+    own = estimate_memory(model, batch, device="xla", precision=precision, attention="math")
+    return (f"          with XLA's own attention: activations {_gib(own.parts['activations'])} instead of "
+            f"{_gib(estimate.parts['activations'])}, ~{_gib(own.total)} per device "
+            f"(octfw's runs {QUERY_BLOCK} queries at a time: docs/performance.md)")
 
 
 #: Share of a device's memory the advised batch may fill: on an H100 the eager bf16 step of

@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "batch and the schedule's length follow from N x M")
     parser.add_argument("--device-kind", choices=("cpu", "cuda", "xla"), default=None,
                         help="size the memory estimate for this kind of device (default: the recipe's "
-                             "run.device; xla keeps attention's N x N probabilities, cpu and cuda do not)")
+                             "run.device; cpu and cuda keep a fused attention kernel's log-sum-exp per query, "
+                             "xla the same from octfw's query-blocked attention, plus one block's scores)")
     parser.add_argument("--device-memory", default=None, metavar="SIZE",
                         help="memory of one device, e.g. 32GiB for a TPU v4 chip or 80GB for an H100: "
                              "the estimate is compared with it and the largest per-device batch that "
