@@ -7,7 +7,10 @@ patches in row-major order over the patch grid ``(D/pd, H/ph, W/pw)``.
 
 Everything here is XLA-friendly: token subsets are taken with
 :func:`gather_tokens` and fixed-size index tensors, never boolean masks, and
-no forward branches on tensor values.
+no forward branches on tensor values. Attention goes through
+:func:`attention`: torch's SDPA, or on XLA beyond one block of queries
+:func:`blocked_attention`, whose memory is linear in the tokens where
+torch_xla's SDPA keeps the N x N probabilities.
 
 This module imports torch only, never octfw: ``octfw export --format
 monai-bundle`` ships it as it is (``scripts/vit3d.py``) so that MONAI users
