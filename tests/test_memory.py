@@ -9,17 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from octfw.diagnostics.device_memory import device_memory, device_memory_bytes
 from octfw.diagnostics.memory import (
     BLOCK_TEMPORARIES,
     GIB,
     MemoryEstimate,
     batch_advice,
-    device_memory,
     estimate_memory,
     xla_attention_line,
     largest_batch,
     memory_report,
-    device_memory_bytes,
 )
 from octfw.types import BuildContext
 
@@ -59,6 +58,32 @@ def test_parameter_gradient_and_adamw_parts_are_exact():
     assert parts["parameters"] == parts["gradients"] == trainable
     assert parts["optimizer"] == 2 * trainable
     assert parts["ema"] == (8 * 8 + 8) * 4 and parts["batch"] == 4 * 64 * 4
+
+
+def test_sharded_over_n_devices_a_device_holds_a_nth_of_the_state_plus_the_largest_block_gathered():
+    """engine.parallelism = "fsdp": parameters, EMA, gradients and AdamW's moments split N ways;
+    the largest transformer block whole twice (computing, and the next gathered ahead) plus its
+    gradient; activations and the batch as replicated (each device trains its own samples)."""
+    from octfw.models.vit3d import Block
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block(64, 4, 4.0) for _ in range(4))
+
+        def forward(self, batch):
+            x = batch["x"]
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean()
+
+    model, batch = Blocks(), {"x": torch.randn(2, 16, 64)}
+    replicated, sharded = (estimate_memory(model, batch, shards=n).parts for n in (1, 4))
+    for part in ("parameters", "gradients", "optimizer"):
+        assert sharded[part] == replicated[part] // 4
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert sharded["gathered"] == block * (2 * 4 + 4) and replicated["gathered"] == 0
+    assert sharded["activations"] == replicated["activations"] and sharded["batch"] == replicated["batch"]
 
 
 def test_activations_measured_on_meta_equal_what_autograd_saves():

@@ -209,7 +209,7 @@ def measure_step_memory(trainer, batch: dict[str, Any], kind: str, step: Callabl
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    from octfw.diagnostics.memory import peak_rss_growth
+    from octfw.diagnostics.device_memory import peak_rss_growth
 
     gc.collect()
     resident = _resident_bytes(trainer, batch["tensors"])
@@ -451,12 +451,12 @@ def main() -> None:
     args = parser.parse_args()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
-        # Before any tensor exists: glibc reads it at start-up (see octfw.diagnostics.memory.peak_rss_growth).
+        # Before any tensor exists: glibc reads it at start-up (see octfw.diagnostics.device_memory.peak_rss_growth).
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device")
-    from octfw.diagnostics.memory import device_memory
+    from octfw.diagnostics.device_memory import device_memory
     from octfw.recipe.fields import parse_bytes
     from octfw.engine.throughput import published_peak
 

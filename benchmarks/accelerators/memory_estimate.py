@@ -4,7 +4,7 @@ Measured peak = the bytes of every tensor alive before the step (parameters,
 EMA, buffers, AdamW moments, the batch: counted exactly) + how far the
 process's peak resident size rose during the step (activations, gradients and
 every transient buffer: measured by the kernel, see
-``octfw.diagnostics.memory.peak_rss_growth``). Each configuration runs in a fresh
+``octfw.diagnostics.device_memory.peak_rss_growth``). Each configuration runs in a fresh
 process started with ``MALLOC_MMAP_THRESHOLD_`` fixed, so that freed tensors
 leave the resident set at once. ``tests/test_memory.py`` asserts the 20 % bound
 on the same measurement.
@@ -39,7 +39,8 @@ def measure_one(preset: str, size: str, batch: int, checkpointing: bool) -> dict
     """In this process: build the real Trainer, run a warm-up update, measure the next."""
     import torch
 
-    from octfw.diagnostics.memory import estimate_memory, peak_rss_growth
+    from octfw.diagnostics.device_memory import peak_rss_growth
+    from octfw.diagnostics.memory import estimate_memory
     from octfw.engine.trainer import Trainer
     from octfw.engine.plan import plan_for_folder
     from octfw.recipe import load_recipe

@@ -138,18 +138,20 @@ def check_recipe(recipe: Recipe, registry: Registry, report: Callable[[str], Non
            + ", ".join(f"{k} parameters {v:,}" for k, v in params.items()))
 
     # --- memory (octfw.diagnostics.memory): estimated per device, warned before the run ---
-    from octfw.diagnostics.memory import (batch_advice, device_memory, estimate_memory, memory_report,
-                                         xla_attention_line)
+    from octfw.diagnostics.device_memory import device_memory
+    from octfw.diagnostics.memory import batch_advice, estimate_memory, memory_report, xla_attention_line
 
     precision = resolved_precision(recipe.engine.precision, kind)
-    estimate = estimate_memory(model, batch, device=kind, precision=precision)
+    # engine.parallelism = "fsdp": the model's state split over every device of the run
+    shards = processes * devices_per_process if recipe.engine.parallelism == "fsdp" else 1
+    estimate = estimate_memory(model, batch, device=kind, precision=precision, shards=shards)
     memory = (device_bytes, "--device-memory") if device_bytes else device_memory(kind)
     memory_line, memory_warning = memory_report(estimate, *memory)
     report(memory_line)
     if kind == "xla":
-        report(xla_attention_line(model, batch, estimate, precision))
+        report(xla_attention_line(model, batch, estimate, precision, shards))
     if memory[0]:
-        report(batch_advice(model, batch, memory[0], kind, precision))
+        report(batch_advice(model, batch, memory[0], kind, precision, shards))
     if memory_warning:  # a verdict of the report (stdout, before "check passed"), not a log record
         report(f"warning: {memory_warning}")
 

@@ -28,23 +28,24 @@ What is counted, in bytes, for one device:
   backward pass has freed the activations, so the peak holds the larger of
   the two, not both.
 
+Sharded over N devices (``engine.parallelism = "fsdp"``, ``shards=N``), a device holds 1/N of
+the parameters, EMA, gradients and optimizer state (and of the update's temporaries), plus
+``gathered``: the largest transformer block whole, twice (the one computing and the next,
+gathered ahead), and its whole gradient before it is reduce-scattered.
+
 On the CPU the total is within 20 % of the measured peak of the engine's
 update step for ``tiny`` and ``small`` (``tests/test_memory.py``); allocator
 fragmentation and compiler workspaces on accelerators come on top, so a total
 near the device's memory is already a risk. A guard's veto costs no memory:
 it goes into the update itself (:mod:`octfw.engine.optim`).
 
-Device memory: the CPU's available RAM (``MemAvailable``), a CUDA device's
-total memory, a TPU chip's HBM by generation (from ``TPU_ACCELERATOR_TYPE``,
-set on TPU VMs). ``OCTFW_DEVICE_MEMORY_GIB`` or ``octfw check
---device-memory`` overrides it, to size a run for another machine.
+What a device offers to compare with: :mod:`octfw.diagnostics.device_memory`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -55,17 +56,12 @@ from octfw.recipe import fields
 from octfw.types import ActivationCheckpointing
 
 __all__ = [
-    "ATTENTION_BY_DEVICE", "BLOCK_TEMPORARIES", "MemoryEstimate", "SavedTensors", "TPU_HBM_GIB", "activation_bytes",
-    "batch_advice", "xla_attention_line", "device_memory", "estimate_memory", "largest_batch", "largest_fitting",
-    "memory_report", "device_memory_bytes", "peak_rss_growth", "resized_batch", "saved_tensors",
+    "ATTENTION_BY_DEVICE", "BLOCK_TEMPORARIES", "MemoryEstimate", "SavedTensors", "activation_bytes",
+    "batch_advice", "xla_attention_line", "estimate_memory", "largest_batch", "largest_fitting",
+    "memory_report", "resized_batch", "saved_tensors",
 ]
 
 GIB = 1024**3
-
-#: HBM per torch_xla device (a chip from v4 on, a core on v2 and v3), GiB.
-TPU_HBM_GIB: dict[str, float] = {
-    "v2": 8.0, "v3": 16.0, "v4": 32.0, "v5litepod": 16.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0,
-}
 
 #: AdamW keeps exp_avg and exp_avg_sq per parameter, at the parameter's dtype.
 ADAMW_STATES = 2
@@ -300,25 +296,37 @@ def activation_bytes(model: torch.nn.Module, batch: Mapping[str, Any], *, attent
 
 def estimate_memory(model: torch.nn.Module, batch: Mapping[str, Any], *, device: str = "cpu",
                     checkpointing: bool | None = None, precision: str = "fp32",
-                    attention: str | None = None) -> MemoryEstimate:
+                    attention: str | None = None, shards: int = 1) -> MemoryEstimate:
     """Estimate the peak per-device bytes of training ``model`` on micro-batches like ``batch``
     on a device of kind ``device`` (cpu, cuda, xla) at ``precision`` (fp32, or bf16 autocast);
     ``checkpointing``: see :func:`saved_tensors`; ``attention``: "fused", "blocked" or "math", by default
-    the device's (:data:`ATTENTION_BY_DEVICE`)."""
-    trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
-    frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad)
+    the device's (:data:`ATTENTION_BY_DEVICE`); ``shards``: the devices the model's state is
+    split over (``engine.parallelism = "fsdp"``; 1: replicated)."""
+    trainable = sum(_nbytes(p) for p in model.parameters() if p.requires_grad) // shards
+    frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad) // shards
     parts = {
         "parameters": trainable,
         "ema": frozen,
         "buffers": sum(_nbytes(b) for b in model.buffers()),
         "gradients": trainable,
         "optimizer": ADAMW_STATES * trainable,
+        "gathered": _gathered_bytes(model, precision) if shards > 1 else 0,
         "batch": sum(_nbytes(v) for v in batch.values() if torch.is_tensor(v)),
         "activations": activation_bytes(model, batch, attention=attention or ATTENTION_BY_DEVICE[device],
                                         checkpointing=checkpointing, precision=precision),
         "update_buffers": max(OPTIMIZER_TEMPORARIES_BY_DEVICE[device] * trainable, EMA_TEMPORARIES * frozen),
     }
     return MemoryEstimate(parts)
+
+
+def _gathered_bytes(model: torch.nn.Module, precision: str) -> int:
+    """What a sharded device holds whole at once: the largest block twice, at the compute
+    precision (the one computing and the next, gathered ahead), and its fp32 gradient."""
+    from octfw.engine.sharding import sharding_units
+
+    units = sharding_units(model) or [model]
+    largest = max(sum(p.numel() for p in unit.parameters()) for unit in units)
+    return largest * (2 * (2 if precision == "bf16" else 4) + 4)
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
@@ -338,89 +346,16 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
 
 def largest_batch(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, *,
                   device: str = "cpu", checkpointing: bool | None = None, limit: int = 1 << 16,
-                  precision: str = "fp32") -> int:
+                  precision: str = "fp32", shards: int = 1) -> int:
     """The largest per-device batch of samples like ``batch``'s whose estimate
     fits in ``device_bytes``; 0 when one sample does not fit."""
 
     def fits(size: int) -> bool:
         estimate = estimate_memory(model, resized_batch(batch, size), device=device,
-                                   checkpointing=checkpointing, precision=precision)
+                                   checkpointing=checkpointing, precision=precision, shards=shards)
         return estimate.total <= device_bytes
 
     return largest_fitting(fits, limit)
-
-
-def device_memory_bytes(text: str) -> int:
-    """A device's memory: ``"32GiB"``, ``"16 GB"``, ``"80g"``, ``"1.5TiB"`` -> bytes, more than 0
-    (:func:`octfw.recipe.fields.parse_bytes`, which also reads 0); ValueError otherwise."""
-    try:
-        size = fields.parse_bytes(text)
-    except ValueError:
-        size = 0
-    if size <= 0:
-        raise ValueError(f"{text!r} is not a memory size; write it like 32GiB, 16GB or 80G")
-    return size
-
-
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {key}")
-
-
-def peak_rss_growth(function: Callable[[], Any]) -> int:
-    """How far above its resident size at the call the process's peak resident
-    size went while ``function()`` ran, in bytes (Linux: /proc/self).
-
-    Measures CPU tensors the way the kernel sees them. Start the process with
-    ``MALLOC_MMAP_THRESHOLD_`` fixed (e.g. 65536): glibc then serves every
-    large tensor with its own mapping and unmaps it when freed, instead of
-    keeping freed memory resident under a threshold it raises as it goes.
-    """
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")  # resets VmHWM (the peak) to the current resident size
-    before = _proc_status("VmRSS")
-    function()
-    return _proc_status("VmHWM") - before
-
-
-def _available_ram() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _tpu_hbm() -> tuple[int | None, str]:
-    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")
-    generation = accelerator.split("-")[0].lower()
-    if generation in TPU_HBM_GIB:
-        return int(TPU_HBM_GIB[generation] * GIB), f"TPU {generation} HBM per device"
-    return None, f"TPU of unknown generation ({accelerator or 'TPU_ACCELERATOR_TYPE unset'})"
-
-
-def device_memory(kind: str) -> tuple[int | None, str]:
-    """(bytes one device of ``kind`` offers or None, what that figure is)."""
-    override = os.environ.get("OCTFW_DEVICE_MEMORY_GIB")
-    if override:
-        return int(float(override) * GIB), "OCTFW_DEVICE_MEMORY_GIB"
-    if kind == "cuda":
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return int(props.total_memory), f"{props.name} total memory"
-        return None, "CUDA device not visible here"
-    if kind == "xla" and os.environ.get("PJRT_DEVICE", "TPU").upper() != "CPU":
-        return _tpu_hbm()
-    return _available_ram(), "available RAM"
 
 
 def memory_report(estimate: MemoryEstimate, device_bytes: int | None, device_desc: str) -> tuple[str, str | None]:
@@ -441,11 +376,11 @@ def memory_report(estimate: MemoryEstimate, device_bytes: int | None, device_des
 
 
 def xla_attention_line(model: torch.nn.Module, batch: Mapping[str, Any], estimate: MemoryEstimate,
-                       precision: str) -> str:
+                       precision: str, shards: int = 1) -> str:
     """For xla: the activations and peak XLA's own attention (torch_xla's SDPA, keeping the
     ``N x N`` probabilities) would give, beside ``estimate``'s for octfw's query-blocked
     attention, which runs (docs/performance.md says why not torch_xla's Pallas kernel)."""
-    own = estimate_memory(model, batch, device="xla", precision=precision, attention="math")
+    own = estimate_memory(model, batch, device="xla", precision=precision, attention="math", shards=shards)
     return (f"          with XLA's own attention: activations {_gib(own.parts['activations'])} instead of "
             f"{_gib(estimate.parts['activations'])}, ~{_gib(own.total)} per device "
             f"(octfw's runs {QUERY_BLOCK} queries at a time: docs/performance.md)")
@@ -458,16 +393,18 @@ ADVISED_SHARE = 0.85
 
 
 def batch_advice(model: torch.nn.Module, batch: Mapping[str, Any], device_bytes: int, device: str,
-                 precision: str = "fp32") -> str:
+                 precision: str = "fp32", shards: int = 1) -> str:
     """The largest per-device batch whose estimate fills at most :data:`ADVISED_SHARE` of the
     device, as configured and, where the model can checkpoint activations but does not, with
-    checkpointing."""
+    checkpointing; ``shards``: see :func:`estimate_memory`."""
     device_bytes = int(device_bytes * ADVISED_SHARE)
-    fitting = largest_batch(model, batch, device_bytes, device=device, precision=precision)
+    fitting = largest_batch(model, batch, device_bytes, device=device, precision=precision, shards=shards)
     line = f"fits      per-device batch up to {fitting}" if fitting else "fits      not even 1 sample per device"
     configured = [m.checkpoint_activations for m in model.modules() if isinstance(m, ActivationCheckpointing)]
     if configured and not any(configured):
         with_checkpointing = largest_batch(model, batch, device_bytes, device=device, checkpointing=True,
-                                           precision=precision)
+                                           precision=precision, shards=shards)
         line += f"; {with_checkpointing} with model.activation_checkpointing = true"
-    return line + f" (estimated for {device} {precision}, {ADVISED_SHARE:.0%} of the device: {_gib(device_bytes)})"
+    sharded = f", the model's state sharded over {shards} devices" if shards > 1 else ""
+    return line + (f" (estimated for {device} {precision}{sharded}, {ADVISED_SHARE:.0%} of the device: "
+                   f"{_gib(device_bytes)})")

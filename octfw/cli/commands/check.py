@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         return preview(recipe, registry, args.processes, args.devices_per_process, args.steps)
     from octfw.diagnostics.check import check_recipe  # imports torch: only when the command runs
-    from octfw.diagnostics.memory import device_memory_bytes
+    from octfw.diagnostics.device_memory import device_memory_bytes
 
     device_bytes = None
     if args.device_memory is not None:
