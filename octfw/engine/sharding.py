@@ -36,8 +36,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["shard_on_mesh", "shard_model", "sharding_units", "shard_like", "shard_optimizer_state", "replicated_scalars",
-           "is_sharded", "meta_twin", "whole_outside_blocks"]
+__all__ = ["shard_model", "shard_on_mesh", "sharding_units", "shard_like", "shard_optimizer_state",
+           "replicated_scalars", "whole_outside_blocks", "is_sharded", "meta_twin"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -48,8 +48,8 @@ def is_sharded(tensor: Any) -> bool:
 
 
 def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of ``model``, each sharded as one unit (innermost first is not
-    needed: blocks do not nest)."""
+    """The transformer blocks of ``model`` (:class:`octfw.models.vit3d.Block`), each sharded as
+    one unit."""
     from octfw.models.vit3d import Block
 
     return [module for module in model.modules() if isinstance(module, Block)]
