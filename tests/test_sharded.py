@@ -54,6 +54,12 @@ def test_two_and_four_sharded_processes_equal_one_process_for_twenty_steps(tmp_p
         worst = max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
         assert worst <= TOLERANCE, (nproc, worst)
         assert (sharded / "encoder").is_dir()  # the whole encoder, gathered once and exported
+    # A sharded run's checkpoint is the whole state: one process replays its last update and exports it.
+    for command in (["replay", str(sharded), "--step", "20"], ["export", str(sharded), "--out", str(tmp_path / "e.pt")]):
+        result = subprocess.run([sys.executable, "-m", "octfw.cli", *command], capture_output=True, text=True,
+                                cwd=tmp_path, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "e.pt").is_file()
 
 
 def test_a_non_finite_gradient_on_one_process_skips_the_update_for_the_job(tmp_path):
