@@ -1,7 +1,8 @@
 """A run's folder: what a run writes at start and at the end, and the order of a recipe's runs.
 
 At start: ``recipe.toml`` (resolved, every default filled in),
-``run.json`` (the run's id and its place among the runs of its recipe),
+``run.json`` (the run's id, its place among the runs of its recipe and, from its
+starts training, the global batch it trains at),
 ``versions.json`` (octfw, every plugin distribution, torch, torch_xla if
 loaded, Python) and ``git.json`` (the commit of the recipe's repository, if
 any). At the end: ``summary.json``.
@@ -10,7 +11,7 @@ any). At the end: ``summary.json``.
 between regions, share neither a clock nor a time zone. Each run records a
 ``sequence``: one more than the largest of the runs already under its
 recipe's folder. ``--resume auto`` reads the runs in that order
-(:func:`run_dirs`). Folder names are UTC (``20261126-095317Z``), for people.
+(:func:`recipe_runs`). Folder names are UTC (``20261126-095317Z``), for people.
 
 **Runs started at the same moment get their own folder and number.** The
 sequence is read and recorded while the start holds an exclusive lock on the
