@@ -1,8 +1,8 @@
 """A run's folder: what a run writes at start and at the end, and the order of a recipe's runs.
 
 At start: ``recipe.toml`` (resolved, every default filled in),
-``run.json`` (the run's id, its place among the runs of its recipe and, from its
-starts training, the global batch it trains at),
+``run.json`` (the run's id, its place among the runs of its recipe and, once
+it starts training, the global batch it trains at),
 ``versions.json`` (octfw, every plugin distribution, torch, torch_xla if
 loaded, Python) and ``git.json`` (the commit of the recipe's repository, if
 any). At the end: ``summary.json``.
