@@ -235,12 +235,17 @@ def test_a_killed_prepare_resumes_without_redoing_or_duplicating_work(write_reci
         [sys.executable, "-m", "octfw.cli", "prepare", str(recipe), "--out", str(location), "--workers", "1"],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     entries = location / "entries"
+
+    def committed() -> int:
+        # A worker killed mid-write leaves its ".tmp-*-<key>.json", which is no commit record.
+        return len([p for p in entries.glob("*.json") if not p.name.startswith(".")]) if entries.exists() else 0
+
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(entries.glob("*.json")) if entries.exists() else []) < 3:
+    while time.monotonic() < deadline and committed() < 3:
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask workers, mid-work
     process.wait()
-    done = len(list(entries.glob("*.json")))
+    done = committed()
     assert 3 <= done < 30, "the run was not caught halfway"
     assert not read_header(str(location), must_be_complete=False).complete
     assert main(["run", str(prepared_recipe(write_recipe, str(location)))]) == 2  # partly written
@@ -249,6 +254,19 @@ def test_a_killed_prepare_resumes_without_redoing_or_duplicating_work(write_reci
     assert (summary.reused, summary.prepared, summary.volumes) == (done, 30 - done, 30)
     sources = [r.source for r in PreparedDataset.open(str(location)).rows]
     assert sorted(sources) == sorted(set(sources)) and len(sources) == 30
+
+
+def test_a_worker_killed_writing_its_record_leaves_no_stale_entry_and_prune_removes_its_file(
+        cohort, write_recipe, tmp_path):
+    recipe = dicom_recipe(write_recipe, cohort / "manifest.jsonl")
+    location = tmp_path / "prepared"
+    prepare(recipe, location, workers=2)
+    record = next((location / "entries").glob("*.json"))
+    leftover = record.with_name(f".tmp-0123456789ab-{record.name}")  # what write_atomically leaves when killed
+    leftover.write_bytes(record.read_bytes()[:10])
+    assert (summary := prepare(recipe, location, workers=2)).stale == 0 and summary.prepared == 0
+    assert prepare(recipe, location, workers=2, prune=True).removed_sources == ()
+    assert not leftover.exists() and record.exists()
 
 
 @pytest.fixture

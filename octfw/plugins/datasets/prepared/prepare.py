@@ -300,8 +300,11 @@ def _listing(fs: Any, folder: str) -> list[str]:
         return []
 
 
-def _entry_names(fs: Any, root: str) -> list[str]:
-    return _listing(fs, join(root, ENTRIES))
+def _entry_names(fs: Any, root: str, *, leftovers: bool = False) -> list[str]:
+    """The commit records in ``entries/``; with ``leftovers``, instead the temporary files of
+    workers killed while writing one (``.tmp-*``), which are no record."""
+    return [n for n in _listing(fs, join(root, ENTRIES))
+            if os.path.basename(n.rstrip("/")).startswith(".tmp-") == leftovers]
 
 
 def _key_of(name: str) -> str:
@@ -543,7 +546,8 @@ def _remove_stale(fs: Any, root: str, stale_entries: Sequence[str], keep: set[st
     arrays = [n for folder in (VOLUMES, LAYERS) for n in _listing(fs, join(root, folder)) if _key_of(n) not in keep]
     for name in arrays:
         fs.rm(name, recursive=True)
-    for name in stale_entries:  # entries last: a volume without an entry is never read
+    # Entries last: a volume without an entry is never read.
+    for name in [*stale_entries, *_entry_names(fs, root, leftovers=True)]:
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(name)
     return sorted(sources)
