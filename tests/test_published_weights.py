@@ -112,6 +112,30 @@ def test_the_context_encoder_on_each_mask_and_the_predictor_match_the_reference(
             assert (predicted - reference[f"predicted_{j}"]).abs().max() < 1e-5
 
 
+def test_both_mask_configurations_take_the_first_mask_token_as_the_references_train_step_does(reference):
+    """The reference's PredictorMultiSeqWrapper picks the mask token by clip length
+    (``mask_index``: 0 for the one clip length), not by mask configuration: ``predicted_J`` is
+    mask_tokens[0]'s for both configurations. ``predicted_J_mask_index_1`` is the predictor with
+    its second token: octfw is far from it, and reaches it only with that token in its place, so
+    a token per mask configuration fails here."""
+    model = vjepa()
+    second = torch.load(CHECKPOINT, weights_only=True)["predictor"]["module.backbone.mask_tokens.1"]
+
+    def predictions() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model.predictor(model.context_encoder(reference["clip"], keep_idx=reference[f"context_idx_{j}"]),
+                                    reference[f"context_idx_{j}"], reference[f"target_idx_{j}"])
+                    for j in range(len(PAIRS))]
+
+    for j, predicted in enumerate(predictions()):
+        assert (predicted - reference[f"predicted_{j}"]).abs().max() < 1e-5
+        assert (predicted - reference[f"predicted_{j}_mask_index_1"]).abs().max() > 0.5
+    with torch.no_grad():
+        model.predictor.mask_token.copy_(second.reshape(-1))
+    for j, predicted in enumerate(predictions()):
+        assert (predicted - reference[f"predicted_{j}_mask_index_1"]).abs().max() < 1e-5
+
+
 def test_the_loss_is_the_reference_train_loops(reference):
     model = vjepa()
     with torch.no_grad():

@@ -142,6 +142,32 @@ def test_the_context_levels_and_both_predictor_heads_match_the_reference(checkpo
     assert max(differences) < TOLERANCE, differences
 
 
+def test_both_mask_configurations_take_the_first_mask_token_as_the_references_train_step_does(checkpoint, reference):
+    """2.1's PredictorMultiSeqWrapper passes ``mask_index`` = the clip length's place (0 here) for
+    every mask configuration; the fixture's ``*_mask_index_1`` predictions, made with the second
+    token, are out of reach until that token replaces octfw's: a token per configuration fails."""
+    model = vjepa21(checkpoint)
+    second = torch.load(FIXTURE / "predictor.pt", weights_only=True)["predictor"]["module.backbone.mask_tokens.1"]
+
+    def predictions() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        with torch.no_grad():
+            out = []
+            for j in range(len(PAIRS)):
+                context_idx, target_idx = reference[f"context_idx_{j}"], reference[f"target_idx_{j}"]
+                visible = torch.cat(model.hierarchy(reference["clip"], context_idx), dim=-1)
+                out.append(model.predictor(visible, context_idx, target_idx))
+            return out
+
+    for j, (predicted, _) in enumerate(predictions()):
+        assert largest(predicted, reference[f"predicted_{j}"]) < TOLERANCE
+        assert largest(predicted, reference[f"predicted_{j}_mask_index_1"]) > 0.1
+    with torch.no_grad():
+        model.predictor.mask_token.copy_(second.reshape(-1))
+    for j, (predicted, predicted_context) in enumerate(predictions()):
+        assert largest(predicted, reference[f"predicted_{j}_mask_index_1"]) < TOLERANCE
+        assert largest(predicted_context, reference[f"predicted_context_{j}_mask_index_1"]) < TOLERANCE
+
+
 @pytest.mark.parametrize("weighting, key", [(True, "loss_weighted"), (False, "loss_unweighted")])
 def test_the_loss_is_the_reference_train_steps(checkpoint, reference, weighting, key):
     """Pretraining (``weight_distance_loss``: the context loss weighted by 1 / sqrt distance) and
@@ -219,9 +245,19 @@ def test_the_levels_are_the_references_blocks_where_it_names_them():
 # --- the default is unchanged ---------------------------------------------------------------------
 
 
+#: How far octfw's pinned losses may move between CPUs: the same float32 computation rounds
+#: differently with other vector kernels. Forcing ATen's scalar kernels (ATEN_CPU_CAPABILITY=default)
+#: moved them by 7e-8 and 2e-7 relative (AVX2 and AVX-512 gave the pinned bits). 1e-5 is 50 times
+#: that and 350 times below the smallest change of the model measured (one more predictor block:
+#: 3.5e-3; another seed, MLP ratio, context weight or weighting: 1e-2 to 6e-2). A change as small as
+#: LayerNorm's epsilon (1e-5 to 1e-6: 4e-7) passes, as it is within the CPUs' own spread.
+PINNED_RELATIVE = 1e-5
+
+
 @pytest.mark.parametrize("dense_levels, pinned", [(0, 0.8425260782241821), (2, 1.24416184425354)])
 def test_octfws_own_losses_are_the_values_pinned_before_the_variant(dense_levels, pinned):
-    """Computed before dense_predictor existed (commit 114d09b): plain V-JEPA and octfw's dense mode."""
+    """Computed before dense_predictor existed (commit 114d09b): plain V-JEPA and octfw's dense mode,
+    within :data:`PINNED_RELATIVE` (not ``==``: the last bits depend on the CPU's vector kernels)."""
     torch.manual_seed(7)
     model = VJEPA3D(image_size=(4, 32, 32), patch_size=(2, 16, 16), in_channels=1, embed_dim=24, depth=4,
                     num_heads=2, predictor_embed_dim=16, predictor_depth=2, predictor_num_heads=2,
@@ -231,7 +267,7 @@ def test_octfws_own_losses_are_the_values_pinned_before_the_variant(dense_levels
     order = torch.stack([torch.randperm(8, generator=generator) for _ in range(2)])
     context_key, target_key = mask_keys("")
     loss = model({"context": volume, "target": volume, context_key: order[:, :5], target_key: order[:, 5:]}).loss
-    assert loss.item() == pinned
+    assert loss.item() == pytest.approx(pinned, rel=PINNED_RELATIVE, abs=0)
 
 
 def test_the_variants_training_step_is_one_graph_without_a_break():

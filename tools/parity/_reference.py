@@ -19,6 +19,7 @@ virtual environment::
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -56,6 +57,33 @@ def checkout(name: str, path: str | Path, commit: str | None = None) -> dict[str
         raise SystemExit(f"{name}: name the checkout's commit with --commit")
     sys.path.insert(0, str(root))
     return {"repo": url, "commit": expected}
+
+
+def run_train_step(root: str | Path, train_py: str, namespace: dict) -> dict:
+    """Run the forward part of the reference's own training step from its checkout: the
+    functions ``train_step`` defines (``forward_target``, ``forward_context``, ``loss_fn``) and
+    the body of its one ``autocast`` block (targets, predictions, loss), taken from the file's
+    text at the checkout's commit and executed as written, not copied.
+
+    ``train_step`` is a closure inside the reference's ``main``: what it reads from there
+    (the networks, ``clips``, ``masks_enc``, ``masks_pred``, ``loss_exp``, its imports...) comes
+    from ``namespace``, which then holds what the block computed (``loss``, ``h``, ``z``...).
+    Compiled under the file's name with its own line numbers, so a traceback points into the
+    reference. The optimiser and scaler lines around the block are not run."""
+    path = Path(root) / train_py
+    tree = ast.parse(path.read_text(), filename=str(path))
+    steps = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "train_step"]
+    if len(steps) != 1:
+        raise SystemExit(f"{path}: {len(steps)} functions named train_step, expected one")
+    body = steps[0].body
+    forward = [node for node in body if isinstance(node, ast.With)
+               and any("autocast" in ast.unparse(item.context_expr) for item in node.items)]
+    if len(forward) != 1:
+        raise SystemExit(f"{path}: train_step has {len(forward)} autocast blocks, expected one")
+    code = ast.Module(body=[*(node for node in body if isinstance(node, ast.FunctionDef)), *forward[0].body],
+                      type_ignores=[])
+    exec(compile(code, str(path), "exec"), namespace)
+    return namespace
 
 
 def write_fixture(filename: str, payload: dict) -> Path:

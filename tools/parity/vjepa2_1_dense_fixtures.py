@@ -8,13 +8,17 @@ Runs facebookresearch/vjepa2's ``app/vjepa_2_1`` at the commit of ``vjepa2_1_fix
 ``vit_predictor`` built as ``init_video_model`` builds it for the 2.1 training configs
 (``return_all_tokens`` = ``predict_all``, modality embeddings, RoPE with ``interpolate_rope``,
 4 levels) at a small size with random weights, both behind the reference's multi-sequence
-wrappers. The forward pass is ``app/vjepa_2_1/train.py``'s ``train_step`` for one clip length
-and ``levels_predictor = 4``: the target encoder's 4 levels (each through its ``norms_block``),
-each layer-normed on its own; the encoder's levels of each context; the predictor's masked
-and context predictions; the L1 loss on the masked tokens plus ``lambda`` times the one on the
-context tokens, weighted by ``1 / sqrt`` of the distance to the nearest masked patch
-(``compute_mask_distance``, ``weight_distance_loss`` of the pretraining configs) or not (the
-cooldown configs), each averaged over the mask configurations.
+wrappers. The forward pass and the loss are ``app/vjepa_2_1/train.py``'s ``train_step`` run from
+the checkout (:func:`_reference.run_train_step`: its ``forward_target``, ``forward_context``,
+``loss_fn`` and forward block) for one clip length and ``levels_predictor = 4``: the target
+encoder's 4 levels (each through its ``norms_block``), each layer-normed on its own; the
+encoder's levels of each context; the predictor's masked and context predictions; the L1 loss
+on the masked tokens plus ``lambda`` times the one on the context tokens, weighted by
+``1 / sqrt`` of the distance to the nearest masked patch (``compute_mask_distance``,
+``weight_distance_loss`` of the pretraining configs) or not (the cooldown configs), each
+averaged over the mask configurations. ``PredictorMultiSeqWrapper`` picks the mask token by
+clip length (``mask_index`` 0 here, for both configurations); each configuration's predictions
+with ``mask_index = 1`` (the second token) are recorded beside them.
 
 It writes ``tests/fixtures/reference/vjepa2_1_dense/``: ``predictor.pt`` (``predictor``, with
 the training checkpoint's ``module.backbone.`` keys: add it to the encoder checkpoint to get
@@ -35,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _reference import FIXTURES, REPO, checkout
+from _reference import FIXTURES, REPO, checkout, run_train_step
 from vjepa2_1_fixtures import COMMIT, SIZES
 from vjepa2_fixtures import randomise
 
@@ -95,34 +99,27 @@ def main() -> None:
         masks_enc.append(order[:, :context].clone())
         masks_pred.append(order[:, context:context + target].clone())
     masks_enc, masks_pred = [masks_enc], [masks_pred]  # [clip length][mask configuration]
-    embed_dim = s["embed_dim"]
 
     with torch.no_grad():
-        # train.py forward_target, levels_predictor = 4: each level layer-normed on its own.
-        h = []
-        for hi in target_encoder([clip], training_mode=True):
-            h.append(torch.cat([F.layer_norm(hi[:, :, k * embed_dim:(k + 1) * embed_dim], (embed_dim,))
-                                for k in range(p["levels"])], dim=2))
-        # forward_context (normalize_predictor false in every 2.1 config).
-        z = encoder([clip], masks_enc, training_mode=True)
-        z_pred, z_context = predictor(z, masks_enc, masks_pred, mod="video")
-
-        def loss_fn(z, h, masks_to_apply, d_weights):  # train.py's loss_fn, cls_loss false, loss_exp 1
-            h = [apply_masks(hi, mi, concat=False) for hi, mi in zip(h, masks_to_apply)]
-            loss, n = 0, 0
-            for i, (zi, hi) in enumerate(zip(z, h)):
-                for j, (zij, hij) in enumerate(zip(zi, hi)):
-                    loss_n = torch.abs(zij - hij) ** 1.0
-                    if d_weights is not None:
-                        loss_n = loss_n * (1 / d_weights[i][j].unsqueeze(2))
-                    loss += torch.mean(loss_n) / 1.0
-                    n += 1
-            return loss / n
-
-        loss_pred = loss_fn(z_pred, h, masks_pred, None)
-        distances = compute_mask_distance(masks_pred, masks_enc, grid_size, False)
-        loss_weighted = loss_pred + LAMBDA * loss_fn(z_context, h, masks_enc, distances)
-        loss_unweighted = loss_pred + LAMBDA * loss_fn(z_context, h, masks_enc, None)
+        # app/vjepa_2_1/train.py's train step as written there: one clip length of video, the 2.1
+        # configs' loss settings (predict_all, loss_exp 1, no cls token, no offset, no predictor
+        # normalisation), lambda constant; with and without weight_distance_loss.
+        settings = {"torch": torch, "F": F, "apply_masks": apply_masks, "compute_mask_distance": compute_mask_distance,
+                    "encoder": encoder, "target_encoder": target_encoder, "predictor": predictor,
+                    "clips": [clip], "masks_enc": masks_enc, "masks_pred": masks_pred,
+                    "embed_dim_encoder": s["embed_dim"], "levels_predictor": p["levels"], "img_temporal_dim_size": 1,
+                    "normalize_predictor": False, "predict_all": True, "loss_exp": 1.0, "has_cls_first": False,
+                    "grid_size": grid_size, "offset_context_loss": False, "lambda_progressive": False,
+                    "lambda_value": LAMBDA}
+        weighted = run_train_step(args.vjepa2, "app/vjepa_2_1/train.py", {**settings, "weight_distance_loss": True})
+        unweighted = run_train_step(args.vjepa2, "app/vjepa_2_1/train.py", {**settings, "weight_distance_loss": False})
+        h, z_pred, z_context = weighted["h"], weighted["z_pred"], weighted["z_context"]
+        distances = weighted["distance_weights"]
+        loss_weighted, loss_unweighted = weighted["loss"], unweighted["loss"]
+        z = encoder([clip], masks_enc, training_mode=True)  # the context levels the predictor read
+        # The predictor itself with its second mask token (the train step never passes 1 for one clip length).
+        second_token = [pred(zj, mx, my, mask_index=1, mod="video")
+                        for zj, mx, my in zip(z[0], masks_enc[0], masks_pred[0])]
 
     out = FIXTURES / "vjepa2_1_dense"
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +130,9 @@ def main() -> None:
     for j in range(len(MASKS)):
         tensors.update({f"context_idx_{j}": masks_enc[0][j], f"target_idx_{j}": masks_pred[0][j],
                         f"context_levels_{j}": z[0][j], f"predicted_{j}": z_pred[0][j],
-                        f"predicted_context_{j}": z_context[0][j], f"distance_{j}": distances[0][j]})
+                        f"predicted_context_{j}": z_context[0][j], f"distance_{j}": distances[0][j],
+                        f"predicted_{j}_mask_index_1": second_token[j][0],
+                        f"predicted_context_{j}_mask_index_1": second_token[j][1]})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "tensors.safetensors"))
     meta = {
         "what": "V-JEPA 2.1's predictor (random weights) over the small encoder of tests/fixtures/reference/vjepa2_1, "
@@ -147,10 +146,15 @@ def main() -> None:
             "context_idx_J / target_idx_J": "mask configuration J's kept and predicted patch indices [B, K]",
             "context_levels_J": "encoder(clip, masks=context_idx_J, training_mode=True): [B, Nc, 4E]",
             "predicted_J / predicted_context_J": "predictor(...): its masked [B, Nt, 4E] and context [B, Nc, 4E] "
-                                                 "predictions (mod='video', mask_index 0)",
+                                                 "predictions (mod='video'), as the train step runs it "
+                                                 "(PredictorMultiSeqWrapper: mask_index 0, the clip length's, for "
+                                                 "every configuration)",
+            "predicted_J_mask_index_1 / predicted_context_J_mask_index_1": "the bare predictor on the same inputs "
+                                                                           "with mask_index=1 (mask_tokens[1])",
             "distance_J": "compute_mask_distance: sqrt of each context patch's distance to the nearest target patch",
-            "loss_weighted": "L1 on the masked tokens + lambda * the distance-weighted L1 on the context tokens "
-                             "(weight_distance_loss true: the pretraining configs)",
+            "loss_weighted": "app/vjepa_2_1/train.py's train step run from the checkout: L1 on the masked tokens + "
+                             "lambda * the distance-weighted L1 on the context tokens (weight_distance_loss true: "
+                             "the pretraining configs)",
             "loss_unweighted": "the same with an unweighted context loss (weight_distance_loss false: cooldown)",
         },
     }

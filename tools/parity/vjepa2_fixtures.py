@@ -6,9 +6,15 @@ Runs facebookresearch/vjepa2's own modules at the commit in ``_reference.REFEREN
 ``src/utils/wrappers.py``) at a small size with random weights: every parameter drawn
 at random (biases, LayerNorms and mask tokens included, so that each one matters), RoPE
 as V-JEPA 2 trains (``use_rope``, LayerNorm eps 1e-6, ``vit_predictor`` with mask tokens).
-The forward pass is the one ``app/vjepa/train.py`` runs: the target encoder on the full
-clip, layer-normed; the encoder on each mask configuration's context; the predictor on
-each; the L1 loss averaged over the configurations (``loss_exp`` 1).
+The forward pass and the loss are ``app/vjepa/train.py``'s own, run from the checkout
+(:func:`_reference.run_train_step`: its ``forward_target``, ``forward_context``, ``loss_fn``
+and forward block, one clip length, ``loss_exp`` 1): the target encoder on the full clip,
+layer-normed; the encoder on each mask configuration's context; the predictor on each; the
+L1 loss averaged over the configurations. The predictor runs behind the reference's
+``PredictorMultiSeqWrapper``, which picks the mask token by clip length (``mask_index`` is
+the clip length's place, 0 here), so both configurations use ``mask_tokens[0]``; each
+configuration's predictor is also recorded with ``mask_index = 1`` (the second token), what a
+token per mask configuration would compute.
 
 It writes to ``tests/fixtures/reference/vjepa2/``:
 
@@ -16,7 +22,7 @@ It writes to ``tests/fixtures/reference/vjepa2/``:
   reference's ``module.backbone.`` keys (DDP around the multi-sequence wrapper), loadable
   with ``torch.load(weights_only=True)``;
 - ``tensors.safetensors``: the clip, the masks, the tokens of both encoders on the full
-  clip, each configuration's context tokens and predictions, the loss;
+  clip, each configuration's context tokens and predictions (with either token), the loss;
 - ``meta.json``: the reference (repo, commit), the sizes and how each tensor was made;
 - ``published_shapes.json``: the state-dict shapes of the published ViT-L and ViT-g
   networks (encoder and predictor), so that a test holds the ``large`` and ``giant``
@@ -42,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _reference import FIXTURES, REPO, checkout
+from _reference import FIXTURES, REPO, checkout, run_train_step
 
 #: The small V-JEPA 2: clip, patch, encoder and predictor sizes (heads of 16 channels: RoPE turns
 #: 12 of them, 4 per axis, and leaves 4, as V-JEPA 2 leaves 4 of its 64).
@@ -120,6 +126,7 @@ def main() -> None:
     reference = checkout("vjepa2", args.vjepa2)
 
     from safetensors.torch import save_file
+    from src.masks.utils import apply_masks
     from src.models.predictor import vit_predictor
     from src.models.vision_transformer import VisionTransformer
     from src.utils.wrappers import MultiSeqWrapper, PredictorMultiSeqWrapper
@@ -150,20 +157,17 @@ def main() -> None:
     masks_enc, masks_pred = [c for c, _ in pairs], [t for _, t in pairs]
 
     with torch.no_grad():
-        # app/vjepa/train.py, one clip length, loss_exp = 1.
         target_tokens = target_encoder([clip])[0]  # [B, N, E], the target encoder's features
-        h = [F.layer_norm(target_tokens, (target_tokens.size(-1),))]
-        z = encoder([clip], [masks_enc])
-        z = predictor(z, [masks_enc], [masks_pred])
-        loss, n = 0.0, 0
-        for zi, hi in zip(z, [[torch.gather(h[0], 1, m[..., None].expand(-1, -1, h[0].shape[-1]))
-                                for m in masks_pred]]):
-            for zij, hij in zip(zi, hi):
-                loss += torch.mean(torch.abs(zij - hij) ** 1.0) / 1.0
-                n += 1
-        loss /= n
+        # app/vjepa/train.py's train step as written there, for one clip length and loss_exp 1.
+        step = run_train_step(args.vjepa2, "app/vjepa/train.py", {
+            "torch": torch, "F": F, "apply_masks": apply_masks, "loss_exp": 1.0,
+            "encoder": encoder, "target_encoder": target_encoder, "predictor": predictor,
+            "clips": [clip], "masks_enc": [masks_enc], "masks_pred": [masks_pred]})
+        z, loss = step["z"], step["loss"]
         context_tokens = encoder([clip], [masks_enc])[0]
         online_tokens = vit(clip)
+        # The predictor itself with its second mask token (the train step never passes 1 for one clip length).
+        second_token = [pred(ctx, c, t, mask_index=1) for ctx, (c, t) in zip(context_tokens, pairs)]
 
     out = FIXTURES / "vjepa2"
     out.mkdir(parents=True, exist_ok=True)
@@ -175,9 +179,10 @@ def main() -> None:
                 "target_encoder": ddp(target_encoder.state_dict()), "epoch": 1}, out / "checkpoint.pt")
     tensors = {"clip": clip, "target_tokens": target_tokens, "online_tokens": online_tokens,
                "loss": loss.reshape(1)}
-    for j, ((context, target), ctx, pred_j) in enumerate(zip(pairs, context_tokens, z[0])):
+    for j, ((context, target), ctx, pred_j, second_j) in enumerate(zip(pairs, context_tokens, z[0], second_token)):
         tensors.update({f"context_idx_{j}": context, f"target_idx_{j}": target,
-                        f"context_tokens_{j}": ctx, f"predicted_{j}": pred_j})
+                        f"context_tokens_{j}": ctx, f"predicted_{j}": pred_j,
+                        f"predicted_{j}_mask_index_1": second_j})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "tensors.safetensors"))
     meta = {
         "what": "a small V-JEPA 2 built from the reference's modules with random weights, its checkpoint in the "
@@ -190,8 +195,12 @@ def main() -> None:
             "online_tokens": "encoder(clip): [B, N, E], no mask",
             "context_idx_J / target_idx_J": "mask configuration J's kept and predicted patch indices [B, K]",
             "context_tokens_J": "encoder(clip, masks=context_idx_J): [B, Nc, E]",
-            "predicted_J": "predictor(context_tokens_J, context_idx_J, target_idx_J): [B, Nt, E]",
-            "loss": "app/vjepa/train.py's loss: mean over configurations of mean |predicted - layer_norm(target)|",
+            "predicted_J": "predictor(context_tokens_J, context_idx_J, target_idx_J): [B, Nt, E], as the train "
+                           "step runs it (PredictorMultiSeqWrapper: mask_index 0, the clip length's, for every "
+                           "configuration)",
+            "predicted_J_mask_index_1": "the bare predictor on the same inputs with mask_index=1 (mask_tokens[1])",
+            "loss": "app/vjepa/train.py's train step run from the checkout (forward_target, forward_context, "
+                    "loss_fn): mean over configurations of mean |predicted - layer_norm(target)|",
         },
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
