@@ -95,7 +95,10 @@ def test_a_vjepa21_training_checkpoint_fills_the_variant_whole(checkpoint):
           for key in ("patch_embed.proj.bias", "norm.weight", "norm.bias")),
         "predictor.mask_token", "predictor.mod_embed"}
     assert "level_norms.0.weight" in report.loaded and "target_level_norms.2.bias" in report.loaded
-    assert report.ignored["predictor.mask_tokens.1"] == "mask tokens for other clip lengths (octfw has one)"
+    assert report.adapted["predictor.mask_token"] == ("mask_tokens.0 (the reference's token for one clip length, "
+                                                      "every mask configuration's), [1, 1, W] to [W]")
+    assert report.ignored["predictor.mask_tokens.1"] == ("a mask token for another clip length (the reference picks "
+                                                         "them by clip length, octfw has one)")
     assert report.ignored["predictor.img_mod_embed"] == "for images (one frame), not volumes"
 
 

@@ -20,9 +20,13 @@ What is adapted, and why:
   ``pos_embed`` tables its checkpoints still carry are ignored, as its own hub loader
   ignores them. A ``"learned"`` recipe resamples such a table (V-JEPA 1-style
   checkpoints trained with it) to its grid; a ``"sincos"`` recipe is refused.
-- ``mask_tokens``: the reference keeps one per clip length (10 in its published
-  predictor) and uses the first for one clip length; octfw's single mask token is that
-  first one.
+- ``mask_tokens``: the reference builds as many as mask configurations times clip lengths
+  (10 in its published predictor), but its train step picks one by clip length, not by mask
+  configuration (``PredictorMultiSeqWrapper`` passes the clip length's place as
+  ``mask_index``): every mask configuration of one clip length shares a token. octfw's
+  volumes are one clip length, so its one mask token, used by every mask configuration, is
+  ``mask_tokens.0``; the others are ignored, each named in the report
+  (tests/test_published_weights.py holds both configurations to the reference's train step).
 
 Attention heads are not in a checkpoint: the recipe's preset gives them (V-JEPA 2's ViT-L
 has 16, its published ViT-g 22, the ``giant`` preset), and rotary positions depend on them.
@@ -40,12 +44,17 @@ from octfw.models.published.adapt import (adapt_channels, encoder_shape, inflate
                                           refuse_misfit, resample_positions)
 from octfw.models.published.report import InitReport
 
-__all__ = ["NAME", "GROUPS", "REFERENCE_NORM_EPS", "detect", "groups", "convert", "predictor_state"]
+__all__ = ["NAME", "GROUPS", "REFERENCE_NORM_EPS", "FIRST_TOKEN", "OTHER_TOKENS", "detect", "groups", "convert",
+           "predictor_state"]
 
 NAME = "vjepa2"
 GROUPS = ("encoder", "target_encoder", "predictor")
 #: The LayerNorm epsilon of V-JEPA 2's networks (``partial(nn.LayerNorm, eps=1e-6)``).
 REFERENCE_NORM_EPS = 1e-6
+#: The report's words for the mask tokens: the reference's train step picks one by clip length.
+FIRST_TOKEN = ("mask_tokens.0 (the reference's token for one clip length, every mask configuration's), "
+               "[1, 1, W] to [W]")
+OTHER_TOKENS = "a mask token for another clip length (the reference picks them by clip length, octfw has one)"
 #: Frames / tubelet of V-JEPA's pretraining clips: the depth of a position table's grid.
 _TABLE_DEPTHS = (8, 32, 1)
 
@@ -195,12 +204,12 @@ def _predictor(source: Mapping[str, torch.Tensor] | None, targets: Any, encoder:
     load_into(network, state, "the checkpoint's predictor")
     for key in state:
         if key == "mask_token":
-            report.adapted[prefix + key] = "mask_tokens.0 (the reference's token for one clip length)"
+            report.adapted[prefix + key] = FIRST_TOKEN
         else:
             report.loaded.append(prefix + key)
     for key in source:
         if re.fullmatch(r"mask_tokens\.[1-9]\d*", key):
-            report.ignored[f"predictor.{key}"] = "mask tokens for other clip lengths (octfw has one)"
+            report.ignored[f"predictor.{key}"] = OTHER_TOKENS
         elif key == "predictor_pos_embed":
             report.ignored[f"predictor.{key}"] = "a position table; the recipe uses rotary positions"
     for key in network.state_dict():

@@ -29,7 +29,9 @@ levels side by side) is ``embed_in``, ``video_mod_embed`` is ``mod_embed``, ``ma
 the mask token (the one the reference uses for one clip length), ``predictor_blocks``,
 ``predictor_norm``, ``predictor_proj`` and ``predictor_proj_context`` are ``blocks``, ``norm``,
 ``embed_out`` and ``embed_out_context``; ``img_mod_embed`` and the other mask tokens are
-ignored. octfw's own dense predictor (the default) has none of these, and is left new.
+ignored (the train step picks a mask token by clip length, not by mask configuration, as V-JEPA
+2's does: :mod:`octfw.models.published.vjepa2`). octfw's own dense predictor (the default) has
+none of these, and is left new.
 """
 
 from __future__ import annotations
@@ -138,12 +140,12 @@ def _predictor(source: Mapping[str, torch.Tensor] | None, targets: Any, report: 
             report.loaded.append(prefix + _PREDICTOR_NAMES[old] + key[len(old):])
         elif key == "mask_tokens.0":
             state["mask_token"] = tensor.reshape(-1)
-            report.adapted[prefix + "mask_token"] = "mask_tokens.0 (the reference's token for one clip length), [1, 1, W] to [W]"
+            report.adapted[prefix + "mask_token"] = vjepa2.FIRST_TOKEN
         elif key == "video_mod_embed":
             state["mod_embed"] = tensor.reshape(-1)
             report.adapted[prefix + "mod_embed"] = "video_mod_embed (added to every token), [1, 1, W] to [W]"
         elif re.fullmatch(r"mask_tokens\.[1-9]\d*", key):
-            report.ignored[f"predictor.{key}"] = "mask tokens for other clip lengths (octfw has one)"
+            report.ignored[f"predictor.{key}"] = vjepa2.OTHER_TOKENS
         elif key == "img_mod_embed":
             report.ignored[f"predictor.{key}"] = "for images (one frame), not volumes"
         else:
