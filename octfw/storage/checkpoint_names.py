@@ -3,6 +3,8 @@
 Layout of the folder::
 
     step_00000120.pt         one checkpoint per save; names sort by update step
+    step_00000120.dcp/       or, from a sharded run, a folder of every process's slices
+                             (:mod:`octfw.storage.sharded_checkpoints`)
     step_00000120.pt.sha256  its SHA-256, in ``sha256sum`` format (``sha256sum -c`` checks it)
     step_00000120.pt.tmp     a local save in progress, or one that was interrupted
     latest                   the pointer, written after the checkpoint and its checksum
@@ -31,7 +33,8 @@ from typing import Iterable
 import attrs
 
 __all__ = [
-    "LATEST", "POINTER_FORMAT", "PointerEntry", "checkpoint_name", "checksum_name", "checkpoint_step",
+    "LATEST", "POINTER_FORMAT", "PointerEntry", "checkpoint_name", "is_sharded_checkpoint", "checksum_name",
+    "checkpoint_step",
     "is_leftover", "checksummed_checkpoint", "prunable", "parse_pointer", "format_pointer",
 ]
 
@@ -40,7 +43,8 @@ LATEST = "latest"
 #: Version of the pointer's JSON layout.
 POINTER_FORMAT = 1
 
-_COMPLETE = re.compile(r"^step_(\d{8,})\.pt$")
+_COMPLETE = re.compile(r"^step_(\d{8,})\.(pt|dcp)$")
+_SHARDED = ".dcp"
 # What an interrupted local write leaves: a checkpoint's, its checksum's or the pointer's temporary file.
 _LEFTOVER = re.compile(r"^(step_\d{8,}\.pt(\.sha256)?|latest)\.tmp$")
 _CHECKSUM = re.compile(r"^(step_\d{8,}\.pt)\.sha256$")
@@ -49,9 +53,14 @@ _CHECKSUM = re.compile(r"^(step_\d{8,}\.pt)\.sha256$")
 # --- names and retention ------------------------------------------------------
 
 
-def checkpoint_name(update_step: int) -> str:
-    """Name of the checkpoint taken at ``update_step``."""
-    return f"step_{update_step:08d}.pt"
+def checkpoint_name(update_step: int, sharded: bool = False) -> str:
+    """Name of the checkpoint taken at ``update_step``: a file, or the folder of a sharded save."""
+    return f"step_{update_step:08d}{_SHARDED if sharded else '.pt'}"
+
+
+def is_sharded_checkpoint(name: str) -> bool:
+    """Whether ``name`` (a checkpoint's name, path or URL) is the folder of a sharded save."""
+    return name.rstrip("/").endswith(_SHARDED)
 
 
 def checksum_name(name: str) -> str:

@@ -31,7 +31,7 @@ import re
 from typing import IO, Any
 
 from octfw.display.errors import UserError
-from octfw.storage.checkpoint_names import checkpoint_step, checksum_name
+from octfw.storage.checkpoint_names import checkpoint_step, checksum_name, is_sharded_checkpoint
 from octfw.storage.files import is_local_filesystem, open_filesystem
 from octfw.storage.retry import RetryPolicy
 
@@ -173,7 +173,8 @@ def read_checkpoint(fs: Any, path: str, location: str, retry: RetryPolicy,
 
 
 def load_checkpoint(url: str, retry: RetryPolicy = RetryPolicy()) -> dict[str, Any]:
-    """Read the checkpoint file at ``url`` (local path, ``file://`` or fsspec URL) onto the CPU.
+    """Read the checkpoint file at ``url`` (local path, ``file://`` or fsspec URL) onto the CPU;
+    the folder of a sharded checkpoint is read whole (:mod:`octfw.storage.sharded_checkpoints`).
 
     Checks it against the SHA-256 beside it first (:class:`CorruptCheckpoint`
     on a mismatch), then uses ``torch.load(weights_only=True)``; raises
@@ -181,4 +182,10 @@ def load_checkpoint(url: str, retry: RetryPolicy = RetryPolicy()) -> dict[str, A
     plain Python data. Remote reads are tried as ``retry`` says.
     """
     fs, path = open_filesystem(url, fresh=True)
+    if is_sharded_checkpoint(path):  # the folder of a sharded save: every process's slices, read whole
+        from octfw.storage.sharded_checkpoints import read_sharded
+
+        if not fs.exists(path):
+            raise UserError(f"checkpoint {url} does not exist")
+        return read_sharded(fs, path.rstrip("/"), url)
     return read_checkpoint(fs, path, url, retry)

@@ -34,7 +34,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping
 from octfw.display.errors import UserError
 from octfw.storage.checkpoint_names import (
     LATEST, PointerEntry, checkpoint_name, checkpoint_step, checksum_name, checksummed_checkpoint,
-    format_pointer, is_leftover, parse_pointer, prunable,
+    format_pointer, is_leftover, is_sharded_checkpoint, parse_pointer, prunable,
 )
 from octfw.storage.checkpoint_reading import (
     check_plain, load_checkpoint, read_checkpoint, recorded_checksum, sha256_of,
@@ -42,6 +42,7 @@ from octfw.storage.checkpoint_reading import (
 from octfw.storage.failures import format_bytes, free_bytes, storage_cause
 from octfw.storage.files import Data, is_local_filesystem, open_filesystem, write_atomically
 from octfw.storage.retry import RetryPolicy
+from octfw.storage.sharded_checkpoints import METADATA, damage, is_written, read_sharded, write_sharded
 
 __all__ = ["CheckpointStorage", "StoredCheckpointer"]
 
@@ -126,7 +127,8 @@ class CheckpointStorage:
         """Checkpoint files trusted though no pointer entry vouches for them: every one on a local disk."""
         if not self._renamed_into_place:
             return []
-        return [name for name in self._names() if checkpoint_step(name) is not None]
+        return [name for name in self._names() if checkpoint_step(name) is not None and (
+            not is_sharded_checkpoint(name) or is_written(self.fs, self._path(name)))]
 
     def _call(self, what: str, operation: str, *args: Any, **kwargs: Any) -> Any:
         """``fs.<operation>(*args, **kwargs)`` with the deadline and retries of ``self.retry``."""
@@ -147,10 +149,18 @@ class CheckpointStorage:
             entries = self._call(f"list {self.url}", "ls", self.root, detail=True, refresh=True)
         except FileNotFoundError:
             return []
-        return [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file"]
+        # Files, and the folders of sharded checkpoints (an object store lists them as "directory").
+        return [name for e in entries if (name := str(e["name"]).rstrip("/").rsplit("/", 1)[-1]) and (
+            e.get("type") == "file" or (e.get("type") == "directory" and is_sharded_checkpoint(name)))]
 
     def _size(self, name: str) -> int | None:
-        """Size in bytes of file ``name``; None if absent."""
+        """Size in bytes of file ``name`` (of every file in a sharded checkpoint's folder, once
+        its index is written); None if absent."""
+        if is_sharded_checkpoint(name):
+            path = self._path(name)
+            if not self._call(f"stat {self.location(name)}", "exists", f"{path}/{METADATA}"):
+                return None
+            return int(self._call(f"stat {self.location(name)}", "du", path, total=True))
         try:
             info = self._call(f"stat {self.location(name)}", "info", self._path(name))
         except FileNotFoundError:
@@ -172,10 +182,19 @@ class CheckpointStorage:
             if size is not None and entry.bytes in (None, size):
                 yield PointerEntry(entry.name, size)
 
+    def _delete_file(self, name: str) -> None:
+        try:
+            self._call(f"delete {self.location(name)}", "rm_file", self._path(name))
+        except FileNotFoundError:
+            pass
+
     def _delete(self, names: Iterable[str]) -> None:
         for name in names:
             try:
-                self._call(f"delete {self.location(name)}", "rm_file", self._path(name))
+                if is_sharded_checkpoint(name):
+                    self._call(f"delete {self.location(name)}", "rm", self._path(name), recursive=True)
+                else:
+                    self._call(f"delete {self.location(name)}", "rm_file", self._path(name))
             except FileNotFoundError:
                 pass  # gone already
             except Exception as exc:  # noqa: BLE001 - the checkpoint is safe; the next save prunes again
@@ -201,6 +220,31 @@ class CheckpointStorage:
 
         size = self._write(name, serialise)
         self._write(checksum_name(name), f"{writers[-1].digest.hexdigest()}  {name}\n".encode("utf-8"))
+        self._commit(name, size, previous)
+        return self.location(name)
+
+    def save_sharded(self, update_step: int, shards: Mapping[str, Any], plain: Mapping[str, Any] | None,
+                     group: Any = None) -> str:
+        """A sharded checkpoint for ``update_step``, written by every process of ``group`` at once:
+        this process's slices of ``shards``, and ``plain`` from rank 0 (the one that passes it),
+        which then writes the pointer and prunes, as :meth:`save` does. Returns its location."""
+        name = checkpoint_name(update_step, sharded=True)
+        main = plain is not None
+        if main:
+            check_plain(plain, "state")
+            previous = list(self._vouched())
+            # A folder of an earlier attempt at this step is written over: without its index
+            # until this save writes one, it is never taken for a checkpoint meanwhile. (Only
+            # the index: the other processes may be making the folder already.)
+            self._delete_file(f"{name}/{METADATA}")
+        write_sharded(self.fs, self._path(name), shards, plain, group)  # returns once every process wrote
+        if main:
+            self._commit(name, self._size(name), previous)
+        return self.location(name)
+
+    def _commit(self, name: str, size: int | None, previous: list[PointerEntry]) -> None:
+        """After checkpoint ``name`` is written: the pointer, then what ``keep_last`` lets go and
+        what interrupted saves left."""
         names = self._names()
         doomed = set(prunable(names, self.keep_last, protected={name}))
         kept = [PointerEntry(name, size)]
@@ -208,12 +252,13 @@ class CheckpointStorage:
         # The pointer goes last: until it is written, `latest` names the previous checkpoint.
         self._write(LATEST, format_pointer(kept[: self.keep_last]))
         # Only this process writes here and its own writes have finished: a .tmp left is an
-        # interrupted save, a checksum without its checkpoint a pruned one; both would pile up.
+        # interrupted save, a checksum without its checkpoint a pruned one, a sharded folder
+        # without its index an interrupted sharded save; all would pile up.
         doomed |= {checksum_name(n) for n in doomed}
-        orphans = [n for n in names
-                   if is_leftover(n) or ((c := checksummed_checkpoint(n)) and c not in names)]
+        orphans = [n for n in names if n != name and (
+            is_leftover(n) or ((c := checksummed_checkpoint(n)) and c not in names)
+            or (is_sharded_checkpoint(n) and not is_written(self.fs, self._path(n))))]
         self._delete(sorted(doomed & set(names)) + orphans)
-        return self.location(name)
 
     def remove(self) -> None:
         """Delete the folder and every checkpoint in it (a fallback copy, once it was uploaded)."""
@@ -258,6 +303,12 @@ class CheckpointStorage:
         """Whether checkpoint ``name`` matches its recorded SHA-256 (True when none was recorded);
         a mismatch is warned about, naming the file."""
         path = self._path(name)
+        if is_sharded_checkpoint(name):
+            why = damage(self.fs, path, self.location(name))
+            if why is not None:
+                logger.warning("checkpoint %s is damaged (%s): skipped, the previous complete checkpoint is used",
+                               self.location(name), why)
+            return why is None
         if self._renamed_into_place:
             actual = sha256_of(path)
         else:
@@ -291,6 +342,8 @@ class CheckpointStorage:
         inside = self.location("")
         if location.startswith(inside):
             name = location[len(inside):]
+            if is_sharded_checkpoint(name):
+                return read_sharded(self.fs, self._path(name.rstrip("/")), location)
             downloaded, self._downloaded = self._downloaded, None  # latest() may have fetched it already
             data = downloaded[1] if downloaded and downloaded[0] == name else None
             return read_checkpoint(self.fs, self._path(name), location, self.retry, data)
@@ -330,6 +383,14 @@ class StoredCheckpointer:
         if self.storage is None:
             raise UserError("checkpointer: no folder to save into (no run folder and no checkpointer.dir)")
         return self.storage.save(update_step, state, cancelled=self._cancelled)
+
+    def save_sharded(self, update_step: int, shards: Mapping[str, Any], plain: Mapping[str, Any] | None,
+                     group: Any = None) -> str:
+        """Every process writes its slices of ``shards``, rank 0 also ``plain``; returns the
+        location (see :meth:`CheckpointStorage.save_sharded`)."""
+        if self.storage is None:
+            raise UserError("checkpointer: no folder to save into (no run folder and no checkpointer.dir)")
+        return self.storage.save_sharded(update_step, shards, plain if self.rank == 0 else None, group)
 
     def cancel(self) -> None:
         """Abort the save being written, and any later one (a second Ctrl-C: stop now). Its

@@ -54,7 +54,7 @@ from octfw.types.guard import Guard, GuardInputs
 from octfw.types.logger import Logger, StepListener
 from octfw.types.checkpointer import (
     CancellableCheckpointer, Checkpointer, ClaimingCheckpointer, ListingCheckpointer,
-    LocatedCheckpointer,
+    LocatedCheckpointer, ShardedCheckpointer,
 )
 from octfw.types.evaluator import ComparingEvaluator, Evaluator, RefittingEvaluator
 from octfw.types.stages import OPTIONAL_PROTOCOLS, STAGE_PROTOCOLS
@@ -72,6 +72,6 @@ __all__ = [
     "Schedule",
     "WarmupSchedule", "GuardInputs", "Guard", "Logger", "StepListener", "Checkpointer",
     "ListingCheckpointer", "ClaimingCheckpointer", "CancellableCheckpointer",
-    "LocatedCheckpointer", "Evaluator", "RefittingEvaluator", "ComparingEvaluator",
+    "LocatedCheckpointer", "ShardedCheckpointer", "Evaluator", "RefittingEvaluator", "ComparingEvaluator",
     "STAGE_PROTOCOLS", "OPTIONAL_PROTOCOLS",
 ]

@@ -1,5 +1,5 @@
 """The checkpointer stage's contract: save, find and load the whole training state
-(:class:`Checkpointer`), and the four optional capabilities the built-ins all have."""
+(:class:`Checkpointer`), and the five optional capabilities the built-ins all have."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from octfw.types.capability import _CapabilityMeta
 
 __all__ = [
     "Checkpointer", "ListingCheckpointer", "ClaimingCheckpointer", "CancellableCheckpointer",
-    "LocatedCheckpointer",
+    "LocatedCheckpointer", "ShardedCheckpointer",
 ]
 
 
@@ -24,7 +24,7 @@ class Checkpointer(Protocol, metaclass=_CapabilityMeta):
 
     Optional, and the built-ins have them all: :class:`ListingCheckpointer`,
     :class:`ClaimingCheckpointer`, :class:`CancellableCheckpointer`,
-    :class:`LocatedCheckpointer`.
+    :class:`LocatedCheckpointer`, :class:`ShardedCheckpointer`.
     """
 
     def save(self, update_step: int, state: Mapping[str, Any]) -> str: ...
@@ -73,3 +73,16 @@ class LocatedCheckpointer(Checkpointer, Protocol):
     (a rank that does not write)."""
 
     location: str | None
+
+
+@runtime_checkable
+class ShardedCheckpointer(Checkpointer, Protocol):
+    """Optional: ``save_sharded``, a checkpoint every process of a sharded run
+    (``engine.parallelism = "fsdp"``) writes at once, each its own slices of ``shards`` (the
+    model's and optimizer's tensors), rank 0 also ``plain`` (the rest of the state; None
+    elsewhere), over the process group ``group``. It returns on every process once the whole
+    checkpoint is written, its location on rank 0; ``load`` then returns the whole state,
+    every tensor whole. Without it, a sharded run gathers its state to rank 0 to ``save`` it."""
+
+    def save_sharded(self, update_step: int, shards: Mapping[str, Any], plain: Mapping[str, Any] | None,
+                     group: Any) -> str: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from octfw.types.checkpointer import (
     CancellableCheckpointer, Checkpointer, ClaimingCheckpointer, ListingCheckpointer, LocatedCheckpointer,
+    ShardedCheckpointer,
 )
 from octfw.types.component import Stateful
 from octfw.types.dataset import (
@@ -48,6 +49,7 @@ OPTIONAL_PROTOCOLS: dict[str, tuple[type, ...]] = {
     "scheduler": (WarmupSchedule,),
     "guard": (Stateful,),
     "logger": (StepListener, Stateful),
-    "checkpointer": (ListingCheckpointer, ClaimingCheckpointer, CancellableCheckpointer, LocatedCheckpointer),
+    "checkpointer": (ListingCheckpointer, ClaimingCheckpointer, CancellableCheckpointer, LocatedCheckpointer,
+                     ShardedCheckpointer),
     "evaluator": (RefittingEvaluator, ComparingEvaluator),
 }
