@@ -36,7 +36,8 @@ SOURCES = {"videomae": "https://github.com/MCG-NJU/VideoMAE",
 #: The fixtures' networks as a recipe states them: 16 wide, 2 blocks, 2 heads, MLP 64, the
 #: references' LayerNorm epsilon, a learned position table.
 FIELDS = dict(embed_dim=16, depth=2, num_heads=2, mlp_ratio=4.0, position="learned", norm_eps=1e-6,
-              standardise_input=False)  # the references standardise outside their networks
+              standardise_input=False,  # the references standardise outside their networks
+              init_channels="sum")  # ... and their inputs come normalised: nothing to fold
 #: The references' own inputs: (frames, height, width) and patch.
 VIDEOMAE = ((16, 8, 8), (2, 4, 4))
 VIDEOMAE_FINETUNED = ((4, 8, 8), (2, 4, 4))

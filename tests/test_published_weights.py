@@ -42,7 +42,8 @@ PAIRS = ("short", "long")
 FIELDS = dict(embed_dim=SIZES["embed_dim"], depth=SIZES["depth"], num_heads=SIZES["num_heads"],
               predictor_embed_dim=SIZES["pred_embed_dim"], predictor_depth=SIZES["pred_depth"],
               predictor_num_heads=SIZES["pred_num_heads"], position="rope", norm_eps=1e-6,
-              standardise_input=False)  # the reference standardises outside its network
+              standardise_input=False,  # the reference standardises outside its network
+              init_channels="sum")  # ... and its inputs come normalised: nothing to fold
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +161,7 @@ def test_a_predictor_of_another_size_is_left_new_with_its_reason():
 def test_mae3d_takes_the_target_encoder_vjepa_evaluates(reference):
     config = MAE3DConfig(preset="tiny", patch_size=PATCH, init=str(CHECKPOINT), embed_dim=48, depth=2, num_heads=3,
                          decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2, position="rope", norm_eps=1e-6,
-                         standardise_input=False)
+                         standardise_input=False, init_channels="sum")
     model = build_mae(config, ctx()).eval()
     with torch.no_grad():
         assert (model.encoder(reference["clip"]) - reference["target_tokens"]).abs().max() < 1e-5
@@ -480,7 +481,7 @@ def vjepa21(**fields):
         preset="tiny", patch_size=(s["tubelet_size"], s["patch_size"], s["patch_size"]),
         init=str(FIXTURE_21 / "checkpoint.pt"), embed_dim=s["embed_dim"], depth=s["depth"], num_heads=s["num_heads"],
         predictor_embed_dim=16, predictor_depth=1, predictor_num_heads=2, standardise_input=False,
-        **{"position": "rope-interleaved", "rope_span": 16, "norm_eps": 1e-6, **fields})
+        init_channels="sum", **{"position": "rope-interleaved", "rope_span": 16, "norm_eps": 1e-6, **fields})
     image = (s["num_frames"], s["crop_size"], s["crop_size"])
     return build(config, ctx(image_size=image)).eval()
 

@@ -50,7 +50,7 @@ def vjepa21(init: Path | None, **fields) -> VJEPA3D:
     config = VJEPA3DConfig(
         preset="tiny", patch_size=(s["tubelet_size"], s["patch_size"], s["patch_size"]),
         init=None if init is None else str(init), embed_dim=s["embed_dim"], depth=s["depth"],
-        num_heads=s["num_heads"], standardise_input=False,
+        num_heads=s["num_heads"], standardise_input=False, init_channels="sum",  # inputs come normalised
         **{"predictor_embed_dim": PREDICTOR["pred_embed_dim"], "predictor_depth": PREDICTOR["pred_depth"],
            "predictor_num_heads": PREDICTOR["pred_num_heads"], "position": "rope-interleaved", "rope_span": 16,
            "norm_eps": 1e-6, "dense_levels": 4, "dense_predictor": "vjepa2.1", **fields})

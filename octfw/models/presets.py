@@ -23,11 +23,13 @@ from octfw.recipe.fields import choices, doc, length, positive
 __all__ = ["ENCODER_PRESETS", "EncoderArchitecture", "PresetSized", "model_presets", "describe_presets",
            "resolve_sizes", "size_field", "patch_size_field", "positive_each", "patch_geometry",
            "network_arguments", "standardise_field", "position_field", "norm_eps_field", "init_field",
-           "rope_span_field",
-           "POSITION_CHOICES", "DEFAULT_NORM_EPS"]
+           "init_channels_field", "rope_span_field",
+           "POSITION_CHOICES", "INIT_CHANNELS_CHOICES", "DEFAULT_NORM_EPS"]
 
 #: ``position`` choices (:data:`octfw.models.vit3d.POSITIONS`, repeated here: this module imports no torch).
 POSITION_CHOICES = ("sincos", "rope", "rope-interleaved", "learned")
+#: ``init_channels`` choices (:data:`octfw.models.published.inputs.CHANNEL_RULES`, repeated: no torch here).
+INIT_CHANNELS_CHOICES = ("auto", "sum", "fold")
 #: LayerNorm epsilon of octfw's networks (:data:`octfw.models.vit3d.NORM_EPS`).
 DEFAULT_NORM_EPS = 1e-5
 
@@ -178,6 +180,19 @@ def init_field(extra: str = "") -> Any:
                "loaded, adapted and left new, and refuses weights of another width or depth. A resumed run "
                f"takes its own checkpoint instead{extra}. Unset: random initialisation",
                default=None, validator=_init_value)
+
+
+def init_channels_field() -> Any:
+    """The ``init_channels`` config field: how published RGB weights meet the recipe's input."""
+    return doc("with init: how the published RGB patch projection meets the recipe's volumes. 'sum': the "
+               "kernel as published, its 3 channels summed for one (the published model shown the volume "
+               "repeated in R, G and B, as it comes: standardised per volume with standardise_input); 'fold': "
+               "the published per-channel normalisation (ImageNet's mean and std for V-JEPA 2 and 2.1, VideoMAE "
+               "and RETFound; MAE-ST's 0.45 / 0.225) folded into the kernel and bias, so that [0, 1] "
+               "intensities give the published model's tokens for the grey image normalised as it was trained "
+               "(needs standardise_input = false); 'auto': 'fold' where standardise_input = false, else 'sum'. "
+               "docs/published-weights.md says which to choose", default="auto",
+               validator=choices(*INIT_CHANNELS_CHOICES))
 
 
 def _init_value(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:

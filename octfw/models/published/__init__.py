@@ -5,7 +5,10 @@ or ``torch.load(weights_only=True)``), its format is recognised by its keys, and
 format's converter copies its tensors into octfw's 3D ViT, adapting what the recipe's
 input needs (:mod:`octfw.models.published.adapt`: RGB to one channel, a 2-frame tubelet
 or a 2D patch inflated to the recipe's 3D patch, a position table resampled to the
-recipe's grid). The result is an :class:`InitReport` that ``octfw check`` prints.
+recipe's grid). The published input normalisation is folded into the patch projection, or
+the report says that the recipe's input differs, and a head count that cannot be the
+published encoder's is refused (:mod:`octfw.models.published.inputs`). The result is an
+:class:`InitReport` that ``octfw check`` prints.
 
 Converters are one module per source format, listed in :data:`FORMATS` (name -> module);
 a module has ``NAME``, ``detect(state) -> bool`` (is this checkpoint mine?) and
@@ -84,6 +87,9 @@ class InitTargets:
     #: hierarchical predictor, ``dense_predictor = "vjepa2.1"``); None: octfw's masked-token
     #: predictor, V-JEPA 2's layout.
     predictor_format: str | None = None
+    #: ``init_channels``: how an RGB patch projection meets the recipe's input, ``"sum"``,
+    #: ``"fold"`` or ``"auto"`` (:func:`octfw.models.published.inputs.channel_rule`).
+    channels: str = "auto"
 
 
 def resolve_source(source: str, recipe_dir: Path | None = None) -> Path:
@@ -162,5 +168,17 @@ def initialise(source: str, targets: InitTargets, recipe_dir: Path | None = None
     state = read_checkpoint(path)
     name = detect_format(state, path)
     report = InitReport(source=source if str(path) == source else f"{source} ({path})", format=name)
+    from octfw.models.published import inputs
+
+    rule = inputs.channel_rule(targets.channels, name, state, targets.online)
+    original = state
+    if rule == "fold":  # the checkpoint made a network of raw [0, 1] intensities, then converted as usual
+        state, _ = inputs.fold_checkpoint(state, inputs.FAMILIES[name].normalisation)
     converter(name).convert(state, targets, report)
+    inputs.refuse_heads(name, targets.online)
+    if rule == "fold":
+        inputs.note_fold(report, inputs.FAMILIES[name].normalisation)
+    note = inputs.input_note(name, rule, original, targets.online)
+    if note is not None:
+        report.notes.append(note)
     return report

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from octfw.display.errors import UserError
 
-__all__ = ["adapt_channels", "inflate_kernel", "resample_positions", "encoder_shape", "refuse_misfit",
+__all__ = ["adapt_channels", "fold_normalisation", "inflate_kernel", "resample_positions", "encoder_shape", "refuse_misfit",
            "load_into"]
 
 
@@ -27,9 +27,10 @@ def adapt_channels(weight: torch.Tensor, in_channels: int) -> tuple[torch.Tensor
     RGB network is the same intensity in the three channels, and a convolution of three
     equal channels is the convolution of one with the summed kernel: the one-channel network
     gives exactly the RGB network's tokens for the grey volume repeated three times
-    (tests/test_published_weights.py checks it). The reference's per-channel colour
-    normalisation is not reproduced; octfw standardises each volume instead. One channel to
-    C: the kernel repeated and divided by C (the same identity read the other way)."""
+    (tests/test_published_weights.py checks it). The published per-channel colour
+    normalisation is folded in before, where ``init_channels`` asks for it
+    (:func:`fold_normalisation`, :mod:`octfw.models.published.inputs`). One channel to C: the
+    kernel repeated and divided by C (the same identity read the other way)."""
     source = weight.shape[1]
     if source == in_channels:
         return weight, None
@@ -40,6 +41,19 @@ def adapt_channels(weight: torch.Tensor, in_channels: int) -> tuple[torch.Tensor
                 f"1 input channel spread over {in_channels}, divided by {in_channels}")
     raise UserError(f"model.init: the checkpoint's patch projection takes {source} input channels and the recipe's "
                     f"data has {in_channels}: only 3 -> 1 and 1 -> C are adapted")
+
+
+def fold_normalisation(weight: torch.Tensor, bias: torch.Tensor, mean: tuple[float, ...],
+                       std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A patch projection (kernel ``[E, C, ...]``, bias ``[E]``) that gives on raw intensities
+    what the original gives on ``(x - mean_c) / std_c``: the projection is linear and its patches
+    do not overlap, so ``W_c`` becomes ``W_c / std_c`` and ``b`` becomes
+    ``b - sum_c (mean_c / std_c) * sum(W_c)`` (computed in float64, returned in the input's dtype)."""
+    shape = (1, len(std)) + (1,) * (weight.ndim - 2)
+    inv_std = 1.0 / torch.tensor(std, dtype=torch.float64)
+    kernel = weight.double()
+    shift = (kernel.sum(dim=tuple(range(2, weight.ndim))) * (torch.tensor(mean, dtype=torch.float64) * inv_std)).sum(1)
+    return (kernel * inv_std.view(shape)).to(weight.dtype), (bias.double() - shift).to(bias.dtype)
 
 
 def inflate_kernel(weight: torch.Tensor, patch_size: tuple[int, int, int]) -> tuple[torch.Tensor, str | None]:

@@ -29,7 +29,7 @@ def build(config: MAE3DConfig, ctx: BuildContext) -> Model:
 
         targets = InitTargets(online=model.encoder, prefixes={"online": "encoder."},
                               recipe=f"[model] mae3d preset {config.preset!r}",
-                              predictor_note="mae3d has a pixel decoder, no predictor")
+                              predictor_note="mae3d has a pixel decoder, no predictor", channels=config.init_channels)
         model.init_report = initialise(config.init, targets, ctx.recipe_dir)
         if ctx.run_dir is not None:  # a run logs what it started from; `octfw check` prints it all
             logging.getLogger(__name__).info("%s", model.init_report.lines()[0])

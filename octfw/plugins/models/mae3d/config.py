@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import attrs
 
 from octfw.recipe.fields import choices, doc, positive
-from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_field,
-                                  model_presets, norm_eps_field, patch_size_field, position_field,
+from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_channels_field,
+                                  init_field, model_presets, norm_eps_field, patch_size_field, position_field,
                                   rope_span_field, size_field, standardise_field)
 
 __all__ = ["PRESETS", "PRESET_PARAMETERS", "Architecture", "MAE3DConfig"]
@@ -80,6 +80,7 @@ class MAE3DConfig(PresetSized):
     norm_eps: float = norm_eps_field()
     init: str | None = init_field("; a V-JEPA checkpoint's target_encoder (the one it evaluates) becomes the "
                                   "encoder")
+    init_channels: str = init_channels_field()
     norm_pix_loss: bool = doc(
         "reconstruct each masked patch normalised by its own voxels' mean and std (MAE's "
         "norm_pix_loss, as RETFound, OCTCube and nnssl train): the loss then rewards texture and "

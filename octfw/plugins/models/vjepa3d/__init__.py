@@ -48,7 +48,8 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
             predictor_format="vjepa2.1" if config.dense_predictor == "vjepa2.1" else None,
             prefixes={"online": "context_encoder.", "ema": "target_encoder.", "predictor": "predictor.",
                       "online_levels": "level_norms.", "ema_levels": "target_level_norms."},
-            recipe=f"[model] vjepa3d preset {config.preset!r}", predictor_note="model.init_predictor = false")
+            recipe=f"[model] vjepa3d preset {config.preset!r}", predictor_note="model.init_predictor = false",
+            channels=config.init_channels)
         model.init_report = initialise(config.init, targets, ctx.recipe_dir)
         if ctx.run_dir is not None:  # a run logs what it started from; `octfw check` prints it all
             logging.getLogger(__name__).info("%s", model.init_report.lines()[0])

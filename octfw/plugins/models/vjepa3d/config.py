@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import attrs
 
 from octfw.recipe.fields import choices, doc, non_negative, positive
-from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_field,
-                                  model_presets, norm_eps_field, patch_size_field, position_field,
+from octfw.models.presets import (EncoderArchitecture, PresetSized, describe_presets, init_channels_field,
+                                  init_field, model_presets, norm_eps_field, patch_size_field, position_field,
                                   rope_span_field, size_field, standardise_field)
 
 __all__ = ["PRESETS", "Architecture", "VJEPA3DConfig"]
@@ -92,6 +92,7 @@ class VJEPA3DConfig(PresetSized):
         "depth and output match the recipe's; false: a fresh predictor",
         default=True,
     )
+    init_channels: str = init_channels_field()
     loss: str = doc(
         "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
         default="l1", validator=choices(*LOSS_CHOICES),
