@@ -25,7 +25,7 @@ from octfw.recipe import load_recipe
 from octfw.registry import load_registry
 from octfw.runs.checkpoint import fallback_storage, run_checkpoint
 from octfw.runs.folder import create_run_dir
-from octfw.storage.checkpoint_reading import load_checkpoint
+from octfw.storage.checkpoints import load_checkpoint
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.owner import FolderInUse
 

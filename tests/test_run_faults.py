@@ -307,7 +307,7 @@ def test_no_load_error_ever_suggests_weights_only_false(tmp_path):
 
     from octfw.exports.pretrained import load_encoder
     from octfw.display.errors import UserError
-    from octfw.storage.checkpoint_reading import load_checkpoint
+    from octfw.storage.checkpoints import load_checkpoint
 
     with_object = tmp_path / "step_00000001.pt"
     torch.save({"model": datetime.date(2026, 11, 25)}, with_object)  # a class weights_only refuses

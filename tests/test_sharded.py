@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import make_dist
+from octfw.storage.checkpoints import CheckpointStorage
 from test_distributed import launch, setup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,8 +35,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1], weights_only=True)
-    return state["model"]
+    """The model of the run's last checkpoint, whole: a data run's file, a sharded run's folder."""
+    storage = CheckpointStorage(str(run_dir / "checkpoints"))
+    return storage.load(storage.latest())["model"]
 
 
 def test_two_and_four_sharded_processes_equal_one_process_for_twenty_steps(tmp_path):
@@ -50,11 +52,15 @@ def test_two_and_four_sharded_processes_equal_one_process_for_twenty_steps(tmp_p
             assert b["loss"] == pytest.approx(a["loss"], rel=TOLERANCE)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=TOLERANCE)
         weights, reference = final_weights(sharded), final_weights(single)
-        assert weights.keys() == reference.keys()  # the full state, as a data-parallel run saves it
+        assert weights.keys() == reference.keys()  # the full state, read back whole
+        # every process wrote its own slices: one file each, no process gathered the state
+        assert sorted(p.name for p in (sharded / "checkpoints" / "step_00000020.dcp").glob("*.distcp")) == [
+            f"__{rank}_0.distcp" for rank in range(nproc)]
         worst = max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
         assert worst <= TOLERANCE, (nproc, worst)
         assert (sharded / "encoder").is_dir()  # the whole encoder, gathered once and exported
-    # A sharded run's checkpoint is the whole state: one process replays its last update and exports it.
+    # A sharded run's checkpoint folder is read whole by one process, which replays its last update
+    # and turns it into the single-file encoder export.
     for command in (["replay", str(sharded), "--step", "20"], ["export", str(sharded), "--out", str(tmp_path / "e.pt")]):
         result = subprocess.run([sys.executable, "-m", "octfw.cli", *command], capture_output=True, text=True,
                                 cwd=tmp_path, timeout=600)
@@ -138,6 +144,9 @@ def test_a_sharded_checkpoint_resumes_replicated_and_back(tmp_path):
         assert result.returncode == code, result.stderr[-3000:]
         assert "changes training" not in result.stderr  # the parallelism is listed, and taken as it is
     (run_dir,) = (out / "tiny").iterdir()
+    # the fsdp attempts wrote every process's slices, the data attempt one file; each read the other's
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        "step_00000010.dcp", "step_00000015.pt", "step_00000015.pt.sha256", "step_00000020.dcp"]
     resumed = metrics(run_dir)
     assert [m["step"] for m in resumed] == list(range(1, 21))  # each step once
     for a, b in zip(whole, resumed):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from octfw.display.errors import UserError
-from octfw.storage.checkpoint_reading import CorruptCheckpoint, load_checkpoint
+from octfw.storage.checkpoint_reading import CorruptCheckpoint
+from octfw.storage.checkpoints import load_checkpoint
 from octfw.storage.checkpoints import CheckpointStorage
 
 HERE = Path(__file__).resolve().parent

@@ -18,7 +18,7 @@ from octfw.plugins.checkpointers.local import build as build_local
 from octfw.display.errors import UserError
 from octfw.recipe.fields import Location
 from octfw.storage.checkpoint_names import LATEST, PointerEntry, format_pointer, parse_pointer
-from octfw.storage.checkpoint_reading import load_checkpoint
+from octfw.storage.checkpoints import load_checkpoint
 from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.files import is_local, local_path, open_filesystem, write_atomically
 from octfw.storage.retry import RetryPolicy, StorageError

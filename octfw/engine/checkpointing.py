@@ -1,10 +1,16 @@
 """Checkpoints written in the background: the training loop pays only for a host copy.
 
 At a checkpoint step the engine copies the training state to host memory
-(:func:`octfw.engine.state.capture`) and hands it to :class:`BackgroundSaver`,
+(:class:`octfw.engine.state.TrainingState`) and hands it to :class:`BackgroundSaver`,
 whose thread serialises and writes it through the checkpointer (local disk
 or an object store) while training goes on. The checkpointer's own rules stay
 as they are: atomic files, the ``latest`` pointer written last.
+
+A sharded run (:class:`ShardedSaves`) gathers nothing: every process copies
+its own slices and its saver thread writes them, together with the others',
+over a gloo group of the saves' own (``save_sharded``). The rules below then
+hold for the job: a save is skipped by every process when one is still
+writing, and the final save's outcome is the job's.
 
 Rules:
 
@@ -38,9 +44,9 @@ import time
 from typing import Any, Callable
 
 from octfw.storage.failures import storage_cause
-from octfw.types import CancellableCheckpointer, LocatedCheckpointer
+from octfw.types import CancellableCheckpointer, LocatedCheckpointer, ShardedCheckpointer
 
-__all__ = ["BackgroundSaver"]
+__all__ = ["BackgroundSaver", "ShardedSaves"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +64,32 @@ def state_nbytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(state_nbytes(v) for v in value)
     return 0
+
+
+class ShardedSaves:
+    """Every process of a sharded run writes its own slices of each checkpoint, together, over
+    ``group``: no process gathers the whole state."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    @classmethod
+    def for_run(cls, sharded: bool, checkpointer: Any, timeout_s: float) -> "ShardedSaves | None":
+        """For a sharded run whose checkpointer takes slices (a :class:`~octfw.types.ShardedCheckpointer`);
+        None where rank 0 saves a gathered state instead. The group is gloo and the saves' own: a
+        save's collectives run off the training thread, beside the training's (as torchtitan's
+        asynchronous saves do). Every process calls it at the same point (a group is made together)."""
+        if not (sharded and isinstance(checkpointer, ShardedCheckpointer)):
+            return None
+        import datetime
+
+        import torch.distributed as dist
+
+        return cls(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+
+    def write(self, checkpointer: Any) -> Callable[[int, Any], str]:
+        """The background saver's write: ``(update_step, (slices, plain part))`` into ``checkpointer``."""
+        return lambda update_step, state: checkpointer.save_sharded(update_step, *state, self.group)
 
 
 class _Save:
@@ -82,10 +114,12 @@ class _Save:
 
 
 class BackgroundSaver:
-    """Writes checkpoints with ``checkpointer.save(update_step, state)`` off the training thread."""
+    """Writes checkpoints with ``checkpointer.save(update_step, state)`` off the training thread,
+    or, with ``sharded``, ``checkpointer.save_sharded`` (every process writes its part, together)."""
 
-    def __init__(self, checkpointer: Any):
+    def __init__(self, checkpointer: Any, sharded: ShardedSaves | None = None):
         self.checkpointer = checkpointer
+        self._write = sharded.write(checkpointer) if sharded else checkpointer.save
         self.latest: str | None = None  #: location of the newest checkpoint written
         self.written_step: int | None = None  #: the update step of that checkpoint
         self.failed: list[str] = []  #: "step N: error", one per failed save
@@ -98,19 +132,21 @@ class BackgroundSaver:
         self.poll()
         return self._in_flight is not None
 
-    def submit(self, update_step: int, capture: Callable[[], dict[str, Any]]) -> bool:
+    def submit(self, update_step: int, capture: Callable[[], Any], *, job_busy: bool | None = None) -> bool:
         """Start writing the state ``capture()`` returns (a host copy the loop no longer
-        touches); False, without calling ``capture``, if the save is skipped."""
-        if self.busy:
+        touches); False, without calling ``capture``, if the save is skipped. ``job_busy``:
+        whether any process of the job is still writing (a sharded save, which every process
+        writes together, is skipped by all or by none)."""
+        if self.busy or job_busy:
             self.skipped.append(update_step)
-            reason = (f"not written: the save of update step {self._in_flight.update_step} was still being "
-                      f"written ({self._store_state()})")
+            writing = (f"the save of update step {self._in_flight.update_step} was" if self._in_flight is not None
+                       else "another process's part of the previous save was")
+            reason = f"not written: {writing} still being written ({self._store_state()})"
             self.failed.append(f"step {update_step}: {reason}")
             logger.warning("checkpoint at update step %d %s; the next due save tries again", update_step, reason)
             return False
         state = capture()
-        self._in_flight = _Save(update_step, lambda: self.checkpointer.save(update_step, state),
-                                state_nbytes(state))
+        self._in_flight = _Save(update_step, lambda: self._write(update_step, state), state_nbytes(state))
         return True
 
     def poll(self) -> None:

@@ -24,11 +24,13 @@ import torch
 
 from octfw.engine.backend import Backend
 from octfw.engine.build import Components
-from octfw.engine.checkpointing import BackgroundSaver
+from octfw.engine.checkpointing import BackgroundSaver, ShardedSaves
 from octfw.engine.quarantine import Quarantine
 from octfw.engine.distributed import PeerLost, Peers
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.preemption import StopRequests
+from octfw.engine.sharding import whole_on_main
+from octfw.engine.state import TrainingState
 from octfw.cli.exit_codes import SAVE_FAILED_EXIT_CODE
 from octfw.recipe import Recipe
 from octfw.runs.checkpoint import FALLBACK_DIR, fallback_storage
@@ -101,20 +103,24 @@ class Ending:
 
 
 class RunEnd:
-    """A run's end, for the trainer. ``capture(done)``: the host copy of the training state
-    after update step ``done``. ``upload_fallback``: the run continues the fallback copy, so
+    """A run's end, for the trainer. ``state``: the training state as checkpoints take it; with
+    ``sharded_saves`` each process writes its own slices, and the final save and its fallback
+    are every process's. ``upload_fallback``: the run continues the fallback copy, so
     the final save must reach the checkpointer, even with no step left. ``unrecorded_batch``: the
     global batch of a run that has not recorded it yet (its first start), which rank 0 records in
     ``RUN/run.json``, where ``--resume auto`` on other devices reads it."""
 
     def __init__(self, recipe: Recipe, parts: Components, model: torch.nn.Module, backend: Backend, *,
                  peers: Peers, saver: BackgroundSaver, fallback: CheckpointStorage, upload_fallback: bool,
-                 capture: Callable[[int], dict[str, Any]], stop_requests: StopRequests, heartbeat: Heartbeat,
-                 quarantine: Quarantine, run_dir: Path, start_step: int, unrecorded_batch: int | None = None):
+                 state: TrainingState, stop_requests: StopRequests, heartbeat: Heartbeat,
+                 quarantine: Quarantine, run_dir: Path, start_step: int, unrecorded_batch: int | None = None,
+                 sharded_saves: ShardedSaves | None = None):
         self.recipe, self.parts, self.model, self.backend, self.peers = recipe, parts, model, backend, peers
-        self.saver, self.fallback, self.upload_fallback, self.capture = saver, fallback, upload_fallback, capture
+        self.saver, self.fallback, self.upload_fallback = saver, fallback, upload_fallback
+        self.capture, self.capture_shards = state.whole, state.slices
         self.stop_requests, self.heartbeat, self.quarantine = stop_requests, heartbeat, quarantine
         self.run_dir, self.start_step = run_dir, start_step
+        self.sharded_saves = sharded_saves
         if unrecorded_batch is not None and backend.is_main_process:  # the run's first start: kept on resumes
             record_global_batch(run_dir, unrecorded_batch)
         #: the run folder's start files, to put a folder deleted under the run back (rank 0)
@@ -129,7 +135,7 @@ class RunEnd:
         saves = end.peer_lost is None and not stops.stop_now and (
             end.vanished or done > self.start_step or self.upload_fallback)
         finished = done == self.parts.ctx.total_update_steps or end.finished_early is not None
-        if self.backend.sharded and end.peer_lost is None and (saves or finished):
+        if self.backend.sharded and not self.sharded_saves and end.peer_lost is None and (saves or finished):
             # Gathering a sharded state is a collective: every process, once, here; the saves
             # below (rank 0's) and the encoder export take this copy. After a lost peer no
             # process can gather: the run's newest checkpoint is its last state.
@@ -137,7 +143,12 @@ class RunEnd:
             self.capture = lambda _done: gathered
         if end.vanished:  # every process: exit 74; rank 0 puts the folder back with the final state
             gone = self.vanished() if self.backend.is_main_process else []
-            end.final_save_failed, end.fallback = True, self.restore_run_folder(done, gone) if gone else None
+            why = f"the run folder {self.run_dir} vanished during the run ({', '.join(gone) or 'seen by rank 0'})"
+            self.saver.failed.append(f"step {done}: {why}")
+            put_back = self.put_run_folder_back(gone, why) if gone else False
+            # Sharded saves: every process writes its part of the fallback (rank 0's fails alone if it must).
+            end.final_save_failed = True
+            end.fallback = self.save_fallback(done, why) if put_back or self.sharded_saves else None
             self._hear_outcome(end)
         elif saves:
             end.final_save_failed, end.fallback = self.save_final(done)  # rank 0's outcome: (False, None) elsewhere
@@ -185,24 +196,34 @@ class RunEnd:
         return summary
 
     def save_final(self, done: int) -> tuple[bool, str | None]:
-        """The run's last checkpoint, awaited (rank 0 only): (whether the checkpointer failed to
-        take it, where the state went instead). A second Ctrl-C skips it: the user asked to stop."""
-        if not self.backend.is_main_process:
+        """The run's last checkpoint, awaited (rank 0's, or every process's part of a sharded
+        save): (whether the checkpointer failed to take it, where the state went instead). A
+        second Ctrl-C skips it: the user asked to stop."""
+        if not (self.backend.is_main_process or self.sharded_saves):
             return False, None
         self.heartbeat.waiting_on("the checkpoint save")
         stop_now = lambda: self.stop_requests.stop_now  # noqa: E731
-        if self.saver.save_final(done, lambda: self.capture(done), self.recipe.engine.save_deadline_s, stop_now):
-            if self.upload_fallback:  # the checkpointer holds the state now
+        capture = (lambda: self.capture_shards(done)) if self.sharded_saves else (lambda: self.capture(done))
+        written = self.saver.save_final(done, capture, self.recipe.engine.save_deadline_s, stop_now)
+        stopping = stop_now()
+        if self.sharded_saves:  # the job's outcome: a part missing is the whole save missing
+            written, stopping = self.peers.all_agree(written), not self.peers.all_agree(not stopping)
+        if written:
+            if self.upload_fallback and self.backend.is_main_process:  # the checkpointer holds the state now
                 self.fallback.remove()
             return False, None
-        if stop_now():
+        if stopping:
             return False, None
         return True, self.save_fallback(done, "the final checkpoint could not be written to the checkpointer")
 
     def save_fallback(self, done: int, why: str) -> str | None:
-        """The final state into RUN/fallback (rank 0): where it went, or None (said why)."""
+        """The final state into RUN/fallback (rank 0's whole state, or every process's slices):
+        where it went, or None (said why)."""
         try:
-            location = self.fallback.save(done, self.capture(done))
+            if self.sharded_saves:
+                location = self.fallback.save_sharded(done, *self.capture_shards(done), self.sharded_saves.group)
+            else:
+                location = self.fallback.save(done, self.capture(done))
         except Exception as exc:  # noqa: BLE001 - said on the console; the exit code says it too
             cause = storage_cause(exc, str(self.fallback.url)) or f"{type(exc).__name__}: {exc}"
             log.error("%s, and the final state could not be written to the fallback folder either: %s; the newest "
@@ -215,12 +236,10 @@ class RunEnd:
         """The start files gone from the run folder (rank 0; empty while it is whole)."""
         return [name for name in self._start_files if not (self.run_dir / name).exists()]
 
-    def restore_run_folder(self, done: int, gone: list[str]) -> str | None:
-        """The run folder was deleted under the run: put its start files back, so that
-        ``--resume auto`` finds it, and the final state into its fallback (never a checkpointer
-        inside a folder that is being removed); the run then ends with exit 74."""
-        why = f"the run folder {self.run_dir} vanished during the run ({', '.join(gone)} gone)"
-        self.saver.failed.append(f"step {done}: {why}")
+    def put_run_folder_back(self, gone: list[str], why: str) -> bool:
+        """The run folder was deleted under the run (rank 0): put its start files back, so that
+        ``--resume auto`` finds it; the final state then goes into its fallback (never a
+        checkpointer inside a folder that is being removed) and the run ends with exit 74."""
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             for name, data in self._start_files.items():
@@ -228,8 +247,8 @@ class RunEnd:
                     (self.run_dir / name).write_bytes(data)
         except OSError as exc:
             log.error("%s, and it could not be made again: %s", why, storage_cause(exc, str(self.run_dir)) or exc)
-            return None
-        return self.save_fallback(done, why)
+            return False
+        return True
 
     def export_encoder(self, done: int) -> str | None:
         """RUN/encoder: the target encoder of a finished run as a Hub-style folder (rank 0,
@@ -240,13 +259,19 @@ class RunEnd:
         from octfw.runs.folder import versions
 
         encoder = self.model.encoder if isinstance(self.model, EncoderModel) else None
-        if not (self.backend.is_main_process and self.recipe.run.export_encoder
-                and isinstance(encoder, ExportableEncoder)):
+        if not (self.recipe.run.export_encoder and isinstance(encoder, ExportableEncoder)):
             return None
-        if self.backend.sharded:  # the whole encoder, rebuilt on this one process from the gathered state
+        if self.backend.sharded:  # the whole encoder, rebuilt on rank 0 from the gathered state
             from octfw.exports.checkpoint import rebuild_model
 
-            encoder = rebuild_model(self.capture(done), str(self.run_dir), self.parts.ctx.registry).encoder
+            # Gathering is a collective: every process; rank 0 alone keeps the whole weights.
+            state = ({"model": whole_on_main(self.model), "recipe": self.parts.ctx.recipe} if self.sharded_saves
+                     else self.capture(done))
+            if not self.backend.is_main_process:
+                return None
+            encoder = rebuild_model(state, str(self.run_dir), self.parts.ctx.registry).encoder
+        elif not self.backend.is_main_process:
+            return None
         folder = self.run_dir / "encoder"
         info = encoder_info(encoder.architecture(), self.parts.ctx.recipe, self.saver.latest or "", done, versions())
         try:

@@ -23,10 +23,12 @@ does), the same norm, the same update.
   job's update verdict are the same on every process (the norm and the verdict are the
   job's), so they meet the sharded tensors as replicated values
   (:func:`replicated_scalars`).
-- **Checkpoints** hold the full state, as a ``"data"`` run's do: gathering it is a collective
-  every process takes part in (:func:`octfw.engine.state.host_copy`), and :func:`shard_like`
-  splits a full state back over the processes. A checkpoint of either parallelism, on any
-  number of processes, resumes the other.
+- **Checkpoints.** Every process writes its own slices (:mod:`octfw.storage.sharded_checkpoints`,
+  through the checkpointer's ``save_sharded``); nothing is gathered. A checkpointer without it
+  gets the full state, gathered by a collective every process takes part in
+  (:func:`octfw.engine.state.host_copy`). Either is read back whole, and :func:`shard_like`
+  splits it over the processes: a checkpoint of either parallelism, on any number of
+  processes, resumes the other.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 __all__ = ["shard_model", "shard_on_mesh", "sharding_units", "shard_like", "shard_optimizer_state",
-           "replicated_scalars", "whole_outside_blocks", "is_sharded", "meta_twin"]
+           "replicated_scalars", "whole_outside_blocks", "is_sharded", "meta_twin", "whole_on_main"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -139,6 +141,15 @@ def _like(full: Any, current: Any) -> Any:
     # every process holds the full value (it read the checkpoint): each keeps its slice, no communication
     return distribute_tensor(full.to(current.device, current.dtype), current.device_mesh, current.placements,
                              src_data_rank=None)
+
+
+def whole_on_main(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded ``model``'s whole state dict on the host of rank 0 (an empty dict elsewhere):
+    gathered one tensor at a time, so no process holds more than one whole tensor beyond rank
+    0's copy. A collective: every process calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def shard_like(full: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:

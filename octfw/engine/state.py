@@ -4,7 +4,9 @@ Everything is converted to CPU tensors and plain Python data so that the
 checkpointer can load it with ``torch.load(weights_only=True)``. The copy is
 a real copy, even of tensors already on the CPU: a background save
 (:mod:`octfw.engine.checkpointing`) serialises it while training goes on and
-changes the parameters in place.
+changes the parameters in place. A sharded run copies each process's own
+slices instead (:meth:`TrainingState.slices`); read back, the checkpoint is
+the same whole state, which :func:`restore` splits as the resuming model is split.
 
 A checkpoint also records what it cannot be resumed without: the recipe's
 model table, the global batch (the schedule and the data order count in it)
@@ -19,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ from octfw.display.errors import UserError
 from octfw.display.tables import counted
 from octfw.types import NamingDataset, Stateful
 
-__all__ = ["capture", "restore", "host_copy", "dataset_fingerprint", "checkpoint_nbytes"]
+__all__ = ["TrainingState", "restore", "host_copy", "dataset_fingerprint", "checkpoint_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,29 +95,60 @@ def _component_states(components: list[Any]) -> list[Any]:
     return [c.state_dict() if isinstance(c, Stateful) else None for c in components]
 
 
-def capture(parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            update_step: int, samples_done: int, *, layout: BatchLayout,
-            fingerprint: dict[str, Any], run: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The training state at ``update_step`` as a host copy the loop no longer touches.
-    ``run``: what the run's summary carries across attempts (its first loss)."""
-    from octfw.runs.folder import versions
+class TrainingState:
+    """The run's training state as a checkpoint takes it, after update step ``done``: whole
+    (:meth:`whole`) or as each process of a sharded run writes it (:meth:`slices`).
+    ``samples_done(done)`` and ``first_loss()``: the loop's count and its first logged loss,
+    which the run's summary carries across attempts; ``main``: rank 0, which alone saves the
+    plain part."""
 
-    return {
-        "format": FORMAT_VERSION,
-        "update_step": update_step,
-        "samples_done": samples_done,
-        "global_batch": layout.global_batch,
-        "devices": layout.devices,
-        "dataset": fingerprint,
-        "model": host_copy(model.state_dict()),
-        "optimizer": host_copy(optimizer.state_dict()),
-        "guards": host_copy(_component_states(parts.guards)),
-        "loggers": host_copy(_component_states(parts.loggers)),
-        "rng": host_copy(_rng_state()),
-        "recipe": parts.ctx.recipe,
-        "versions": versions(),
-        "run": dict(run or {}),
-    }
+    def __init__(self, parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 layout: BatchLayout, fingerprint: dict[str, Any], samples_done: Callable[[int], int],
+                 first_loss: Callable[[], float | None], main: bool):
+        self.parts, self.model, self.optimizer, self.layout, self.fingerprint = (
+            parts, model, optimizer, layout, fingerprint)
+        self.samples_done, self.first_loss, self.main = samples_done, first_loss, main
+
+    def _plain(self, done: int) -> dict[str, Any]:
+        """Everything a checkpoint holds but the model's and the optimizer's state."""
+        from octfw.runs.folder import versions
+
+        return {
+            "format": FORMAT_VERSION,
+            "update_step": done,
+            "samples_done": self.samples_done(done),
+            "global_batch": self.layout.global_batch,
+            "devices": self.layout.devices,
+            "dataset": self.fingerprint,
+            "guards": host_copy(_component_states(self.parts.guards)),
+            "loggers": host_copy(_component_states(self.parts.loggers)),
+            "rng": host_copy(_rng_state()),
+            "recipe": self.parts.ctx.recipe,
+            "versions": versions(),
+            "run": {"first_loss": self.first_loss()},
+        }
+
+    def whole(self, done: int) -> dict[str, Any]:
+        """The state as a host copy the loop no longer touches; a sharded model's is gathered
+        (a collective: every process calls it)."""
+        return {**self._plain(done), "model": host_copy(self.model.state_dict()),
+                "optimizer": host_copy(self.optimizer.state_dict())}
+
+    def slices(self, done: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The state as each process of a sharded run saves it (a
+        :class:`~octfw.types.ShardedCheckpointer`), gathering nothing: (this process's slices of
+        the model's and the optimizer's tensors, copied to the host; the rest of :meth:`whole`'s
+        state on rank 0, None elsewhere). Read back, the two are :meth:`whole`'s state."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        optimizer_state = self.optimizer.state_dict()
+        # A synchronous copy of each process's own slices to plain host memory, sharding kept.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))
+        shards = stager.stage({"model": self.model.state_dict(), "optimizer": {"state": optimizer_state["state"]}})
+        if not self.main:
+            return shards, None
+        return shards, {**self._plain(done), "optimizer": {"param_groups": host_copy(optimizer_state["param_groups"])}}
 
 
 #: Model keys that change how memory is spent, never the weights or the
@@ -212,7 +245,10 @@ def restore(location: str, parts: Components, model: torch.nn.Module, optimizer:
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0]
         raise UserError(f"--resume {location}: its weights do not fit this model ({first})") from None
-    optimizer.load_state_dict(shard_optimizer_state(state["optimizer"], optimizer))
+    saved = state["optimizer"]
+    # A sharded checkpoint's nested keys are strings: the moments of parameter "0" are parameter 0's.
+    saved = {**saved, "state": {int(index): moments for index, moments in saved["state"].items()}}
+    optimizer.load_state_dict(shard_optimizer_state(saved, optimizer))
     for stage, components, saved_states in (("guard", parts.guards, state["guards"]),
                                             ("logger", parts.loggers, state["loggers"])):
         if _names(state.get("recipe"), stage) != _names(parts.ctx.recipe, stage):

@@ -29,20 +29,20 @@ import torch
 from octfw.engine.attention import record_attention
 from octfw.engine.backend import select_backend, training_forward
 from octfw.engine.build import build_components, check_schedule
-from octfw.engine.checkpointing import BackgroundSaver
+from octfw.engine.checkpointing import BackgroundSaver, ShardedSaves
 from octfw.engine.data import SampleSource, loader_workers, make_loader, stating_shared_memory
 from octfw.engine.distributed import Peers, PeerLost, all_reduce_, min_across_ranks
 from octfw.engine.domains import domain_report
 from octfw.engine.heartbeat import Heartbeat
 from octfw.engine.metrics import log_metrics
-from octfw.engine.optim import apply_schedule, make_optimizer, seed_everything
+from octfw.engine.optim import apply_schedule, held_momentum, make_optimizer, seed_everything
 from octfw.engine.preemption import StopNow, StoppedBeforeTraining, StopRequests
 from octfw.engine.quarantine import Quarantine
 from octfw.engine.records import DeviceTotals, GuardLog, device_metrics, model_metrics
 from octfw.engine.plan import RunPlan, planned_folder
 from octfw.engine.resume import check_recipe_change
 from octfw.engine.run_end import FALLBACK_DIR, SAVE_FAILED_EXIT_CODE, Ending, RunEnd, RunSummary, fallback_storage
-from octfw.engine.state import capture, checkpoint_nbytes, dataset_fingerprint, restore
+from octfw.engine.state import TrainingState, checkpoint_nbytes, dataset_fingerprint, restore
 from octfw.engine.throughput import Throughput
 from octfw.engine.sharding import meta_twin, replicated_scalars, whole_outside_blocks
 from octfw.engine.update import grad_norm, step_unless_vetoed
@@ -116,17 +116,21 @@ class Trainer:
         self.heartbeat = Heartbeat(engine.heartbeat_s)
         #: the run's first logged loss (carried by its checkpoints across attempts) and its latest
         self.first_loss, self.last_loss = run_record.get("first_loss"), None
-        self.saver = BackgroundSaver(parts.checkpointer)
+        #: sharded, and the checkpointer takes slices: every process writes its own (else rank 0 the whole state)
+        self.sharded_saves = ShardedSaves.for_run(backend.sharded, parts.checkpointer, engine.collective_timeout_s)
+        self.state = TrainingState(parts, self.model, self.optimizer, layout=layout, fingerprint=self.fingerprint,
+                                   samples_done=self.throughput.samples_done, first_loss=lambda: self.first_loss,
+                                   main=backend.is_main_process)
+        self.saver = BackgroundSaver(parts.checkpointer, self.sharded_saves)
         #: the command's signal handling, or one of the loop's own (``octfw.train`` in a notebook)
-        self.stop_requests, self._own_stop_requests = ((stop_requests, False) if stop_requests
-                                                       else (StopRequests(), True))
+        self.stop_requests, self._own_stop_requests = (stop_requests or StopRequests(), stop_requests is None)
         self.run_end = RunEnd(recipe, parts, self.model, backend, peers=self.peers, saver=self.saver,
                               fallback=fallback_storage(run_dir), upload_fallback=plan.from_fallback,
-                              capture=self._capture, stop_requests=self.stop_requests, heartbeat=self.heartbeat,
-                              quarantine=self.quarantine, run_dir=run_dir, start_step=self.start_step,
+                              state=self.state, stop_requests=self.stop_requests, heartbeat=self.heartbeat,
+                              sharded_saves=self.sharded_saves, quarantine=self.quarantine, run_dir=run_dir,
+                              start_step=self.start_step,
                               unrecorded_batch=None if plan.trained_batch else layout.global_batch)
-        #: a guard's or logger's StopTraining/TrainingDone on this process, acted on once every
-        #: process has heard of it (end of the update step)
+        #: a guard's or logger's StopTraining/TrainingDone here, acted on once every process heard it
         self._pending: StopTraining | None = None
         self._skipped_seen = 0.0
         self._step_listeners = [lg for lg in parts.loggers if isinstance(lg, StepListener)]
@@ -257,7 +261,7 @@ class Trainer:
         Returns the gradient norm (None when neither a guard nor this step's
         log needs it) and the last micro-step's model output."""
         engine, schedule, backend = self.recipe.engine, self.parts.scheduler, self.backend
-        apply_schedule(self.optimizer, schedule.lr(update_step), schedule.weight_decay(update_step))
+        apply_schedule(self.optimizer, schedule.lr(update_step), schedule.weight_decay(update_step), update_step)
 
         step_loss = torch.zeros((), device=backend.device)
         provenance = []
@@ -309,7 +313,7 @@ class Trainer:
                 verdict = min_across_ranks(verdict)  # every rank takes the same decision
             step_unless_vetoed(self.optimizer, verdict)
             ok = self._applied if verdict is None else verdict
-            momentum = schedule.ema_momentum(update_step)
+            momentum = held_momentum(self.optimizer, update_step, schedule.ema_momentum(update_step))
             if momentum is not None and isinstance(self.model, EMAModel):
                 # Momentum 1.0 leaves the EMA untouched when the update was skipped.
                 self.model.ema_update(torch.where(ok, backend.scalar(momentum), 1.0))
@@ -373,20 +377,18 @@ class Trainer:
         # Evaluation time is not training time: leave it out of the throughput clock.
         self.throughput.leave_out(time.perf_counter() - started)
 
-    def _capture(self, done: int) -> dict[str, Any]:
-        """The host copy of the training state: all a checkpoint step costs the loop."""
-        return capture(self.parts, self.model, self.optimizer, done, self.throughput.samples_done(done),
-                       layout=self.layout, fingerprint=self.fingerprint,
-                       run={"first_loss": self.first_loss})
-
     def save_checkpoint(self, done: int) -> None:
-        """Hand a checkpoint to the background saver (rank 0 only); skipped, without a copy,
-        while the previous save is still being written. Sharded, every process gathers it first."""
-        state = self._capture(done) if self.backend.sharded else None  # a collective: every rank, every save
-        if self.backend.is_main_process:
-            self.heartbeat.waiting_on("the checkpoint save")
-            self.saver.submit(done, lambda: state or self._capture(done))
-
+        """Hand a checkpoint to the background saver; skipped, without a copy, while the previous
+        one is still being written. Rank 0 saves the whole state (sharded: every process gathers it
+        first), or every process its own slices (:class:`ShardedSaves`), skipped by all if one still writes."""
+        self.heartbeat.waiting_on("the checkpoint save")
+        if self.sharded_saves:
+            job_busy = not self.peers.all_agree(not self.saver.busy)
+            self.saver.submit(done, lambda: self.state.slices(done), job_busy=job_busy)
+        else:
+            state = self.state.whole(done) if self.backend.sharded else None  # a collective: every rank, every save
+            if self.backend.is_main_process:
+                self.saver.submit(done, lambda: state or self.state.whole(done))
 
 def train(recipe: Recipe, registry: Registry, run_dir: Path, *, resume: str | None = None,
           stop_requests: StopRequests | None = None, allow_recipe_change: bool = False) -> RunSummary:

@@ -192,7 +192,7 @@ def load_target(source: str | Path, seed: int, registry: Registry) -> EvalTarget
     if is_export_path(path):
         return _model_from_export(path, seed)
     if path.is_file():
-        from octfw.storage.checkpoint_reading import load_checkpoint
+        from octfw.storage.checkpoints import load_checkpoint
 
         head = load_checkpoint(str(path))  # checked against its SHA-256 where it has one
         if isinstance(head, Mapping) and head.get("format") == FORMAT:

@@ -25,11 +25,13 @@ def find_checkpoint(source: str | Path, registry: Registry) -> tuple[str, dict[s
     """The checkpoint ``source`` names and its contents: a run folder gives the checkpoint
     it stands at (:func:`octfw.runs.checkpoint.run_checkpoint`: its fallback copy where the final save
     failed, else the newest complete checkpoint of the checkpointer its recipe records), a file
-    is read as a checkpoint. Raises UserError for anything else."""
-    from octfw.storage.checkpoint_reading import load_checkpoint
+    or a sharded checkpoint's ``step_N.dcp`` folder is read as a checkpoint. Raises UserError for
+    anything else."""
+    from octfw.storage.checkpoint_names import is_sharded_checkpoint
+    from octfw.storage.checkpoints import load_checkpoint
 
     path = Path(source)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path.name):
         return _latest_in_run(path, registry)
     if not path.exists():
         raise UserError(f"{source}: no such run folder or checkpoint file")

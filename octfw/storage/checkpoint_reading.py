@@ -11,7 +11,7 @@ rather than at resume.
 second read) and checked before ``torch.load`` sees a byte: by
 ``CheckpointStorage.latest()`` (a mismatch is skipped with a warning naming
 it, and the previous good checkpoint is used) and by every load, of
-``latest`` or of an explicit path (:func:`load_checkpoint` reads the
+``latest`` or of an explicit path (``octfw.storage.checkpoints.load_checkpoint`` reads the
 ``.sha256`` file beside it), which raise :class:`CorruptCheckpoint`. A
 checkpoint written before octfw recorded checksums has none; it is loaded
 with a warning saying it is unverified.
@@ -31,13 +31,13 @@ import re
 from typing import IO, Any
 
 from octfw.display.errors import UserError
-from octfw.storage.checkpoint_names import checkpoint_step, checksum_name, is_sharded_checkpoint
+from octfw.storage.checkpoint_names import checkpoint_step, checksum_name
 from octfw.storage.files import is_local_filesystem, open_filesystem
 from octfw.storage.retry import RetryPolicy
 
 __all__ = [
     "CorruptCheckpoint", "check_plain", "sha256_of", "parse_checksum", "verify", "safe_load",
-    "recorded_checksum", "read_checkpoint", "load_checkpoint",
+    "recorded_checksum", "read_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -170,22 +170,3 @@ def read_checkpoint(fs: Any, path: str, location: str, retry: RetryPolicy,
             raise UserError(f"checkpoint {location} does not exist") from None
     verify(location, sha256_of(data), expected)
     return safe_load(io.BytesIO(data), location)
-
-
-def load_checkpoint(url: str, retry: RetryPolicy = RetryPolicy()) -> dict[str, Any]:
-    """Read the checkpoint file at ``url`` (local path, ``file://`` or fsspec URL) onto the CPU;
-    the folder of a sharded checkpoint is read whole (:mod:`octfw.storage.sharded_checkpoints`).
-
-    Checks it against the SHA-256 beside it first (:class:`CorruptCheckpoint`
-    on a mismatch), then uses ``torch.load(weights_only=True)``; raises
-    UserError for a missing file or one holding anything but tensors and
-    plain Python data. Remote reads are tried as ``retry`` says.
-    """
-    fs, path = open_filesystem(url, fresh=True)
-    if is_sharded_checkpoint(path):  # the folder of a sharded save: every process's slices, read whole
-        from octfw.storage.sharded_checkpoints import read_sharded
-
-        if not fs.exists(path):
-            raise UserError(f"checkpoint {url} does not exist")
-        return read_sharded(fs, path.rstrip("/"), url)
-    return read_checkpoint(fs, path, url, retry)

@@ -20,12 +20,16 @@ object store is written in place, and other fsspec stores may show an object
 while it is still written: there an object no pointer lists (a save that died
 before its pointer) is never trusted, and the next saves prune it.
 
+A sharded checkpoint (``step_N.dcp``, :mod:`octfw.storage.sharded_checkpoints`) is a folder
+every process writes into at once; the same rules hold for it, its index (written last)
+standing for the file: the pointer names it only once whole, and a damaged or missing file
+in it sends ``latest()`` to the previous checkpoint.
+
 Light at import time (stdlib only): torch and fsspec load inside the functions.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -37,37 +41,16 @@ from octfw.storage.checkpoint_names import (
     format_pointer, is_leftover, is_sharded_checkpoint, parse_pointer, prunable,
 )
 from octfw.storage.checkpoint_reading import (
-    check_plain, load_checkpoint, read_checkpoint, recorded_checksum, sha256_of,
+    check_plain, read_checkpoint, recorded_checksum, sha256_of,
 )
 from octfw.storage.failures import format_bytes, free_bytes, storage_cause
-from octfw.storage.files import Data, is_local_filesystem, open_filesystem, write_atomically
+from octfw.storage.files import Data, HashingWriter, is_local_filesystem, open_filesystem, write_atomically
 from octfw.storage.retry import RetryPolicy
 from octfw.storage.sharded_checkpoints import METADATA, damage, is_written, read_sharded, write_sharded
 
-__all__ = ["CheckpointStorage", "StoredCheckpointer"]
+__all__ = ["CheckpointStorage", "StoredCheckpointer", "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-
-class _HashingWriter:
-    """A binary file that hashes what goes through it, so a checkpoint's SHA-256 costs no second read.
-
-    ``cancelled`` (an Event) aborts the write at the next block: a second Ctrl-C
-    stops a save without waiting for it, and the temporary file is removed.
-    """
-
-    def __init__(self, file: IO[bytes], cancelled: Any = None):
-        self.file, self.digest, self.cancelled = file, hashlib.sha256(), cancelled
-
-    def write(self, data: Any) -> int:
-        if self.cancelled is not None and self.cancelled.is_set():
-            raise InterruptedError("checkpoint save cancelled")
-        self.digest.update(data)
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
 
 
 class CheckpointStorage:
@@ -212,10 +195,10 @@ class CheckpointStorage:
         name = checkpoint_name(update_step)
         # Read the old pointer first: if the store cannot be reached, nothing has changed yet.
         previous = list(self._vouched())
-        writers: list[_HashingWriter] = []  # one per attempt: a retried upload serialises again
+        writers: list[HashingWriter] = []  # one per attempt: a retried upload serialises again
 
         def serialise(file: IO[bytes]) -> None:
-            writers.append(_HashingWriter(file, cancelled))
+            writers.append(HashingWriter(file, cancelled))
             torch.save(dict(state), writers[-1])
 
         size = self._write(name, serialise)
@@ -349,6 +332,23 @@ class CheckpointStorage:
             return read_checkpoint(self.fs, self._path(name), location, self.retry, data)
         # `--resume URL` of a checkpoint elsewhere: its own filesystem, the same retries.
         return load_checkpoint(location, self.retry)
+
+
+def load_checkpoint(url: str, retry: RetryPolicy = RetryPolicy()) -> dict[str, Any]:
+    """Read the checkpoint file at ``url`` (local path, ``file://`` or fsspec URL) onto the CPU;
+    the folder of a sharded checkpoint is read whole (:mod:`octfw.storage.sharded_checkpoints`).
+
+    Checks it against the SHA-256 beside it first (:class:`CorruptCheckpoint`
+    on a mismatch), then uses ``torch.load(weights_only=True)``; raises
+    UserError for a missing file or one holding anything but tensors and
+    plain Python data. Remote reads are tried as ``retry`` says.
+    """
+    fs, path = open_filesystem(url, fresh=True)
+    if is_sharded_checkpoint(path):  # the folder of a sharded save: every process's slices, read whole
+        if not fs.exists(path):
+            raise UserError(f"checkpoint {url} does not exist")
+        return read_sharded(fs, path.rstrip("/"), url)
+    return read_checkpoint(fs, path, url, retry)
 
 
 # --- a checkpointer over one storage folder ------------------------------------------------

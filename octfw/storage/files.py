@@ -10,7 +10,8 @@
 - :func:`write_atomically`: replace a file so that a reader sees the old
   bytes or the new ones, never part of them;
 - :func:`require_writable_folder`: a local folder made and proven writable,
-  else one UserError naming the setting it came from.
+  else one UserError naming the setting it came from;
+- :class:`HashingWriter`: a file being written that hashes what goes through it.
 
 fsspec is imported inside the functions: importing octfw (``octfw list``)
 must load neither fsspec nor gcsfs.
@@ -19,6 +20,7 @@ must load neither fsspec nor gcsfs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import posixpath
@@ -117,6 +119,27 @@ def require_writable_folder(folder: str | os.PathLike[str], setting: str, hint: 
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise UserError(f"{setting}: cannot write there ({reason}){hint}") from None
+
+
+class HashingWriter:
+    """A binary file being written that hashes what goes through it, so its SHA-256 costs no
+    second read (a checkpoint's, each slice file of a sharded one).
+
+    ``cancelled`` (an Event) aborts the write at the next block: a second Ctrl-C
+    stops a save without waiting for it, and the temporary file is removed.
+    """
+
+    def __init__(self, file: IO[bytes], cancelled: Any = None):
+        self.file, self.digest, self.cancelled = file, hashlib.sha256(), cancelled
+
+    def write(self, data: Any) -> int:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise InterruptedError("checkpoint save cancelled")
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name: str) -> Any:  # flush, tell, fileno: the file's own
+        return getattr(self.file, name)
 
 
 def _as_bytes(data: Data) -> bytes:

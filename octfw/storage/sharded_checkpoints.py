@@ -41,11 +41,11 @@ import logging
 import pickle
 import posixpath
 import warnings
-from typing import IO, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from octfw.display.errors import UserError
 from octfw.storage.checkpoint_reading import CorruptCheckpoint, parse_checksum, safe_load
-from octfw.storage.files import is_local_filesystem
+from octfw.storage.files import HashingWriter, is_local_filesystem
 
 __all__ = ["METADATA", "PLAIN", "write_sharded", "read_sharded", "read_metadata", "damage", "is_written"]
 
@@ -101,20 +101,6 @@ def read_metadata(data: bytes, location: str) -> Any:
     return metadata
 
 
-class _HashingStream:
-    """A file being written that hashes what goes through it: the SHA-256 costs no second read."""
-
-    def __init__(self, file: IO[bytes]):
-        self.file, self.digest = file, hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        self.digest.update(data)
-        return self.file.write(data)
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno: the file's own
-        return getattr(self.file, name)
-
-
 def _filesystem(fs: Any) -> Any:
     """DCP's view of the fsspec filesystem ``fs``: the checkpoint folder's own (its options,
     its retries), recording the SHA-256 of every file this process writes."""
@@ -130,7 +116,7 @@ def _filesystem(fs: Any) -> Any:
                 if "w" not in mode:
                     yield file
                     return
-                hashing = _HashingStream(file)
+                hashing = HashingWriter(file)
                 yield hashing
             self.written[str(path)] = hashing.digest.hexdigest()
 

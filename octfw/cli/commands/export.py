@@ -8,14 +8,16 @@ from octfw.exports.formats import DEFAULT_LICENSE, EXPORT_FORMATS
 
 __all__ = ["add_parser"]
 
-HELP = ("Write the target (EMA) encoder of a run's latest checkpoint, or of a checkpoint file, "
+HELP = ("Write the target (EMA) encoder of a run's latest checkpoint, or of a checkpoint file or a sharded "
+        "checkpoint's folder, as one file or folder, "
         "with the configuration to rebuild it; load it with octfw.load_encoder(path).")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("export", help=HELP, description=HELP)
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
-                        help="a run folder (its latest checkpoint is used) or a checkpoint file (.pt)")
+                        help="a run folder (its latest checkpoint is used), a checkpoint file (.pt) or a sharded "
+                             "checkpoint's folder (.dcp, from an fsdp run)")
     parser.add_argument("--out", required=True, metavar="PATH",
                         help="encoder file to write, e.g. encoder.pt (a new or empty folder with --format "
                              "safetensors or monai-bundle); an existing one is refused unless --force")
