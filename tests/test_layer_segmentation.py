@@ -23,11 +23,11 @@ from octfw.plugins.evaluators.layer_segmentation.algorithm import (
     UNETRDecoder,
     frozen_part,
     segmentation_groups,
-    segmentation_counts,
-    segmentation_metrics,
+    segmentation_loss,
     tap_depths,
     validation_steps,
 )
+from octfw.plugins.evaluators.layer_segmentation.metrics import segmentation_counts, segmentation_metrics
 from octfw.plugins.evaluators.layer_segmentation.evaluator import (
     LayerSegmentationEvaluator,
     axial_spacing_um,
@@ -64,11 +64,14 @@ def layered_volume(seed: int, shape: tuple[int, int, int] = IMAGE) -> tuple[np.n
 
 
 class ToyLayers:
-    """A dataset of :func:`layered_volume` volumes with their labels, one patient per pair of volumes."""
+    """A dataset of :func:`layered_volume` volumes with their labels, one patient per pair of volumes:
+    both scanned by one vendor, or with ``eyes_span_vendors`` each eye by the next vendor (patient
+    ``p``'s volumes ``2p`` and ``2p + 1`` on ``domains[0]`` and ``domains[1]``)."""
 
-    def __init__(self, n: int, domains: tuple[str, ...] = ("heidelberg",), shape: tuple[int, int, int] = IMAGE):
+    def __init__(self, n: int, domains: tuple[str, ...] = ("heidelberg",), shape: tuple[int, int, int] = IMAGE,
+                 eyes_span_vendors: bool = False):
         self.items = [layered_volume(i, shape) for i in range(n)]
-        self.domains = [domains[(i // 2) % len(domains)] for i in range(n)]
+        self.domains = [domains[(i if eyes_span_vendors else i // 2) % len(domains)] for i in range(n)]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -147,15 +150,118 @@ def test_dice_per_layer_and_the_mean_leave_out_the_background():
     assert metrics["boundary_error_um"] == pytest.approx(2.0)  # 1 row at 2 µm
 
 
-def test_intervals_resample_whole_patients_and_bracket_the_mean():
-    truths = [layered_volume(i)[1].astype(np.int64) for i in range(6)]
-    predictions = [np.concatenate([np.zeros_like(t[:, :i % 3]), t[:, :t.shape[1] - i % 3]], 1)
-                   for i, t in enumerate(truths)]
-    metrics = segmentation_metrics(np.stack(predictions), np.stack(truths), layer_keys(NAMES), np.full(6, 3.9),
-                                   ["a", "a", "a", "b", "b", "b"], groups=[0, 0, 1, 1, 2, 2], bootstrap=200)
-    assert metrics["mean_dice_ci_low"] <= metrics["mean_dice"] <= metrics["mean_dice_ci_high"]
-    assert metrics["boundary_error_um_ci_low"] <= metrics["boundary_error_um"] <= metrics["boundary_error_um_ci_high"]
-    assert "mean_dice/a" in metrics and "boundary_error_um/b" in metrics
+def _shifted_down(labels: np.ndarray, rows: int) -> np.ndarray:
+    """``labels`` ``[D, H, W]`` predicted ``rows`` rows too deep (vitreous above, the bottom cut)."""
+    return np.concatenate([np.zeros_like(labels[:, :rows]), labels[:, :labels.shape[1] - rows]], 1)
+
+
+def test_intervals_resample_whole_patients_not_volumes():
+    # 6 patients of 8 volumes each: every volume of a patient is predicted alike (the same number
+    # of rows too deep, 0 to 5 by patient), so a patient's 8 volumes carry one value between them.
+    # Resampling patients draws 6 values; resampling volumes would draw 48 as if independent, and
+    # its interval would be about sqrt(8) = 2.8 times narrower.
+    patients, per_patient = 6, 8
+    truths = np.stack([layered_volume(i)[1].astype(np.int64) for i in range(patients * per_patient)])
+    predictions = np.stack([_shifted_down(t, i // per_patient) for i, t in enumerate(truths)])
+    groups = [f"p{i // per_patient}" for i in range(len(truths))]
+    keys, spacing, domains = layer_keys(NAMES), np.full(len(truths), 3.9), ["a"] * len(truths)
+    by_patient = segmentation_metrics(predictions, truths, keys, spacing, domains, groups=groups, bootstrap=2000)
+    by_volume = segmentation_metrics(predictions, truths, keys, spacing, domains, bootstrap=2000)
+
+    def width(metrics: dict, key: str) -> float:
+        return metrics[f"{key}_ci_high"] - metrics[f"{key}_ci_low"]
+
+    for key in ("mean_dice", "boundary_error_um"):
+        assert by_patient[f"{key}_ci_low"] <= by_patient[key] <= by_patient[f"{key}_ci_high"]
+        assert width(by_patient, key) > 2 * width(by_volume, key)
+    # The patient-level interval is that of the mean of 6 patients' values, resampled here apart.
+    per_volume = segmentation_counts(predictions, truths, len(NAMES))["boundary"].mean(1) * 3.9
+    patient_values = per_volume[::per_patient]
+    assert np.allclose(per_volume.reshape(patients, per_patient), patient_values[:, None])
+    means = np.random.default_rng(1).choice(patient_values, (4000, patients)).mean(1)
+    expected = np.percentile(means, 97.5) - np.percentile(means, 2.5)
+    assert width(by_patient, "boundary_error_um") == pytest.approx(expected, rel=0.15)
+
+
+def test_dice_per_layer_is_monais_but_a_layer_absent_from_prediction_and_truth_is_left_out():
+    # MONAI's DiceMetric scores a layer absent from both 1 (ignore_empty=False) or leaves out any
+    # layer absent from the truth (True); nnU-Net's convention leaves out the first and scores a
+    # layer predicted where there is none 0. Checked against the formula on random label maps.
+    rng = np.random.default_rng(0)
+    truth, predicted = rng.integers(0, 4, (2, 3, 2, 5, 6))
+    truth[0][truth[0] == 3] = 2
+    predicted[0][predicted[0] == 3] = 1  # layer 3 nowhere in volume 0
+    truth[1][truth[1] == 2] = 1  # layer 2 predicted in volume 1, absent from its truth
+    expected = np.full((3, 4), np.nan)
+    for n in range(3):
+        for k in range(4):
+            p, t = predicted[n] == k, truth[n] == k
+            if p.any() or t.any():
+                expected[n, k] = 2 * (p & t).sum() / (p.sum() + t.sum())
+    dice = segmentation_counts(predicted, truth, 4)["dice"]
+    assert np.isnan(dice[0, 3]) and dice[1, 2] == 0.0
+    np.testing.assert_allclose(dice, expected, rtol=1e-6)  # NaN where expected is NaN
+
+
+def test_the_loss_is_monais_dice_ce_equal_to_cross_entropy_plus_a_batch_soft_dice_smoothed_by_1():
+    # The compound loss the evaluator wrote by hand before MONAI's DiceCELoss replaced it: the
+    # soft Dice of every layer over the whole batch (not per volume), +1 above and below, averaged
+    # over layers, plus the voxels' mean cross-entropy. A layer absent from the batch scores its
+    # smoothing's 1 - 1 / (sum of its probabilities + 1).
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 2, 5, 6, generator=generator)
+    labels = torch.randint(0, 3, (3, 2, 5, 6), generator=generator)  # layer 3 absent
+    labels[0] = 0  # one volume all background: a per-volume Dice would differ
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        probabilities = torch.softmax(x, 1)
+        truth = torch.nn.functional.one_hot(labels, 4).movedim(-1, 1).float()
+        dims = (0, 2, 3, 4)
+        dice = (2 * (probabilities * truth).sum(dims) + 1) / (probabilities.sum(dims) + truth.sum(dims) + 1)
+        return torch.nn.functional.cross_entropy(x, labels) + 1 - dice.mean()
+
+    values, gradients = [], []
+    for loss in (by_hand, lambda x: segmentation_loss()(x, labels[:, None])):
+        x = logits.clone().requires_grad_(True)
+        value = loss(x)
+        value.backward()
+        values.append(value.item())
+        gradients.append(x.grad)
+    assert values[1] == pytest.approx(values[0], abs=1e-6)
+    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-5)
+
+
+def test_the_unetr_decoders_monai_blocks_compute_convolution_affine_instance_norm_and_relu():
+    # The decoder's stem and fuse are MONAI's Convolution, UnetBasicBlock and UnetOutBlock; with
+    # their weights, the decoder computes what it did when written with torch's layers: each
+    # 3x3x3 convolution (with its bias; MONAI's have none, which instance norm cancels) then an
+    # instance norm with a learned scale and shift, then ReLU, and a 1x1x1 convolution to logits.
+    grid = tuple(i // p for i, p in zip(IMAGE, PATCH))
+    torch.manual_seed(0)
+    decoder = UNETRDecoder(24, 2, 4, PATCH, grid, 1, 8)
+    with torch.no_grad():  # scales and shifts away from 1 and 0, so that they show
+        for name, param in decoder.named_parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    taps = [torch.randn(2, 8, 24), torch.randn(2, 8, 24)]
+    volumes = torch.randn(2, 1, *IMAGE)
+    F = torch.nn.functional
+
+    def block(x: torch.Tensor, conv: torch.nn.Module, norm: torch.nn.Module) -> torch.Tensor:
+        x = F.conv3d(x, conv.weight, torch.full((conv.weight.shape[0],), 0.7), padding=1)
+        return F.relu(F.instance_norm(x, weight=norm.weight, bias=norm.bias, eps=1e-5))
+
+    with torch.no_grad():
+        normed = [decoder.norms[0](taps[0]), taps[1]]
+        maps = [up(t.transpose(1, 2).reshape(2, 24, *grid)) for up, t in zip(decoder.up, normed)]
+        stem = F.relu(F.instance_norm(F.conv3d(volumes, decoder.stem.conv.weight, decoder.stem.conv.bias, padding=1),
+                                      weight=decoder.stem.adn.N.weight, bias=decoder.stem.adn.N.bias, eps=1e-5))
+        fuse, out = decoder.fuse
+        assert all(norm.affine for norm in (decoder.stem.adn.N, fuse.norm1, fuse.norm2))
+        x = block(torch.cat([stem, *maps], 1), fuse.conv1.conv, fuse.norm1)
+        x = block(x, fuse.conv2.conv, fuse.norm2)
+        expected = F.conv3d(x, out.conv.conv.weight, out.conv.conv.bias)
+        assert tuple(expected.shape) == (2, 4, *IMAGE)
+        torch.testing.assert_close(decoder(taps, volumes), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_axial_spacing_is_measured_through_the_transform():
@@ -231,11 +337,11 @@ def test_last_k_runs_the_frozen_blocks_once_and_matches_the_whole_forward():
 def test_a_random_frozen_encoder_with_the_unetr_decoder_segments_easy_layers():
     evaluator = _evaluator(ToyLayers(16), epochs=8, fit_batch_size=4)
     metrics = evaluator.score(evaluator.encode(_encoder(depth=2), "cpu"))
-    # Measured (CPU, 6 labelled volumes, 8 epochs of 2 steps, 3 s): mean Dice 0.948, boundary error
-    # 2.1 µm (0.55 rows). A random encoder: the bands are read mostly through the decoder's skip
-    # from the volume, as UNETR's is.
+    # Measured (CPU, 6 labelled volumes, 8 epochs of 2 steps, 3 s): mean Dice 0.951, boundary error
+    # 1.8 µm (0.46 rows). A random encoder: the bands are read mostly through the decoder's skip
+    # from the volume, as UNETR's is. The 2 validation volumes, labelled too, chose the step.
     assert metrics["mean_dice"] > 0.85 and metrics["boundary_error_um"] < 6.0
-    assert metrics["labelled_volumes"] == 6 and metrics["steps"] == 16
+    assert metrics["labelled_volumes"] == 6 and metrics["validation_volumes"] == 2 and metrics["steps"] == 16
     assert metrics["selected_step"] in validation_steps(16, 10)
 
 
@@ -283,6 +389,21 @@ def test_train_domains_trains_on_one_vendor_and_tests_across_the_others():
     metrics = evaluator.score(evaluator.encode(_encoder(depth=2), "cpu"))
     for key in ("in_vendor_mean_dice", "cross_vendor_mean_dice", "mean_dice/topcon", "cross_vendor_boundary_error_um"):
         assert key in metrics
+
+
+def test_another_vendors_scan_of_a_training_patient_is_left_out_of_the_test_split():
+    # Every patient has one eye on each vendor: half the patients' heidelberg scans train, and
+    # their topcon scans (the anatomy the decoder was trained on) must be tested nowhere.
+    dataset = ToyLayers(16, domains=("heidelberg", "topcon"), eyes_span_vendors=True)
+    evaluator = _evaluator(dataset, train_domains=["heidelberg"])
+    train, test = evaluator.split()
+    assert set(train.domains) == {"heidelberg"} and len(set(train.groups)) == 4
+    assert not set(train.groups) & set(test.groups)
+    # The other 4 patients are tested on both eyes; nothing else is tested.
+    assert sorted(test.domains) == ["heidelberg"] * 4 + ["topcon"] * 4
+    assert len(set(test.groups)) == 4
+    assert {g for g, d in zip(test.groups, test.domains) if d == "topcon"} == \
+        {g for g, d in zip(test.groups, test.domains) if d == "heidelberg"}
 
 
 def test_train_domains_naming_no_vendor_of_the_dataset_is_refused_in_one_line():

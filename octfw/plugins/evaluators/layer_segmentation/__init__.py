@@ -1,7 +1,7 @@
 """The ``layer-segmentation`` evaluator: retinal layers segmented from the encoder's tokens.
 
-Config, factory and registration; the class is :mod:`.evaluator`, the decoders, training and
-metrics :mod:`.algorithm`.
+Config, factory and registration; the class is :mod:`.evaluator`, the decoders and training
+:mod:`.algorithm`, the metrics :mod:`.metrics`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,11 @@ trained, and a decoder chosen by name (:data:`DECODERS`):
   (instance norm, ReLU) and a 1x1x1 one fuse the concatenation into a logit per
   layer and voxel. UNETR merges its skips stage by stage from coarse to fine;
   here all are at voxel resolution and merged once, which keeps the decoder a
-  few thousand parameters wide at CPU scale;
+  few thousand parameters wide at CPU scale. The convolution blocks are MONAI's
+  (``Convolution``, ``UnetBasicBlock``, ``UnetOutBlock``, as in MONAI's UNETR, but
+  with ReLU and an affine instance norm); the upsampling is this module's own,
+  since MONAI's ``UnetrPrUpBlock`` doubles per stage with full transposed
+  convolutions, which neither fits an anisotropic patch nor stays this small;
 - ``"linear"``: one linear layer per token of the final (normed) output to a
   logit per layer and voxel of its own patch (MAE's pixel decoder, the
   ``dense-probe`` voxel decoder made multi-class), nothing shared between
@@ -33,8 +37,8 @@ once (:func:`frozen_part`, with the encoder's own ``input_tokens`` and
 ``run_blocks``): its output tokens and the taps it passes are cached.
 
 The loss is cross-entropy plus a soft Dice over the layers (nnU-Net's
-compound loss); AdamW, full batches (the epoch's permutation wraps around),
-10 % warmup then a cosine, for ``epochs`` passes or ``min_steps`` updates,
+compound loss, MONAI's ``DiceCELoss``: :func:`segmentation_loss`); AdamW,
+full batches (the epoch's permutation wraps around), 10 % warmup then a cosine, for ``epochs`` passes or ``min_steps`` updates,
 whichever is more: passes alone give one labelled volume 30 updates where
 twenty get 150 (the linear decoder needed about 1,000 on the ``held-out``
 family). The mean Dice of the foreground layers on the validation
@@ -42,40 +46,29 @@ volumes, scored at ``validations`` evenly spaced steps (a fixed cost, whatever
 the fit's length), chooses the network (ties: the earlier); the test split
 never chooses.
 
-Metrics (:func:`segmentation_counts`, :func:`segmentation_metrics`): Dice per
-layer per volume, averaged over volumes (nnU-Net's convention; a layer absent
-from both prediction and truth of a volume leaves that volume out of the
-layer's mean); the mean Dice over the layers after the first (label 0, the
-vitreous, is background and left out, as nnU-Net leaves out its background);
-the boundary error: for the boundary above layer ``b`` and each A-scan (a
-column along H), the boundary's position is the number of voxels labelled
-below ``b`` (for layers ordered top to bottom, the first row of ``b`` or a
-deeper layer), and the error is the absolute difference of the predicted and
-the true position, in micrometres with the volume's axial spacing, averaged
-over A-scans and volumes. 95 % intervals come from resampling whole patients.
+Metrics: :mod:`.metrics`.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
-import numpy as np
 import torch
-import torch.nn.functional as F
+from monai.losses import DiceCELoss
+from monai.networks.blocks import Convolution, UnetBasicBlock, UnetOutBlock
 from torch import nn
 
 from octfw.evaluation.attentive import decayed, epoch_order
 from octfw.evaluation.fine_tuning import ALL_BLOCKS, parameter_groups, unfreeze_trained_part
-from octfw.evaluation.metrics import bootstrap_weights
+from octfw.plugins.evaluators.layer_segmentation.metrics import mean_dice, segmentation_counts
 from octfw.engine.schedules import warmup_cosine
 from octfw.types import BlockwiseEncoder
 
 __all__ = ["DECODERS", "tap_depths", "frozen_part", "UNETRDecoder", "LinearDecoder", "build_decoder", "SegmentationNetwork",
-           "segmentation_groups", "SegmentationResult", "fit_segmentation", "segmentation_counts", "segmentation_metrics"]
+           "segmentation_groups", "SegmentationResult", "segmentation_loss", "fit_segmentation", "validation_steps"]
 
 DECODERS = ("unetr", "linear")
 _BETAS = (0.9, 0.999)
@@ -109,9 +102,9 @@ def _grid_volume(tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tens
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *grid)
 
 
-def _conv_block(in_channels: int, out_channels: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv3d(in_channels, out_channels, 3, padding=1),
-                         nn.InstanceNorm3d(out_channels, affine=True), nn.ReLU())
+#: UNETR's normalisation (instance norm) with a learned scale and shift, and ReLU (MONAI's default
+#: for these blocks is LeakyReLU 0.01; ReLU is what this decoder was measured with).
+_NORM, _ACT = ("instance", {"affine": True}), "relu"
 
 
 class UNETRDecoder(nn.Module):
@@ -126,9 +119,14 @@ class UNETRDecoder(nn.Module):
                                               nn.ConvTranspose3d(width, width, patch_size, stride=patch_size,
                                                                  groups=width))
                                 for _ in range(taps))
-        self.stem = _conv_block(channels, width)
-        self.fuse = nn.Sequential(_conv_block(width * (taps + 1), width), _conv_block(width, width),
-                                  nn.Conv3d(width, classes, 1))
+        # The skip from the volume: one 3x3x3 convolution, instance norm, ReLU.
+        self.stem = Convolution(3, channels, width, kernel_size=3, norm=_NORM, act=_ACT)
+        # Two of them, then a 1x1x1 convolution to a logit per layer: MONAI's UnetBasicBlock and
+        # UnetOutBlock (their 3x3x3 convolutions carry no bias, which the instance norm that
+        # follows would cancel anyway).
+        self.fuse = nn.Sequential(UnetBasicBlock(3, width * (taps + 1), width, kernel_size=3, stride=1,
+                                                 norm_name=_NORM, act_name=_ACT),
+                                  UnetOutBlock(3, width, classes))
 
     def forward(self, taps: Sequence[torch.Tensor], volumes: torch.Tensor) -> torch.Tensor:
         normed = [norm(t) for norm, t in zip(self.norms, taps[:-1])] + [taps[-1]]
@@ -210,16 +208,14 @@ class SegmentationResult:
     trained_parameters: int
 
 
-def _soft_dice_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    probabilities = torch.softmax(logits.float(), 1)
-    truth = F.one_hot(labels, logits.shape[1]).movedim(-1, 1).float()
-    dims = (0, 2, 3, 4)
-    overlap = (probabilities * truth).sum(dims)
-    return 1 - ((2 * overlap + 1) / (probabilities.sum(dims) + truth.sum(dims) + 1)).mean()
-
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels) + _soft_dice_loss(logits, labels)
+def segmentation_loss() -> DiceCELoss:
+    """Cross-entropy plus soft Dice (nnU-Net's compound loss) as MONAI computes it: the Dice over
+    the softmax of the logits against the one-hot labels, every layer (the background too), its
+    overlaps summed over the whole batch before the ratio (``batch=True``), smoothed by 1 above and
+    below, averaged over the layers; the cross-entropy averaged over voxels; the two added.
+    Called with logits ``[B, K, D, H, W]`` and labels ``[B, 1, D, H, W]``."""
+    return DiceCELoss(include_background=True, to_onehot_y=True, softmax=True, batch=True, smooth_nr=1.0,
+                      smooth_dr=1.0, reduction="mean", lambda_dice=1.0, lambda_ce=1.0)
 
 
 def _predict(network: SegmentationNetwork, inputs: Sequence[torch.Tensor], batch_size: int,
@@ -267,6 +263,7 @@ def fit_segmentation(
     groups = segmentation_groups(network, lr, layer_decay, weight_decay)
     trained = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
+    loss_of = segmentation_loss()
     generator = torch.Generator().manual_seed(seed)
     n = fit[0].shape[0]
     batch_size = min(batch_size, n)
@@ -286,7 +283,8 @@ def fit_segmentation(
             for group in groups:
                 group["lr"] = lr * group["lr_scale"] * factor
             batch = batch.to(fit[0].device)  # the indices go where the inputs are, the rows to the device
-            loss = _loss(network(*(x[batch].to(device) for x in fit)), fit_labels[batch].to(device))
+            logits = network(*(x[batch].to(device) for x in fit)).float()
+            loss = loss_of(logits, fit_labels[batch].to(device)[:, None])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -295,7 +293,7 @@ def fit_segmentation(
             if step in checks:
                 network.eval()  # a host sync per validation
                 predicted = _predict(network, val, eval_batch_size, device)
-                val_mean = _mean_dice(segmentation_counts(predicted.numpy(), val_truth, classes)["dice"])
+                val_mean = mean_dice(segmentation_counts(predicted.numpy(), val_truth, classes)["dice"])
                 key = (-val_mean, step)
                 if best is None or key < best[0]:
                     best = (key, [p.detach().clone() for p in trained])
@@ -314,96 +312,3 @@ def validation_steps(total: int, validations: int) -> set[int]:
     (at most ``total``), evenly spaced, the last step always among them."""
     count = min(validations, total)
     return {math.ceil(total * (i + 1) / count) for i in range(count)}
-
-
-# --- metrics ---------------------------------------------------------------
-
-def _mean_dice(dice: np.ndarray) -> float:
-    """Mean over the foreground layers of each layer's mean over volumes (``dice`` ``[N, K]``);
-    a layer undefined in every volume is left out, and 0 when all are."""
-    with warnings.catch_warnings():  # an all-NaN column is a layer nowhere: left out by design
-        warnings.simplefilter("ignore", RuntimeWarning)
-        value = np.nanmean(np.nanmean(dice[:, 1:], axis=0))
-    return 0.0 if np.isnan(value) else float(value)
-
-
-def segmentation_counts(predicted: np.ndarray, truth: np.ndarray, classes: int) -> dict[str, np.ndarray]:
-    """Per volume of ``predicted`` and ``truth`` (int ``[N, D, H, W]``): ``dice`` ``[N, K]`` (NaN
-    where a layer is neither predicted nor true) and ``boundary`` ``[N, K - 1]``, the mean absolute
-    difference (in voxels along H, per A-scan) of the boundary above layers 1 .. K-1."""
-    n = predicted.shape[0]
-    dice = np.full((n, classes), np.nan)
-    boundary = np.zeros((n, max(classes - 1, 0)))
-    for label in range(classes):
-        p, t = predicted == label, truth == label
-        both = (p & t).reshape(n, -1).sum(1)
-        total = p.reshape(n, -1).sum(1) + t.reshape(n, -1).sum(1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            dice[:, label] = np.where(total > 0, 2 * both / np.maximum(total, 1), np.nan)
-        if label > 0:  # the boundary above `label`: voxels of each A-scan (D, W column) labelled above it
-            above_predicted = (predicted < label).sum(axis=2)
-            above_true = (truth < label).sum(axis=2)
-            boundary[:, label - 1] = np.abs(above_predicted - above_true).reshape(n, -1).mean(1)
-    return {"dice": dice, "boundary": boundary}
-
-
-def _weighted_nanmean(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """``weights`` ``[B, N]`` over ``values`` ``[N, K]`` -> ``[B, K]``, NaN entries left out."""
-    valid = ~np.isnan(values)
-    total = weights @ valid.astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, (weights @ np.where(valid, values, 0.0)) / total, np.nan)
-
-
-def _estimate(key: str, values: np.ndarray, resamples: int, out: dict[str, float], tail: str) -> None:
-    if np.isnan(values[0]):
-        return
-    out[f"{key}{tail}"] = float(values[0])
-    rest = values[1:]
-    if resamples > 0 and np.count_nonzero(~np.isnan(rest)) > resamples / 2:
-        low, high = np.nanpercentile(rest, [2.5, 97.5])
-        out[f"{key}_ci_low{tail}"], out[f"{key}_ci_high{tail}"] = float(low), float(high)
-
-
-def segmentation_metrics(
-    predicted: np.ndarray,
-    truth: np.ndarray,
-    layer_keys: Sequence[str],
-    axial_spacing_um: np.ndarray,
-    domains: Sequence[str],
-    *,
-    prefix: str = "",
-    groups: Sequence[object] | None = None,
-    bootstrap: int = 0,
-    seed: int = 0,
-) -> dict[str, float]:
-    """``<prefix>mean_dice``, ``<prefix>dice_<layer>`` per layer, ``<prefix>boundary_error_um`` (mean
-    over boundaries) and ``<prefix>boundary_error_um_<upper>_<lower>`` per boundary; each with its
-    patient-bootstrap 95 % interval (``_ci_low``/``_ci_high``) when ``bootstrap`` > 0, overall and
-    per domain (``/<domain>``). ``axial_spacing_um`` is each volume's H spacing in µm."""
-    counts = segmentation_counts(predicted, truth, len(layer_keys))
-    boundary_um = counts["boundary"] * np.asarray(axial_spacing_um, dtype=np.float64)[:, None]
-    domain_array = np.asarray(list(domains))
-    group_array = None if groups is None else np.asarray([str(g) for g in groups])
-    rng = np.random.default_rng(seed)
-    out: dict[str, float] = {}
-    subsets = [("", np.ones(len(domain_array), dtype=bool))]
-    subsets += [(f"/{d}", domain_array == d) for d in sorted(set(domain_array.tolist()))]
-    for tail, keep in subsets:
-        weights = np.ones((1, int(keep.sum())))
-        if bootstrap > 0:
-            weights = np.concatenate([weights, bootstrap_weights(int(keep.sum()), bootstrap, rng,
-                                                                 None if group_array is None else group_array[keep])])
-        dice = _weighted_nanmean(counts["dice"][keep], weights)  # [B, K]
-        errors = _weighted_nanmean(boundary_um[keep], weights)  # [B, K - 1]
-        with warnings.catch_warnings():  # a row of NaN (nothing defined) gives NaN by design
-            warnings.simplefilter("ignore", RuntimeWarning)
-            _estimate(f"{prefix}mean_dice", np.nanmean(dice[:, 1:], axis=1), bootstrap, out, tail)
-            _estimate(f"{prefix}boundary_error_um", np.nanmean(errors, axis=1), bootstrap, out, tail)
-        for k, key in enumerate(layer_keys):
-            _estimate(f"{prefix}dice_{key}", dice[:, k], bootstrap, out, tail)
-        for k in range(1, len(layer_keys)):
-            _estimate(f"{prefix}boundary_error_um_{layer_keys[k - 1]}_{layer_keys[k]}", errors[:, k - 1],
-                      bootstrap, out, tail)
-    return out
-

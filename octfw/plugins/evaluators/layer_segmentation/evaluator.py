@@ -287,13 +287,10 @@ class LayerSegmentationEvaluator:
 
     def score(self, encoded: SegmentationEncoded, positions: np.ndarray | None = None) -> dict[str, float]:
         """Train on the train volumes at ``positions`` (default :meth:`fit_positions`), measure on the
-        test split (see :func:`.algorithm.segmentation_metrics`); with ``train_domains``, the same
+        test split (see :func:`.metrics.segmentation_metrics`); with ``train_domains``, the same
         again prefixed ``in_vendor_`` and ``cross_vendor_``."""
-        from octfw.plugins.evaluators.layer_segmentation.algorithm import (
-            build_decoder,
-            fit_segmentation,
-            segmentation_metrics,
-        )
+        from octfw.plugins.evaluators.layer_segmentation.algorithm import build_decoder, fit_segmentation
+        from octfw.plugins.evaluators.layer_segmentation.metrics import segmentation_metrics
 
         config = self.config
         train, test = self.split()
@@ -333,6 +330,7 @@ class LayerSegmentationEvaluator:
         out["val_mean_dice"] = result.val_mean_dice
         out["trained_parameters"] = float(result.trained_parameters)
         out["labelled_volumes"] = float(len(positions))
+        out["validation_volumes"] = float(len(val))  # labelled too: they chose selected_step
         return out
 
     def evaluate(self, model: Any, device: Any, update_step: int) -> dict[str, float]:
