@@ -153,11 +153,22 @@ def test_label_efficiency_prints_a_table_and_writes_a_png_and_a_csv(short_run, e
     assert auroc[("pretrained", "knn", "all")]["draws"] == "1"
     assert float(auroc[("pretrained", "knn", "all")]["std"]) == 0.0
     assert float(auroc[("pretrained", "knn", "2")]["volumes_per_class"]) == 2.0
+    # Every labelled volume a fit used: knn's 2 per class of 2 classes; the attentive probe's too,
+    # and its whole validation split, which chooses the grid member at every shot count.
+    assert float(auroc[("pretrained", "knn", "2")]["training_volumes"]) == 4.0
+    assert float(auroc[("pretrained", "knn", "2")]["validation_volumes"]) == 0.0
+    validation = float(auroc[("pretrained", "attentive-probe", "2")]["validation_volumes"])
+    assert validation > 0 and float(auroc[("pretrained", "attentive-probe", "2")]["training_volumes"]) == 4.0
+    kept = json.loads((short_run / "eval" / f"shots-{eval_recipe.stem}.json").read_text(encoding="utf-8"))
+    assert {(r["evaluator"], r["shots"], r["training_volumes"], r["validation_volumes"]) for r in kept["rows"]
+            if r["encoder"] == "pretrained"} >= {("attentive-probe", "2", 4.0, validation), ("knn", "2", 4.0, 0.0)}
 
     first_csv = png.with_suffix(".csv").read_text(encoding="utf-8")
     assert main(["eval", *args]) == 0
     table = capsys.readouterr().out
     assert "attentive-probe:" in table and " ± " in table and f"png       {png}" in table
+    assert f"4 + {validation:g} val" in table and "labelled  the training volumes drawn" in table
+    assert f"4 + {validation:g} val" in (short_run / "eval" / f"shots-{eval_recipe.stem}.txt").read_text()
     all_rows = [line for line in table.splitlines() if line.strip().startswith("all ")]
     assert all_rows and not any("±" in line for line in all_rows)  # one draw: its value, no spread
     # Written again by the second run: seeded draws and deterministic probes give the same numbers.

@@ -433,19 +433,29 @@ def test_a_bad_option_is_a_recipe_error_naming_its_key(write_recipe, registry, o
     assert "\n" not in info.value.problems[0]
 
 
-def test_octfw_eval_shots_on_synthetic_oct_layers_across_vendors_writes_table_csv_and_png(tmp_path, capsys):
-    import csv
-    import json
-    import textwrap
-
-    from octfw.cli.main import main
+def _export(folder) -> str:
+    """A random depth-2 encoder at the toy geometry, exported as ``octfw eval`` reads it."""
     from octfw.exports.formats import encoder_info
     from octfw.exports.writing import write_export
 
     encoder = _encoder(depth=2)
     recipe = {"transform": {"name": "oct-standard", "image_size": list(IMAGE)}, "model": {"name": "vjepa3d"}}
-    export = tmp_path / "encoder.pt"
+    export = folder / "encoder.pt"
     write_export("octfw", export, encoder, encoder_info(encoder.architecture(), recipe, "hand-made", 0, {}))
+    return str(export)
+
+
+def test_octfw_eval_shots_on_synthetic_oct_layers_across_vendors_writes_table_csv_and_png(tmp_path, capsys):
+    import csv
+    import json
+    import textwrap
+
+    import attrs
+
+    from octfw.cli.main import main
+    from octfw.evaluation.label_efficiency import ShotsReport, format_shots
+
+    export = _export(tmp_path)
     eval_recipe = tmp_path / "eval.toml"
     eval_recipe.write_text(textwrap.dedent("""
         [run]
@@ -460,17 +470,50 @@ def test_octfw_eval_shots_on_synthetic_oct_layers_across_vendors_writes_table_cs
         bootstrap = 20
     """), encoding="utf-8")
     png = tmp_path / "shots.png"
-    assert main(["eval", str(export), "--recipe", str(eval_recipe), "--shots", "1,2", "--draws", "2",
+    assert main(["eval", export, "--recipe", str(eval_recipe), "--shots", "1,2", "--draws", "2",
                  "--png", str(png), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["csv"] == str(png.with_suffix(".csv"))
     with png.with_suffix(".csv").open(encoding="utf-8") as f:
         rows = [r for r in csv.DictReader(f)]
-    wanted = ("in_vendor_mean_dice", "cross_vendor_mean_dice", "labelled_volumes")
+    wanted = ("in_vendor_mean_dice", "cross_vendor_mean_dice", "labelled_volumes", "validation_volumes")
     found = {(r["encoder"], r["shots"], r["metric"]): r for r in rows if r["metric"] in wanted}
     assert set(found) == {(e, s, m) for e in ("pretrained", "random_init") for s in ("1", "2") for m in wanted}
     assert [float(found[("pretrained", s, "labelled_volumes")]["mean"]) for s in ("1", "2")] == [1.0, 2.0]
     assert any(r["metric"].startswith("boundary_error_um_vitreous_nfl") for r in rows)
+    # Every labelled volume is counted beside the shots: the k trained on and the whole validation
+    # split, which chose the decoder's network at every k (CSV, JSON, table).
+    validation = float(found[("pretrained", "1", "validation_volumes")]["mean"])
+    assert validation >= 1
+    for row in rows + report["rows"]:
+        assert float(row["training_volumes"]) == float(row["shots"])
+        assert float(row["validation_volumes"]) == validation
+    table = format_shots(ShotsReport(**{f.name: report[f.name] for f in attrs.fields(ShotsReport)}))
+    assert f"2 + {validation:g} val" in table and "labelled  the training volumes drawn + the validation split (val)" in table
+
+
+def test_a_test_dataset_sharing_patients_with_the_dataset_is_refused_in_one_line(tmp_path, capsys):
+    # Two phantom cohorts of one seed share their first patients (the key is seed and patient).
+    import textwrap
+
+    from octfw.cli.main import main
+
+    eval_recipe = tmp_path / "eval.toml"
+    eval_recipe.write_text(textwrap.dedent(f"""
+        [run]
+        device = "cpu"
+        cache_dir = "{tmp_path / 'cache'}"
+
+        [[evaluator]]
+        name = "layer-segmentation"
+        dataset = {{ name = "phantom-oct", family = "held-out", n_volumes = 4, seed = 1 }}
+        test_dataset = {{ name = "phantom-oct", family = "held-out", n_volumes = 6, seed = 1 }}
+    """), encoding="utf-8")
+    assert main(["eval", _export(tmp_path), "--recipe", str(eval_recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "evaluator layer-segmentation: test_dataset shares 2 patients with dataset: 4 test volumes" in err
+    assert err.count(" and ") == 2 and "s1-p0000" not in err  # a file of each side per patient, no key
 
 
 @pytest.mark.cuda

@@ -81,8 +81,10 @@ def _check_labels_early(dataset: Any, where: str) -> None:
         raise UserError(f"{where}: every volume has label {labels[0]}; a classifier needs two classes or more")
 
 
-def check_patients_disjoint(train: Any, test: Any, where: str) -> None:
-    """Refuse a test dataset that shares a patient with the train dataset (before decoding).
+def check_patients_disjoint(train: Any, test: Any, where: str, shown: int = 3) -> None:
+    """Refuse a test dataset that shares a patient with the train dataset (before decoding), in
+    one line naming ``dataset`` and ``test_dataset``, how many patients and volumes they share,
+    and a file of each side for the first ``shown`` shared patients.
 
     The message names files, never the patient key: it may be an identifier.
     """
@@ -93,14 +95,19 @@ def check_patients_disjoint(train: Any, test: Any, where: str) -> None:
         patient = train.patient(index)
         if patient is not None:
             train_files.setdefault(patient, index)
-    shared = [(train_files[p], index) for index in range(len(test))
-              if (p := test.patient(index)) is not None and p in train_files]
+    shared: dict[str, list[int]] = {}
+    for index in range(len(test)):
+        patient = test.patient(index)
+        if patient is not None and patient in train_files:
+            shared.setdefault(patient, []).append(index)
     if shared:
-        first_train, first_test = shared[0]
         name = (lambda ds, i: ds.url(i) if isinstance(ds, NamingDataset) else f"volume {i}")
+        pairs = [f"{name(test, tested[0])} and {name(train, train_files[p])}"
+                 for p, tested in list(shared.items())[:shown]]
+        volumes = sum(len(tested) for tested in shared.values())
         raise UserError(
-            f"{where}: {len(shared)} test volumes belong to patients of the train dataset (first: "
-            f"{name(test, first_test)} and {name(train, first_train)}); keep each patient on one side"
+            f"{where}: test_dataset shares {counted(len(shared), 'patient')} with dataset: {volumes} test volumes "
+            f"belong to patients of the train dataset (first: {'; '.join(pairs)}); keep each patient on one side"
         )
 
 

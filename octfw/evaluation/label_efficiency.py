@@ -7,6 +7,12 @@ encoders) and measures it on the whole test split
 (:mod:`octfw.evaluation.shots`). The result is a table of mean ± standard
 deviation over draws, a CSV of every metric and a PNG of one metric against
 the number of labelled volumes.
+
+Every labelled volume a fit used is counted beside the shots: the ``k`` drawn
+to train on and, for an evaluator that chooses on a validation split (an
+epoch, a grid member, the decoder's network), that whole split, labelled too
+and used at every shot count (``training_volumes`` and ``validation_volumes``
+in every row, and the table's ``labelled`` column).
 """
 
 from __future__ import annotations
@@ -38,7 +44,11 @@ __all__ = ["ShotsReport", "evaluate_shots", "format_shots", "write_shots"]
 #: Metrics of the printed table (every metric goes to the CSV and JSON).
 TABLE_METRICS = ("balanced_accuracy", "auroc", "tokens_balanced_accuracy", "tokens_auroc", "voxel_dice", "token_dice",
                  "fine_tune_voxel_dice", "mean_dice", "in_vendor_mean_dice", "cross_vendor_mean_dice")
-CSV_COLUMNS = ("encoder", "evaluator", "shots", "volumes_per_class", "metric", "mean", "std", "draws")
+CSV_COLUMNS = ("encoder", "evaluator", "shots", "volumes_per_class", "training_volumes", "validation_volumes", "metric",
+               "mean", "std", "draws")
+#: The table's legend of its ``labelled`` column, where an evaluator chooses on a validation split.
+LABELLED_LEGEND = ("labelled  the training volumes drawn + the validation split (val), labelled too: it chooses "
+                   "the network at every shot count")
 
 
 @attrs.frozen
@@ -108,18 +118,33 @@ def evaluate_shots(target: EvalTarget, recipe: EvalRecipe, registry: Registry, s
                                                name=name)
                 pool = len(evaluator.fit_positions())
                 classes = len(set(evaluator.split()[0].labels.tolist()))
+                validation = _validation_volumes(evaluator)
                 for count, runs in results:
                     per_class = pool / classes if count is ALL else float(count)
+                    training = float(pool) if count is ALL else float(count * classes)
                     for metric, (mean, std) in summarise(runs).items():
                         if is_interval_key(metric):
                             continue  # one interval per draw; the spread over draws is the std
                         rows.append({"encoder": encoder, "evaluator": name, "shots": shot_label(count),
-                                     "volumes_per_class": per_class, "metric": metric, "mean": mean,
+                                     "volumes_per_class": per_class, "training_volumes": training,
+                                     "validation_volumes": validation, "metric": metric, "mean": mean,
                                      "std": std, "draws": len(runs)})
         finally:
             model.to("cpu")
     return ShotsReport(target.location, target.update_step, recipe.run.seed, str(device),
                        [shot_label(c) for c in shots], draws, rows)
+
+
+def _validation_volumes(evaluator: Any) -> float:
+    """The volumes of the validation split an evaluator chooses on at every shot count (0: none)."""
+    fit_val = getattr(evaluator, "fit_val_positions", None)
+    return 0.0 if fit_val is None else float(len(fit_val()[1]))
+
+
+def _labelled(row: Mapping[str, Any]) -> str:
+    """``5 + 12 val``: the training volumes a fit drew and the validation volumes it chose on."""
+    validation = row["validation_volumes"]
+    return f"{row['training_volumes']:g}" + (f" + {validation:g} val" if validation else "")
 
 
 def _lookup(report: ShotsReport) -> dict[tuple[str, str, str, str], dict[str, Any]]:
@@ -132,7 +157,8 @@ def _mean_spread(row: Mapping[str, Any]) -> str:
 
 
 def format_shots(report: ShotsReport) -> str:
-    """One table per evaluator: rows = shot counts, columns = balanced accuracy and AUROC (a dense
+    """One table per evaluator: rows = shot counts, columns = the labelled volumes used (training,
+    and validation where the evaluator chooses on it), balanced accuracy and AUROC (a dense
     evaluator: voxel and token Dice) (mean ± std over draws) of the pretrained and the random encoder."""
     step = "" if report.update_step is None else f" (update step {report.update_step})"
     lines = [f"encoder   {report.location}{step}",
@@ -143,12 +169,13 @@ def format_shots(report: ShotsReport) -> str:
     rows = _lookup(report)
     for evaluator in dict.fromkeys(r["evaluator"] for r in report.rows):
         metrics = [m for m in TABLE_METRICS if ("pretrained", evaluator, report.shots[0], m) in rows]
-        header = ["shots", "per class"] + [f"{m} {e}" for m in metrics for e in ("pretrained", "random init")]
+        header = ["shots", "per class", "labelled"] + [f"{m} {e}" for m in metrics
+                                                      for e in ("pretrained", "random init")]
         table = [header]
         for shots in report.shots:
             first = next(r for r in report.rows if (r["encoder"], r["evaluator"], r["shots"]) ==
                          ("pretrained", evaluator, shots))
-            cells = [shots, f"{first['volumes_per_class']:g}"]
+            cells = [shots, f"{first['volumes_per_class']:g}", _labelled(first)]
             for metric in metrics:
                 for encoder in ("pretrained", "random_init"):
                     row = rows.get((encoder, evaluator, shots, metric))
@@ -156,6 +183,8 @@ def format_shots(report: ShotsReport) -> str:
             table.append(cells)
         lines.append(f"{evaluator}:")
         lines += [render_table(header, table[1:], right=range(len(header)), indent=2), ""]
+    if any(r["validation_volumes"] for r in report.rows):
+        lines.append(LABELLED_LEGEND)
     return "\n".join(lines).rstrip()
 
 

@@ -9,7 +9,8 @@ per count show how much the choice of the few labelled volumes matters;
 ``all`` is the whole train split, one draw.
 
 The attentive probe's validation split stays whole at every shot count:
-it chooses the grid member, so the labels it holds are not counted in ``k``.
+it chooses the grid member, so the labels it holds are not counted in ``k``
+(the report counts them beside ``k``: :mod:`octfw.evaluation.label_efficiency`).
 
 An evaluator whose train volumes all carry one label (``layer-segmentation``:
 every volume is labelled with its layers) gets ``k`` volumes in all: the
