@@ -43,7 +43,13 @@ if TYPE_CHECKING:
     from octfw.engine.backend import Backend
     from octfw.recipe import Recipe
 
-__all__ = ["GatedAdamW", "apply_schedule", "make_optimizer", "seed_everything", "weight_decay_groups"]
+__all__ = ["HELD_UNTIL", "GatedAdamW", "apply_schedule", "held_momentum", "make_optimizer", "seed_everything",
+           "weight_decay_groups"]
+
+#: A param-group key: the update step before which the group's learning rate is 0 (a published
+#: encoder held while its new predictor trains, vjepa3d's ``predictor_warmup_steps``). It is saved
+#: with the optimizer's state, so a resumed run holds until the same step.
+HELD_UNTIL = "held_until"
 
 
 def seed_everything(seed: int) -> None:
@@ -63,6 +69,8 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> 
         for group in groups:
             group["decays"] = group["weight_decay"] > 0.0
             group["weight_decay"] = engine.weight_decay if group["decays"] else 0.0
+            if HELD_UNTIL in group:  # the LR a constant schedule (which never sets one) returns to
+                group["initial_lr"] = engine.base_lr
     else:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad], "decays": True}]
     hyper = {"lr": engine.base_lr, "betas": engine.betas, "eps": engine.eps, "weight_decay": engine.weight_decay}
@@ -71,16 +79,31 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, backend: Backend) -> 
     return GatedAdamW(groups, **hyper)  # takes the device-side verdict into the update itself
 
 
-def apply_schedule(optimizer: torch.optim.Optimizer, lr: float | None, weight_decay: float | None) -> None:
+def apply_schedule(optimizer: torch.optim.Optimizer, lr: float | None, weight_decay: float | None,
+                   update_step: int = 0) -> None:
     """One update step's LR and weight decay into every group; None leaves the value as it is
-    (a constant schedule never rewrites the LR)."""
+    (a constant schedule never rewrites the LR). A group held at ``update_step`` (:data:`HELD_UNTIL`)
+    gets LR 0, which leaves its parameters exactly as they are (AdamW's step and its decoupled
+    weight decay are both scaled by the LR); its moments still follow the gradients."""
     for group in optimizer.param_groups:
-        if lr is not None:
+        if update_step < group.get(HELD_UNTIL, 0):
+            group["lr"] = 0.0
+        elif lr is not None:
             group["lr"] = lr
+        elif HELD_UNTIL in group:
+            group["lr"] = group["initial_lr"]
         # Biases and norms stay at 0. A checkpoint from before "decays"
         # existed tells them by their weight decay.
         if weight_decay is not None and group.get("decays", group["weight_decay"] > 0.0):
             group["weight_decay"] = weight_decay
+
+
+def held_momentum(optimizer: torch.optim.Optimizer, update_step: int, momentum: float | None) -> float | None:
+    """The EMA momentum of ``update_step``: 1.0 (the EMA encoder left as it is) while a group is
+    held (:data:`HELD_UNTIL`), so that the target encoder stays put with the encoder it follows."""
+    if momentum is not None and any(update_step < group.get(HELD_UNTIL, 0) for group in optimizer.param_groups):
+        return 1.0
+    return momentum
 
 
 class GatedAdamW(torch.optim.Optimizer):

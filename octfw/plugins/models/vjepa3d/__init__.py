@@ -9,12 +9,14 @@ Registration and factory; the config lives in :mod:`octfw.plugins.models.vjepa3d
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from octfw.display.errors import UserError
 from octfw.hookspecs import Register, hookimpl
 from octfw.types import BuildContext, Model
 from octfw.models.presets import network_arguments
-from octfw.plugins.models.vjepa3d.config import PRESETS, LOSS_CHOICES, Architecture, VJEPA3DConfig
+from octfw.plugins.models.vjepa3d.config import (PREDICTOR_WARMUP_STEPS, PRESETS, LOSS_CHOICES, Architecture,
+                                                VJEPA3DConfig)
 
 __all__ = ["PRESETS", "LOSS_CHOICES", "Architecture", "VJEPA3DConfig", "build"]
 
@@ -53,7 +55,28 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
         model.init_report = initialise(config.init, targets, ctx.recipe_dir)
         if ctx.run_dir is not None:  # a run logs what it started from; `octfw check` prints it all
             logging.getLogger(__name__).info("%s", model.init_report.lines()[0])
+    model.predictor_warmup_steps = predictor_warmup(config, ctx, getattr(model, "init_report", None))
     return model
+
+
+def predictor_warmup(config: VJEPA3DConfig, ctx: BuildContext, report: Any) -> int | None:
+    """``predictor_warmup_steps`` resolved: the update steps the encoder is held, said in the
+    load ``report``; None where no run of this recipe can hold it (the optimizer's groups are then
+    the two of every other run). A resumed run gets 0 here: the held step is its checkpoint's."""
+    steps = config.predictor_warmup_steps
+    if steps == 0 or (steps is None and config.init is None):
+        return None
+    if report is None:
+        return steps or 0
+    new = not any(key.startswith("predictor.") for key in [*report.loaded, *report.adapted])
+    if steps is None:
+        total = ctx.total_update_steps
+        steps = (min(PREDICTOR_WARMUP_STEPS, total // 10) if total else PREDICTOR_WARMUP_STEPS) if new else 0
+    if steps:
+        report.notes.append(f"the encoder is held (learning rate 0, its EMA copy unchanged) for the first {steps} "
+                            f"update steps while the {'new ' if new else ''}predictor trains "
+                            "(model.predictor_warmup_steps)")
+    return steps
 
 
 @hookimpl

@@ -53,6 +53,9 @@ PRESET_PARAMETERS: dict[str, tuple[int, int]] = {
 
 
 LOSS_CHOICES = ("l1", "mse", "nmse")
+#: Update steps the encoder is held by default while a new predictor trains (at most a tenth of
+#: the run): benchmarks/learning/README.md, "A new predictor on a pretrained encoder".
+PREDICTOR_WARMUP_STEPS = 300
 DENSE_PREDICTOR_CHOICES = ("octfw", "vjepa2.1")
 
 
@@ -93,6 +96,14 @@ class VJEPA3DConfig(PresetSized):
         default=True,
     )
     init_channels: str = init_channels_field()
+    predictor_warmup_steps: int | None = doc(
+        "update steps at the start of training for which the context encoder's learning rate is 0 (the "
+        "encoder held, and its EMA copy with it) while the predictor trains, so that a new predictor's first "
+        "gradients do not reach a pretrained encoder at the full learning rate; then the schedule's. Default: "
+        f"{PREDICTOR_WARMUP_STEPS} (at most a tenth of the run) when init leaves the predictor new, else 0. "
+        "Fixed when the run starts: a resumed run holds until the same step",
+        default=None, validator=non_negative,
+    )
     loss: str = doc(
         "'l1' on layer-normed targets (V-JEPA), 'mse', or 'nmse' (MSE of L2-normalised vectors, the seeds')",
         default="l1", validator=choices(*LOSS_CHOICES),

@@ -232,6 +232,8 @@ class VJEPA3D(nn.Module):
             norm_eps=norm_eps,
             rope_span=rope_span,
         )
+        #: Update steps the context encoder is held while the predictor trains (:meth:`param_groups`).
+        self.predictor_warmup_steps: int | None = None
         self.target_encoder = copy.deepcopy(self.context_encoder)
         self.target_encoder.requires_grad_(False)
         # It runs under no_grad, where nothing is saved and nothing to recompute.
@@ -372,12 +374,18 @@ class VJEPA3D(nn.Module):
         ``weight_decay``; ``no_decay`` holds biases, LayerNorm parameters and
         every other 1-D parameter (the predictor's mask token included) with 0.
         The target encoder is not trainable and is in neither group.
+
+        With :attr:`predictor_warmup_steps` not None, four: the context encoder's two (2.1's level
+        norms with it), held so long (:data:`~octfw.engine.optim.HELD_UNTIL`), the predictor's two.
         """
-        return weight_decay_groups(
-            (param for name, param in self.named_parameters()
-             if not name.startswith(("target_encoder.", "target_level_norms."))),
-            weight_decay,
-        )
+        trainable = [(n, p) for n, p in self.named_parameters() if not n.startswith("target_")]  # not the EMA
+        if self.predictor_warmup_steps is None:
+            return weight_decay_groups((param for _, param in trainable), weight_decay)
+        encoder = weight_decay_groups((p for n, p in trainable if not n.startswith("predictor.")), weight_decay)
+        predictor = weight_decay_groups((p for n, p in trainable if n.startswith("predictor.")), weight_decay)
+        for group in encoder:
+            group.update(name=f"encoder_{group['name']}", held_until=self.predictor_warmup_steps)
+        return encoder + predictor
 
     def count_parameters(self) -> dict[str, int]:
         """``trainable``: context encoder + predictor parameters (the learned
