@@ -120,6 +120,35 @@ def test_a_predictor_of_another_depth_is_left_new_with_both_sizes(checkpoint):
     assert "level_norms.0.weight" in report.loaded  # the encoders' level norms load all the same
 
 
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory) -> Path:
+    """A checkpoint laid out as the distilled ViT-B and ViT-L files are: the encoders, and a one-level
+    predictor (one Linear in) that predicts its teacher's wider tokens (40 for this 24-wide encoder)."""
+    state = torch.load(ENCODERS / "checkpoint.pt", weights_only=True)
+    predictor = torch.load(FIXTURE / "predictor.pt", weights_only=True)["predictor"]
+    one_level = {key: value for key, value in predictor.items()
+                 if not key.startswith(("module.backbone.predictor_embed.", "module.backbone.predictor_proj"))}
+    one_level.update({"module.backbone.predictor_embed.weight": torch.zeros(24, 24),
+                      "module.backbone.predictor_embed.bias": torch.zeros(24),
+                      "module.backbone.predictor_proj.weight": torch.zeros(40, 24),
+                      "module.backbone.predictor_proj.bias": torch.zeros(40)})
+    state["predictor"] = one_level
+    path = tmp_path_factory.mktemp("vjepa21_distilled") / "checkpoint.pt"
+    torch.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize("fields", [{}, {"dense_levels": 0, "dense_predictor": "octfw"}])
+def test_a_distilled_files_predictor_is_left_new_saying_why_in_one_plain_line(distilled, fields):
+    report = vjepa21(distilled, **fields).init_report
+    reason = ("the checkpoint's predictor is the one its encoder was distilled with, predicting the teacher's "
+              "40-wide tokens rather than this 24-wide encoder's own, so a new one is trained")
+    assert {key.split(".")[0] for key in report.new} == {"predictor"}
+    assert set(report.new.values()) == {reason} and report.ignored["predictor"] == reason
+    assert not any("None" in line for line in report.lines())
+    assert any("for the first" in note and "new predictor" in note for note in report.notes)  # the encoder held
+
+
 # --- number for number ---------------------------------------------------------------------------
 
 

@@ -31,7 +31,9 @@ the mask token (the one the reference uses for one clip length), ``predictor_blo
 ``embed_out`` and ``embed_out_context``; ``img_mod_embed`` and the other mask tokens are
 ignored (the train step picks a mask token by clip length, not by mask configuration, as V-JEPA
 2's does: :mod:`octfw.models.published.vjepa2`). octfw's own dense predictor (the default) has
-none of these, and is left new.
+none of these, and is left new. So is every predictor where the file's is the distilled ViT-B
+and ViT-L files' one-level predictor (one Linear in), which predicts its teacher's (the ViT-G's,
+1664 wide) tokens, not the encoder's own: the report says so in one line.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def convert(state: Mapping[str, Any], targets: Any, report: InitReport) -> None:
     if targets.predictor is not None and targets.predictor_format == NAME:
         _predictor(groups.get("predictor"), targets, report)
         return
-    reason = ("V-JEPA 2.1's predictor reads the encoder's 4 levels concatenated and has separate context and "
-              "target heads; octfw's has neither (model.dense_predictor = \"vjepa2.1\" has)")
+    reason = _one_level(groups.get("predictor"), first.embed_dim) or (
+        "V-JEPA 2.1's predictor reads the encoder's 4 levels concatenated and has separate context and "
+        "target heads; octfw's has neither (model.dense_predictor = \"vjepa2.1\" has)")
     if targets.predictor is not None:
         for key in targets.predictor.state_dict():
             report.new[targets.prefixes.get("predictor", "predictor.") + key] = reason
@@ -107,11 +110,26 @@ _PREDICTOR_NAMES = {"predictor_embed.": "embed_in.", "predictor_blocks.": "block
                     "predictor_proj.": "embed_out.", "predictor_proj_context.": "embed_out_context."}
 
 
+def _one_level(source: Mapping[str, torch.Tensor] | None, embed_dim: int) -> str | None:
+    """Why a one-level predictor (one Linear in: the distilled ViT-B and ViT-L files') is left new;
+    None for another predictor."""
+    if source is None or "predictor_embed.weight" not in source or "predictor_proj.weight" not in source:
+        return None
+    width = source["predictor_proj.weight"].shape[0]
+    if width != embed_dim:
+        return (f"the checkpoint's predictor is the one its encoder was distilled with, predicting the teacher's "
+                f"{width}-wide tokens rather than this {embed_dim}-wide encoder's own, so a new one is trained")
+    return ("the checkpoint's predictor reads the encoder's last level only, and octfw continues only V-JEPA 2.1's "
+            "four-level predictor, so a new one is trained")
+
+
 def _predictor(source: Mapping[str, torch.Tensor] | None, targets: Any, report: InitReport) -> None:
     network, prefix = targets.predictor, targets.prefixes.get("predictor", "predictor.")
     reason = None
     if source is None:
         reason = "the checkpoint has no predictor"
+    elif (one_level := _one_level(source, targets.online.embed_dim)) is not None:
+        reason = one_level
     elif "predictor_proj_context.weight" not in source:
         reason = "the checkpoint's predictor has no context head (trained without predict_all)"
     else:
