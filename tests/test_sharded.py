@@ -61,11 +61,13 @@ def test_two_and_four_sharded_processes_equal_one_process_for_twenty_steps(tmp_p
         assert (sharded / "encoder").is_dir()  # the whole encoder, gathered once and exported
     # A sharded run's checkpoint folder is read whole by one process, which replays its last update
     # and turns it into the single-file encoder export.
-    for command in (["replay", str(sharded), "--step", "20"], ["export", str(sharded), "--out", str(tmp_path / "e.pt")]):
+    folder = sharded / "checkpoints" / "step_00000020.dcp"
+    for command in (["replay", str(sharded), "--step", "20"], ["export", str(sharded), "--out", str(tmp_path / "e.pt")],
+                    ["export", str(folder), "--out", str(tmp_path / "f.pt")]):
         result = subprocess.run([sys.executable, "-m", "octfw.cli", *command], capture_output=True, text=True,
                                 cwd=tmp_path, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "e.pt").is_file()
+    assert (tmp_path / "e.pt").read_bytes() == (tmp_path / "f.pt").read_bytes()  # the run's checkpoint, named either way
 
 
 def test_a_non_finite_gradient_on_one_process_skips_the_update_for_the_job(tmp_path):

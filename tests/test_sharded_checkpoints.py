@@ -126,3 +126,17 @@ def test_two_processes_write_a_sharded_checkpoint_to_the_gcs_emulator(gcs, tmp_p
     whole = torch.load(tmp_path / "whole_2.pt", weights_only=True)
     state = storage.load(latest)
     assert all(torch.equal(state["model"][k], v) for k, v in whole["model"].items())
+
+
+def test_a_save_killed_before_its_index_is_never_loaded_and_the_next_save_removes_it(written, tmp_path):
+    """A job killed while its processes wrote their slices leaves a folder without DCP's index
+    (written last): never a checkpoint, and the next save deletes it."""
+    storage = copy_of(written[0], tmp_path)
+    folder = tmp_path / "checkpoints"
+    (folder / "step_00000002.dcp" / ".metadata").unlink()
+    assert storage.latest() == storage.location("step_00000001.dcp")
+    assert [step for step, _ in storage.checkpoints()] == [1]
+    # one process alone (no process group): DCP writes every tensor itself
+    storage.save_sharded(3, {"model": {"w": torch.arange(4.0)}}, {"update_step": 3})
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step_00000001.dcp", "step_00000003.dcp"]
+    assert storage.load(storage.latest())["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -81,7 +81,12 @@ def _worker(preset: str, rounds: int, out: Path) -> None:
                 times.setdefault(f"{path} stall", []).append(stalled)
                 times.setdefault(f"{path} write", []).append(written)
         if processes.is_main:
+            from octfw.engine.checkpointing import state_nbytes
+
+            times["state GB"] = [state_nbytes(trainer.state.whole(2)) / 1e9]
             print("RESULT " + json.dumps(times), flush=True)
+        else:
+            trainer.state.whole(2)  # the gather is a collective
     peers.close()
 
 
@@ -105,7 +110,9 @@ def main() -> None:
         raise SystemExit(f"exit {result.returncode}\n{result.stderr[-3000:]}")
     times = json.loads(lines[0][len("RESULT "):])
     medians = {case: statistics.median(values) for case, values in times.items()}
-    report = [f"save of an fsdp run, preset {args.preset}, 2 CPU processes, medians of {args.rounds} rounds:"]
+    state_gb = medians.pop("state GB")
+    report = [f"save of an fsdp run, preset {args.preset} ({state_gb:.2f} GB of state), 2 CPU processes, "
+              f"medians of {args.rounds} rounds:"]
     report += [f"  {case:16s} {seconds:8.3f} s" for case, seconds in medians.items()]
     report.append(f"  stall ratio (gathered / sliced): {medians['gathered stall'] / medians['sliced stall']:.1f}x")
     report.append(f"  write ratio (gathered / sliced): {medians['gathered write'] / medians['sliced write']:.2f}x")
