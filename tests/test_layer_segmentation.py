@@ -406,6 +406,15 @@ def test_another_vendors_scan_of_a_training_patient_is_left_out_of_the_test_spli
         {g for g, d in zip(test.groups, test.domains) if d == "heidelberg"}
 
 
+def test_an_evaluator_built_with_a_test_dataset_sharing_patients_refuses_to_split():
+    config = LayerSegmentationConfig(dataset={"name": "toy"}, test_dataset={"name": "toy"})
+    grid = tuple(i // p for i, p in zip(IMAGE, PATCH))
+    evaluator = LayerSegmentationEvaluator(config, ToyLayers(8), ToyLayers(6), _transform(), PATCH, grid)
+    with pytest.raises(UserError, match="test_dataset shares 3 patients with dataset: 6 test volumes") as info:
+        evaluator.split()
+    assert "\n" not in str(info.value) and "p0" not in str(info.value)
+
+
 def test_train_domains_naming_no_vendor_of_the_dataset_is_refused_in_one_line():
     evaluator = _evaluator(ToyLayers(8, domains=("heidelberg", "topcon")), train_domains=["zeiss"])
     with pytest.raises(UserError, match=r"train_domains \['zeiss'\] not among the dataset's vendors"):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from octfw.display.errors import ContractError, CorruptFile, UserError
+from octfw.evaluation.classification import check_patients_disjoint
 from octfw.evaluation.segmentation import dense_inputs
 from octfw.evaluation.features import prepare_volume, stratified_split, validation_split
 from octfw.display.tables import counted
@@ -198,6 +199,8 @@ class LayerSegmentationEvaluator:
         if self._split is not None:
             return self._split
         config, where = self.config, f"evaluator {self.component}"
+        if self.test_dataset is not None:  # from_config checked; an evaluator built directly is checked here
+            check_patients_disjoint(self.train_dataset, self.test_dataset, where)
         volumes = load_layered(self.train_dataset, self.transform, where=f"{where}: dataset")
         test = None if self.test_dataset is None else load_layered(self.test_dataset, self.transform,
                                                                    where=f"{where}: test_dataset")
