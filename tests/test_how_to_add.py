@@ -57,7 +57,8 @@ def octfw_register_models(register):
 BACKEND = '''
 import attrs
 from octfw.hookspecs import hookimpl
-from octfw.storage.checkpoints import CheckpointStorage, StoredCheckpointer
+from octfw.storage.checkpointer import StoredCheckpointer
+from octfw.storage.checkpoints import CheckpointStorage
 
 
 @attrs.frozen

@@ -165,7 +165,7 @@ def octfw_run(tmp_path: Path, args: list[str], nproc: int, env: dict[str, str]) 
 
 def test_resume_auto_on_4_then_2_then_3_processes_keeps_the_global_batch_without_a_flag(tmp_path):
     """Issue 60: a run of 4 processes (global batch 12 = 1 x 4 x 3 micro-steps, not pinned), resumed
-    on 2 and on 3 (data and fsdp in turn): the global batch recorded at its first start is kept,
+    on 2 and on 3 (fsdp, fsdp, data): the global batch recorded at its first start is kept,
     the accumulation derived (6, then 4), every step trained once, the losses those of one process
     training the same global batch."""
     setup(tmp_path)
@@ -175,8 +175,10 @@ def test_resume_auto_on_4_then_2_then_3_processes_keeps_the_global_batch_without
     whole = metrics(launch(tmp_path, [*shape, "--set", "engine.grad_accum_steps=12"]))
     out = tmp_path / "resumed"
     common = [*shape, "--set", f"run.output_dir={out}", "--resume", "auto"]
-    for nproc, stop_at, parallelism, accum, code in ((4, 2, "fsdp", 3, 75), (2, 4, "data", 6, 75),
-                                                     (3, 0, "fsdp", 4, 0)):
+    # 4 fsdp processes write 4 files of slices, which 2 fsdp processes read into their halves
+    # (each only what overlaps its slices), and 3 data processes read whole
+    for nproc, stop_at, parallelism, accum, code in ((4, 2, "fsdp", 3, 75), (2, 4, "fsdp", 6, 75),
+                                                     (3, 0, "data", 4, 0)):
         result = octfw_run(tmp_path, [*common, "--set", "engine.grad_accum_steps=3", "--set",
                                       f"engine.parallelism={parallelism}"], nproc, {"OCTFW_TEST_PREEMPT_AT": str(stop_at)})
         assert result.returncode == code, result.stderr[-3000:]

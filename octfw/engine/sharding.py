@@ -136,8 +136,8 @@ def _like(full: Any, current: Any) -> Any:
     """``full`` (a whole tensor, every process holding it) split as ``current`` is split."""
     from torch.distributed.tensor import distribute_tensor
 
-    if not (is_sharded(current) and torch.is_tensor(full)):
-        return full
+    if not (is_sharded(current) and torch.is_tensor(full)) or is_sharded(full):
+        return full  # plain values, and slices read in place already
     # every process holds the full value (it read the checkpoint): each keeps its slice, no communication
     return distribute_tensor(full.to(current.device, current.dtype), current.device_mesh, current.placements,
                              src_data_rank=None)

@@ -31,7 +31,8 @@ from octfw.engine.distributed import BatchLayout
 from octfw.engine.sharding import is_sharded, shard_like, shard_optimizer_state
 from octfw.display.errors import UserError
 from octfw.display.tables import counted
-from octfw.types import NamingDataset, Stateful
+from octfw.storage.checkpoint_names import is_sharded_checkpoint
+from octfw.types import NamingDataset, ShardedCheckpointer, Stateful
 
 __all__ = ["TrainingState", "restore", "host_copy", "dataset_fingerprint", "checkpoint_nbytes"]
 
@@ -222,23 +223,47 @@ def _names(recipe: Any, stage: str) -> list[str] | None:
     return [table.get("name") for table in recipe.get(stage) or []]
 
 
+def _read(location: str, parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          layout: BatchLayout, fingerprint: dict[str, Any], sharded: bool) -> dict[str, Any]:
+    """The checkpoint's whole state, checked to be one this run can continue. A sharded run
+    reading a sharded checkpoint takes only its own slices, filled in place (whatever number
+    of processes wrote them); anything else is read whole, and split below."""
+    def check(state: Any) -> None:
+        if not isinstance(state, dict) or "update_step" not in state or "recipe" not in state:
+            raise UserError(f"--resume {location}: not an octfw training checkpoint")
+        _refuse_incompatible(state, location, parts, layout, fingerprint)
+
+    checkpointer = parts.checkpointer
+    if sharded and is_sharded_checkpoint(location) and isinstance(checkpointer, ShardedCheckpointer):
+        # AdamW's moments, sliced as their parameters are, for the checkpoint's to be read into
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        moments = {index: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                   for index, p in enumerate(parameters)}
+        return checkpointer.load_sharded(location, {"model": model.state_dict(), "optimizer": {"state": moments}},
+                                         check, optional=("optimizer.",))
+    state = checkpointer.load(location)
+    if not isinstance(state, dict) or "model" not in state:
+        raise UserError(f"--resume {location}: not an octfw training checkpoint")
+    check(state)
+    return state
+
+
 def restore(location: str, parts: Components, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-            layout: BatchLayout, fingerprint: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """Load the checkpoint at ``location`` into the built components; returns
-    (update_step, the run's record: ``capture``'s ``run`` and, as ``recipe`` and
+            layout: BatchLayout, fingerprint: dict[str, Any], sharded: bool = False) -> tuple[int, dict[str, Any]]:
+    """Load the checkpoint at ``location`` into the built components (``sharded``: the model is
+    sliced over the processes, FSDP2); returns
+    (update_step, the run's record: ``TrainingState``'s ``run`` and, as ``recipe`` and
     ``global_batch``, the resolved recipe that trained it and the global batch it trained at).
     A file that cannot be read (cut short, not a checkpoint) is a user error naming it, never a
     partial load."""
     try:
-        state = parts.checkpointer.load(location)
+        state = _read(location, parts, model, optimizer, layout, fingerprint, sharded)
     except FileNotFoundError:
         raise UserError(f"--resume {location}: checkpoint not found") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
         raise UserError(f"--resume {location}: cannot be read as a checkpoint "
                         f"({type(exc).__name__}: {first})") from None
-    if not isinstance(state, dict) or "model" not in state or "update_step" not in state:
-        raise UserError(f"--resume {location}: not an octfw training checkpoint")
     _refuse_incompatible(state, location, parts, layout, fingerprint)
     try:  # a checkpoint holds the full state; a sharded model takes its slices of it
         model.load_state_dict(shard_like(state["model"], model.state_dict()))

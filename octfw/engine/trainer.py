@@ -92,7 +92,7 @@ class Trainer:
         self.start_step, run_record = 0, {}
         if self.resumed_from is not None:
             self.start_step, run_record = restore(self.resumed_from, parts, self.model, self.optimizer,
-                                                  layout=layout, fingerprint=self.fingerprint)
+                                                  layout=layout, fingerprint=self.fingerprint, sharded=backend.sharded)
             if compare_recipe:
                 check_recipe_change(run_record.get("recipe"), recipe, registry, plan.allow_recipe_change,
                                     resumed_from=self.resumed_from, start_step=self.start_step, parts=parts,

@@ -13,15 +13,20 @@ pipeline or a plugin.
 - :mod:`octfw.storage.reach`: whether a ``gs://`` location's endpoint answers,
   asked once with a short timeout (``require_reachable``), so an endpoint
   that is down is named in seconds instead of after gcsfs's minute of retries;
-- :mod:`octfw.storage.checkpoints`: checkpoint files in one folder, with the
+- :mod:`octfw.storage.checkpoints`: checkpoints in one folder, with the
   ``latest`` pointer, ``keep_last`` retention and SHA-256 checks written once
-  for every checkpointer (``CheckpointStorage``), and the checkpointer over
-  one folder (``StoredCheckpointer``);
+  for every checkpointer (``CheckpointStorage``), and reading any checkpoint
+  by its URL (``load_checkpoint``);
+- :mod:`octfw.storage.checkpointer`: the checkpointer over one folder
+  (``StoredCheckpointer``);
+- :mod:`octfw.storage.sharded_checkpoints`: a sharded run's checkpoint, a
+  folder of every process's slices (``torch.distributed.checkpoint``), read
+  without running code from it, whole or resharded in place;
 - :mod:`octfw.storage.checkpoint_names`: the names of a checkpoint folder's
   files, which ``keep_last`` deletes, and the ``latest`` pointer's format;
 - :mod:`octfw.storage.checkpoint_reading`: what a checkpoint may hold
-  (``check_plain``), its SHA-256 check, and reading one without running code
-  from it (``safe_load``, ``load_checkpoint(url)``);
+  (``check_plain``), its SHA-256 check, and reading one file without running
+  code from it (``safe_load``);
 - :mod:`octfw.storage.owner`: one writer per folder (``FolderOwner``), for run
   folders, checkpoint folders and prepared stores;
 - :mod:`octfw.storage.failures`: the cause of a failed write in words (no

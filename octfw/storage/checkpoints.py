@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from typing import IO, Any, Iterable, Iterator, Mapping
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 
 from octfw.display.errors import UserError
 from octfw.storage.checkpoint_names import (
@@ -46,9 +45,11 @@ from octfw.storage.checkpoint_reading import (
 from octfw.storage.failures import format_bytes, free_bytes, storage_cause
 from octfw.storage.files import Data, HashingWriter, is_local_filesystem, open_filesystem, write_atomically
 from octfw.storage.retry import RetryPolicy
-from octfw.storage.sharded_checkpoints import METADATA, damage, is_written, read_sharded, write_sharded
+from octfw.storage.sharded_checkpoints import (
+    METADATA, damage, is_written, read_into, read_sharded, write_sharded,
+)
 
-__all__ = ["CheckpointStorage", "StoredCheckpointer", "load_checkpoint"]
+__all__ = ["CheckpointStorage", "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,19 @@ class CheckpointStorage:
             or (is_sharded_checkpoint(n) and not is_written(self.fs, self._path(n))))]
         self._delete(sorted(doomed & set(names)) + orphans)
 
+    def load_sharded(self, location: str, shards: dict[str, Any],
+                     check: Callable[[dict[str, Any]], None] = lambda plain: None,
+                     optional: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Fill ``shards`` (a sharded run's own slices) in place from the sharded checkpoint at
+        ``location``, in this folder or any URL; returns the whole state (see
+        :func:`octfw.storage.sharded_checkpoints.read_into`). Every process calls it."""
+        inside = self.location("")
+        if location.startswith(inside):
+            fs, path = self.fs, self._path(location[len(inside):].rstrip("/"))
+        else:
+            fs, path = open_filesystem(location, fresh=True)
+        return read_into(fs, path.rstrip("/"), location, shards, check, optional)
+
     def remove(self) -> None:
         """Delete the folder and every checkpoint in it (a fallback copy, once it was uploaded)."""
         try:
@@ -349,75 +363,3 @@ def load_checkpoint(url: str, retry: RetryPolicy = RetryPolicy()) -> dict[str, A
             raise UserError(f"checkpoint {url} does not exist")
         return read_sharded(fs, path.rstrip("/"), url)
     return read_checkpoint(fs, path, url, retry)
-
-
-# --- a checkpointer over one storage folder ------------------------------------------------
-
-
-class StoredCheckpointer:
-    """The :class:`~octfw.types.Checkpointer` of one :class:`CheckpointStorage` folder: the
-    ``local`` and ``gcs`` checkpointers are this with their own config, and a new backend
-    (any fsspec URL: ``s3://``, ``az://``, ``memory://``) is this and a ``build`` (see
-    docs/architecture.md, "How to add a checkpoint backend").
-
-    Saves on rank 0 only; every rank may ask for ``latest()`` and ``load()`` to resume.
-
-    ``storage`` is None when there is no folder (``octfw check`` without a run
-    folder): nothing is listed, and a save raises UserError.
-    """
-
-    def __init__(self, storage: CheckpointStorage | None, rank: int = 0):
-        self.storage = storage
-        self.rank = rank
-        self._cancelled = threading.Event()
-
-    @property
-    def location(self) -> str | None:
-        """The checkpoint folder (a path or URL), for messages; None when there is none."""
-        return self.storage.url if self.storage is not None else None
-
-    def save(self, update_step: int, state: Mapping[str, Any]) -> str:
-        """Write ``state`` for ``update_step`` and return its location; "" on ranks other than 0."""
-        if self.rank != 0:
-            return ""
-        if self.storage is None:
-            raise UserError("checkpointer: no folder to save into (no run folder and no checkpointer.dir)")
-        return self.storage.save(update_step, state, cancelled=self._cancelled)
-
-    def save_sharded(self, update_step: int, shards: Mapping[str, Any], plain: Mapping[str, Any] | None,
-                     group: Any = None) -> str:
-        """Every process writes its slices of ``shards``, rank 0 also ``plain``; returns the
-        location (see :meth:`CheckpointStorage.save_sharded`)."""
-        if self.storage is None:
-            raise UserError("checkpointer: no folder to save into (no run folder and no checkpointer.dir)")
-        return self.storage.save_sharded(update_step, shards, plain if self.rank == 0 else None, group)
-
-    def cancel(self) -> None:
-        """Abort the save being written, and any later one (a second Ctrl-C: stop now). Its
-        temporary file is removed; the pointer still names the last complete checkpoint."""
-        self._cancelled.set()
-
-    def claim(self, needed_bytes: int) -> None:
-        """Before training (rank 0): hold the folder for this run and check that it can take a
-        checkpoint of ``needed_bytes``; UserError naming the owner or the cause otherwise."""
-        if self.rank == 0 and self.storage is not None:
-            self.storage.claim(needed_bytes)
-
-    def release(self) -> None:
-        """Give the folder up at the end of the run."""
-        if self.storage is not None:
-            self.storage.release()
-
-    def latest(self) -> str | None:
-        """The newest complete checkpoint (see ``CheckpointStorage.latest``); None if there is none."""
-        return self.storage.latest() if self.storage is not None else None
-
-    def checkpoints(self) -> list[tuple[int, str]]:
-        """Every complete checkpoint as (update step, location), oldest first (for ``octfw replay``)."""
-        return self.storage.checkpoints() if self.storage is not None else []
-
-    def load(self, location: str) -> dict[str, Any]:
-        """Read a checkpoint onto the CPU; raises UserError for a missing or refused file."""
-        if self.storage is not None:
-            return self.storage.load(location)
-        return load_checkpoint(location)

@@ -25,9 +25,10 @@ Tensors are read by DCP with ``torch.load(weights_only=True)``; octfw never writ
 other kind of entry (pickled Python values, which DCP loads unrestricted), so a folder
 holding one is refused. The plain part is read with ``weights_only`` like any checkpoint.
 
-**Resharding.** The folder is read whole into plain tensors (:func:`read_sharded`), on
-any number of processes: a run resumes it with another process count or parallelism and
-splits it as its own model is split. Written by N processes, read by any M.
+**Resharding.** Written by N processes, read by any M: a sharded run fills its own slices
+in place, each process reading only the parts of the files that overlap them
+(:func:`read_into`), whatever sharding wrote them; one process (a ``data`` run, ``octfw
+export``) reads the folder whole into plain tensors (:func:`read_sharded`).
 
 Light at import time (stdlib only): torch loads inside the functions.
 """
@@ -41,13 +42,14 @@ import logging
 import pickle
 import posixpath
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from octfw.display.errors import UserError
 from octfw.storage.checkpoint_reading import CorruptCheckpoint, parse_checksum, safe_load
 from octfw.storage.files import HashingWriter, is_local_filesystem
 
-__all__ = ["METADATA", "PLAIN", "write_sharded", "read_sharded", "read_metadata", "damage", "is_written"]
+__all__ = ["METADATA", "PLAIN", "write_sharded", "read_sharded", "read_into", "read_metadata", "damage",
+           "is_written"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +209,12 @@ def _files(fs: Any, path: str, location: str) -> tuple[Any, list[str]]:
     return metadata, sorted(named) + [PLAIN]
 
 
-def damage(fs: Any, path: str, location: str) -> str | None:
+def damage(fs: Any, path: str, location: str, files: list[str] | None = None) -> str | None:
     """Why the folder at ``path`` cannot be trusted (a file missing, or not the bytes whose
-    SHA-256 was recorded when it was written), or None when every file matches."""
-    _, files = _files(fs, path, location)
+    SHA-256 was recorded when it was written), or None when every file matches (every file
+    the index needs, or those of ``files``)."""
+    if files is None:
+        _, files = _files(fs, path, location)
     for name in files:
         file = posixpath.join(path, name)
         try:
@@ -226,6 +230,25 @@ def damage(fs: Any, path: str, location: str) -> str | None:
     return None
 
 
+def _reader(fs: Any, path: str, metadata: Any) -> Any:
+    """DCP's reader of the folder, handed the index read by :func:`read_metadata` (never its own
+    unpickling of it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return metadata
+
+    reader = SafeReader(path)
+    reader.fs, reader.path = _filesystem(fs), path
+    return reader
+
+
+def _read_plain(fs: Any, path: str, location: str) -> dict[str, Any]:
+    with fs.open(posixpath.join(path, PLAIN), "rb") as file:
+        return safe_load(io.BytesIO(file.read()), location)
+
+
 def read_sharded(fs: Any, path: str, location: str) -> dict[str, Any]:
     """The whole state of the folder at ``path``: every tensor whole, on the CPU, and the
     plain part, as one nested dict (what was given to :func:`write_sharded`, merged).
@@ -233,32 +256,83 @@ def read_sharded(fs: Any, path: str, location: str) -> dict[str, Any]:
     that is not a complete sharded checkpoint or holds what could run code."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
     why = damage(fs, path, location)
     if why is not None:
         raise CorruptCheckpoint(f"checkpoint {location} is damaged: {why}; it is not loaded")
     metadata, _ = _files(fs, path, location)
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return metadata  # the index read above, by the unpickler that builds nothing else
-
-    reader = SafeReader(path)
-    reader.fs, reader.path = _filesystem(fs), path
     flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(flat, storage_reader=reader, no_dist=True)  # this process alone reads every slice
+            dcp.load(flat, storage_reader=_reader(fs, path, metadata), no_dist=True)  # every slice, here
     except Exception as exc:  # noqa: BLE001 - a file cut short after its checksum was checked
         raise UserError(f"checkpoint {location} cannot be read ({type(exc).__name__}: {exc})") from None
-    shards = unflatten_state_dict(flat, metadata.planner_data)
-    with fs.open(posixpath.join(path, PLAIN), "rb") as file:
-        plain = safe_load(io.BytesIO(file.read()), location)
+    return _merged(_read_plain(fs, path, location), unflatten_state_dict(flat, metadata.planner_data))
+
+
+def read_into(fs: Any, path: str, location: str, shards: dict[str, Any],
+              check: Callable[[dict[str, Any]], None] = lambda plain: None,
+              optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Fill ``shards`` (this run's own tensors, sliced as its model is: DTensors) in place from
+    the folder at ``path``, each process reading only the slices it holds, whatever the number
+    of processes and the sharding that wrote them; returns the whole state, ``shards`` merged
+    into the plain part. Every process of the job calls it (DCP's collectives on the default
+    group). The files are checked first, each by one process (:class:`CorruptCheckpoint` on
+    every process if one is damaged); ``check(plain)`` runs before any tensor is read (a
+    refusal of another model names the recipe's difference, not a shape). A tensor of
+    ``shards`` whose key starts with one of ``optional`` (the optimizer's moments: a parameter
+    that never had a gradient has none) and that the checkpoint lacks is left out; any other
+    missing one is refused."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    metadata, files = _files(fs, path, location)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    verdicts: list[str | None] = [None] * world
+    dist.all_gather_object(verdicts, damage(fs, path, location, files[rank::world]))
+    why = next((v for v in verdicts if v is not None), None)
+    if why is not None:
+        raise CorruptCheckpoint(f"checkpoint {location} is damaged: {why}; it is not loaded")
+    plain = _read_plain(fs, path, location)
+    check(plain)
+    saved = set(metadata.state_dict_metadata)
+    shards = _pruned(shards, lambda key: key in saved or not key.startswith(optional))
+    missing = sorted(k for k in _flat_keys(shards) if k not in saved)
+    if missing:
+        raise UserError(f"checkpoint {location} has no {', '.join(missing[:3])}"
+                        f"{' ...' if len(missing) > 3 else ''}: written by another model")
+    try:
+        dcp.load(shards, storage_reader=_reader(fs, path, metadata))
+    except Exception as exc:  # noqa: BLE001 - sizes that do not fit, a file cut short
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserError(f"checkpoint {location} cannot be read into this model ({type(exc).__name__}: "
+                        f"{first})") from None
     return _merged(plain, shards)
+
+
+def _pruned(tree: Mapping[str, Any], keep: Callable[[str], bool], prefix: str = "") -> dict[str, Any]:
+    """``tree`` without the leaves whose flat key ``keep`` rejects (emptied dicts dropped too)."""
+    pruned: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            inner = _pruned(value, keep, f"{prefix}{key}.")
+            if inner:
+                pruned[key] = inner
+        elif keep(f"{prefix}{key}"):
+            pruned[key] = value
+    return pruned
+
+
+def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """DCP's flat keys of a nested dict ("model.blocks.0.weight", "optimizer.state.0.exp_avg")."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flat_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
 def _merged(plain: dict[str, Any], shards: Mapping[str, Any]) -> dict[str, Any]:

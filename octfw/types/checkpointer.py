@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from octfw.types.capability import _CapabilityMeta
 
@@ -82,7 +82,14 @@ class ShardedCheckpointer(Checkpointer, Protocol):
     model's and optimizer's tensors), rank 0 also ``plain`` (the rest of the state; None
     elsewhere), over the process group ``group``. It returns on every process once the whole
     checkpoint is written, its location on rank 0; ``load`` then returns the whole state,
-    every tensor whole. Without it, a sharded run gathers its state to rank 0 to ``save`` it."""
+    every tensor whole, and ``load_sharded(location, shards, check)`` fills a sharded run's own
+    ``shards`` in place, each process reading only its slices (after ``check(plain part)``;
+    tensors under the ``optional`` key prefixes may be missing from it), and returns the whole
+    state with them. Without it, a sharded run gathers its state to rank 0 to
+    ``save`` it."""
 
     def save_sharded(self, update_step: int, shards: Mapping[str, Any], plain: Mapping[str, Any] | None,
                      group: Any) -> str: ...
+
+    def load_sharded(self, location: str, shards: dict[str, Any],
+                     check: Callable[[dict[str, Any]], None], optional: tuple[str, ...]) -> dict[str, Any]: ...

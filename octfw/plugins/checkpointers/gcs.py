@@ -39,7 +39,8 @@ import attrs
 
 from octfw.recipe.fields import Location, doc, non_negative, positive
 from octfw.hookspecs import Register, hookimpl
-from octfw.storage.checkpoints import CheckpointStorage, StoredCheckpointer
+from octfw.storage.checkpointer import StoredCheckpointer
+from octfw.storage.checkpoints import CheckpointStorage
 from octfw.storage.files import require_driver
 from octfw.storage.retry import RetryPolicy, StorageError
 from octfw.types import BuildContext

@@ -31,7 +31,8 @@ from octfw.display.errors import UserError
 from octfw.recipe.fields import Location, doc, positive
 from octfw.hookspecs import Register, hookimpl
 from octfw.storage.checkpoint_names import LATEST, checkpoint_name
-from octfw.storage.checkpoints import CheckpointStorage, StoredCheckpointer
+from octfw.storage.checkpointer import StoredCheckpointer
+from octfw.storage.checkpoints import CheckpointStorage
 from octfw.types import BuildContext
 
 __all__ = ["LocalCheckpointConfig", "LocalCheckpointer", "build", "checkpoint_name", "LATEST"]
