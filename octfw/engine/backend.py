@@ -273,18 +273,10 @@ def resolved_precision(precision: str, kind: str) -> str:
     return precision
 
 
-def refuse_unbuilt_sharding(parallelism: str, kind: str, compile: bool) -> None:
-    """``engine.parallelism = "fsdp"`` where it is not built yet, refused in one line."""
-    if parallelism == "fsdp" and compile:
-        raise UserError('engine.compile = true with engine.parallelism = "fsdp" is not built yet; '
-                        "leave one of them out")
-
-
 def select_backend(processes: Processes, precision: str, compile: bool = False,
                    parallelism: str = "data") -> Backend:
     """The backend of this process: its device was selected by :func:`octfw.engine.distributed.join`."""
     refuse_compile_on_xla(compile, processes.kind)
-    refuse_unbuilt_sharding(parallelism, processes.kind, compile)
     precision = resolved_precision(precision, processes.kind)
     if processes.kind == "xla":
         return _xla_backend(precision, processes, parallelism)
@@ -328,12 +320,14 @@ def training_forward(model: torch.nn.Module, backend: Backend, *, compile: bool,
     (``tests/test_compile.py`` checks the split). A separate compiled module rather
     than ``model.compile()``: ``model`` stays eager for the FLOP count on meta
     tensors, the evaluators and export. Sharded (FSDP2, :mod:`octfw.engine.sharding`), the
-    model itself is what runs: ``fully_shard`` changes it in place.
+    model itself is what runs: ``fully_shard`` changes it in place, and ``compile`` compiles each
+    block before it is sharded, as torchtitan does.
     """
     if backend.sharded:
         from octfw.engine.sharding import shard_model
 
-        return shard_model(model, precision=backend.precision, reshard_after_forward=reshard_after_forward)
+        return shard_model(model, precision=backend.precision, reshard_after_forward=reshard_after_forward,
+                           compile=compile)
     if backend.sharded_on_mesh:
         from octfw.engine.sharding import shard_on_mesh
 

@@ -57,11 +57,14 @@ def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, Block)]
 
 
-def shard_model(model: torch.nn.Module, *, precision: str, reshard_after_forward: bool) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, *, precision: str, reshard_after_forward: bool,
+                compile: bool = False) -> torch.nn.Module:
     """``model``, sharded in place over every process of the job (the default process group):
     one unit per block, then the rest. ``reshard_after_forward``: free a block's gathered
     parameters after its forward and gather them again for its backward (less memory, one
-    more all-gather per block)."""
+    more all-gather per block). ``compile``: each block compiled first (in place), as torchtitan
+    does: FSDP's gathers and reductions stay outside the compiled graphs, around each block, and
+    the blocks, alike, share one compiled graph."""
     import torch.utils._pytree as pytree
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -74,6 +77,8 @@ def shard_model(model: torch.nn.Module, *, precision: str, reshard_after_forward
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if precision == "bf16" else MixedPrecisionPolicy())
     for unit in sharding_units(model):
+        if compile:
+            unit.compile()
         fully_shard(unit, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
