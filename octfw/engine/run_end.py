@@ -143,7 +143,8 @@ class RunEnd:
             self.capture = lambda _done: gathered
         if end.vanished:  # every process: exit 74; rank 0 puts the folder back with the final state
             gone = self.vanished() if self.backend.is_main_process else []
-            why = f"the run folder {self.run_dir} vanished during the run ({', '.join(gone) or 'seen by rank 0'})"
+            seen = f"{', '.join(gone)} gone" if gone else "seen by rank 0"
+            why = f"the run folder {self.run_dir} vanished during the run ({seen})"
             self.saver.failed.append(f"step {done}: {why}")
             put_back = self.put_run_folder_back(gone, why) if gone else False
             # Sharded saves: every process writes its part of the fallback (rank 0's fails alone if it must).
