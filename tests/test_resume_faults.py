@@ -119,6 +119,27 @@ def test_a_run_folder_deleted_mid_run_stops_it_with_74_puts_it_back_and_resume_a
     assert json.loads((run_dir / "summary.json").read_text())["update_steps"] == 400
 
 
+def test_a_run_folder_deleted_under_a_sharded_job_gets_every_process_slices_in_its_fallback(tiny_recipe, tmp_path):
+    """The same under an fsdp job of 2 processes: each writes its own slices of the final state into
+    RUN/fallback (no process gathers it), exit 74, and --resume auto continues from that folder."""
+    steps = ("--set", "run.max_steps=200", "--set", "engine.checkpoint_every_steps=5",
+             "--set", "engine.parallelism=fsdp", "--nproc-per-node", "2")
+    process = _start(tmp_path, tiny_recipe, *steps)
+    run_dir = _wait_for_step(tmp_path / "runs" / "tiny", 6, process)
+    run_dir.rename(tmp_path / "deleted")
+    shutil.rmtree(tmp_path / "deleted", ignore_errors=True)
+    _out, err = process.communicate(timeout=180)
+    assert process.returncode == SAVE_FAILED_EXIT_CODE, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    fallback = run_dir / "fallback" / f"step_{summary['update_steps']:08d}.dcp"
+    assert summary["fallback_checkpoint"] == str(fallback)
+    assert sorted(p.name for p in fallback.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    resumed = _run(tmp_path, tiny_recipe, *steps, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"continuing from {run_dir / 'fallback'}" in resumed.stderr
+    assert [m["step"] for m in _metrics(run_dir)][-1] == 200
+
+
 # --- signals before training --------------------------------------------------------------------
 
 
