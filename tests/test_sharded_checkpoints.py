@@ -4,6 +4,7 @@ folder able to run code when read."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -140,3 +141,47 @@ def test_a_save_killed_before_its_index_is_never_loaded_and_the_next_save_remove
     storage.save_sharded(3, {"model": {"w": torch.arange(4.0)}}, {"update_step": 3})
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step_00000001.dcp", "step_00000003.dcp"]
     assert storage.load(storage.latest())["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_the_store_lost_under_a_sharded_job_the_slices_go_to_the_fallback_and_reach_the_store_once_back(
+        gcs, tiny_recipe, tmp_path):
+    """An fsdp job of 2 processes checkpointing to gs://: the emulator stopped mid-run. Saves fail
+    or are skipped, training goes on; the final save, given up at its deadline while its threads
+    still wait on the store, goes to RUN/fallback, every process its own slices (over a group of
+    its own: the given-up save still holds the saves' group), exit 74. The store back, --resume
+    auto continues from the fallback and writes the state to the store."""
+    import time
+
+    from octfw.cli.exit_codes import SAVE_FAILED_EXIT_CODE
+
+    gcs.make_bucket("lost")
+    url = "gs://lost/run"
+    run = [sys.executable, "-m", "octfw.cli", "run", str(tiny_recipe), "--nproc-per-node", "2",
+           "--set", "engine.parallelism=fsdp", "--set", "engine.per_device_batch=1", "--set", "run.max_steps=30",
+           "--set", "checkpointer.name=gcs", "--set", f"checkpointer.dir={url}", "--set", "checkpointer.retries=1",
+           "--set", "checkpointer.backoff_s=0.05", "--set", "checkpointer.timeout_s=3",
+           "--set", "engine.checkpoint_every_steps=2", "--set", "engine.save_deadline_s=10"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(run, cwd=tiny_recipe.parent, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    storage = CheckpointStorage(url)
+    deadline = time.monotonic() + 300
+    while storage.latest() is None:  # a first checkpoint in the store, then the store goes away
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    gcs.stop()
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == SAVE_FAILED_EXIT_CODE, err[-3000:]
+    (run_dir,) = (tiny_recipe.parent / "runs" / "tiny").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["update_steps"] == 30 and summary["final_save_failed"] is True
+    fallback = run_dir / "fallback" / "step_00000030.dcp"
+    assert summary["fallback_checkpoint"] == str(fallback)
+    assert sorted(p.name for p in fallback.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    gcs.start()
+    gcs.make_bucket("lost")  # the emulator keeps nothing across restarts
+    resumed = subprocess.run([*run, "--resume", "auto"], cwd=tiny_recipe.parent, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert CheckpointStorage(url).latest() == f"{url}/step_00000030.dcp" and not fallback.exists()

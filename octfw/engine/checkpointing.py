@@ -66,12 +66,26 @@ def state_nbytes(value: Any) -> int:
     return 0
 
 
+def _gloo_group(timeout_s: float) -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 class ShardedSaves:
     """Every process of a sharded run writes its own slices of each checkpoint, together, over
     ``group``: no process gathers the whole state."""
 
-    def __init__(self, group: Any):
-        self.group = group
+    def __init__(self, group: Any, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
+
+    def fresh(self) -> "ShardedSaves":
+        """The same over a new group: for the fallback copy, which may follow a save given up at
+        its deadline while its thread still waits in a collective of the old group (two
+        collectives at once on one group would cross). Every process calls it, together."""
+        return ShardedSaves(_gloo_group(self.timeout_s), self.timeout_s)
 
     @classmethod
     def for_run(cls, sharded: bool, checkpointer: Any, timeout_s: float) -> "ShardedSaves | None":
@@ -81,11 +95,7 @@ class ShardedSaves:
         asynchronous saves do). Every process calls it at the same point (a group is made together)."""
         if not (sharded and isinstance(checkpointer, ShardedCheckpointer)):
             return None
-        import datetime
-
-        import torch.distributed as dist
-
-        return cls(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+        return cls(_gloo_group(timeout_s), timeout_s)
 
     def write(self, checkpointer: Any) -> Callable[[int, Any], str]:
         """The background saver's write: ``(update_step, (slices, plain part))`` into ``checkpointer``."""

@@ -222,7 +222,7 @@ class RunEnd:
         where it went, or None (said why)."""
         try:
             if self.sharded_saves:
-                location = self.fallback.save_sharded(done, *self.capture_shards(done), self.sharded_saves.group)
+                location = self.fallback.save_sharded(done, *self.capture_shards(done), self.sharded_saves.fresh().group)
             else:
                 location = self.fallback.save(done, self.capture(done))
         except Exception as exc:  # noqa: BLE001 - said on the console; the exit code says it too
