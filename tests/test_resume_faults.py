@@ -96,16 +96,22 @@ def test_a_run_preempted_in_another_time_zone_or_on_a_skewed_clock_is_the_one_re
 # --- a run folder deleted under a live run -----------------------------------------------------
 
 
-def test_a_run_folder_deleted_mid_run_stops_it_with_74_puts_it_back_and_resume_auto_finishes(tiny_recipe, tmp_path):
-    steps = ("--set", "run.max_steps=400", "--set", "engine.checkpoint_every_steps=5")
-    process = _start(tmp_path, tiny_recipe, *steps)
+def _delete_the_live_run_folder(tmp_path: Path, recipe: Path, steps: tuple[str, ...]) -> tuple[Path, str]:
+    """Start the run, delete its folder after update step 6, wait for its exit 74: (the folder, stderr)."""
+    process = _start(tmp_path, recipe, *steps)
     run_dir = _wait_for_step(tmp_path / "runs" / "tiny", 6, process)
     # Gone at once, as `rm -rf` run between two of the run's checks leaves it. An `rm -rf` racing
     # the live run could also delete the start files it had just put back: a second fault.
     run_dir.rename(tmp_path / "deleted")
     shutil.rmtree(tmp_path / "deleted", ignore_errors=True)
-    _out, err = process.communicate(timeout=120)
+    _out, err = process.communicate(timeout=180)
     assert process.returncode == SAVE_FAILED_EXIT_CODE, err
+    return run_dir, err
+
+
+def test_a_run_folder_deleted_mid_run_stops_it_with_74_puts_it_back_and_resume_auto_finishes(tiny_recipe, tmp_path):
+    steps = ("--set", "run.max_steps=400", "--set", "engine.checkpoint_every_steps=5")
+    run_dir, err = _delete_the_live_run_folder(tmp_path, tiny_recipe, steps)
     assert "Traceback" not in err
     [line] = [line for line in err.splitlines() if line.startswith("octfw: error:")]
     assert f"the run folder {run_dir} vanished during the run (recipe.toml, run.json" in line
@@ -124,12 +130,7 @@ def test_a_run_folder_deleted_under_a_sharded_job_gets_every_process_slices_in_i
     RUN/fallback (no process gathers it), exit 74, and --resume auto continues from that folder."""
     steps = ("--set", "run.max_steps=200", "--set", "engine.checkpoint_every_steps=5",
              "--set", "engine.parallelism=fsdp", "--nproc-per-node", "2")
-    process = _start(tmp_path, tiny_recipe, *steps)
-    run_dir = _wait_for_step(tmp_path / "runs" / "tiny", 6, process)
-    run_dir.rename(tmp_path / "deleted")
-    shutil.rmtree(tmp_path / "deleted", ignore_errors=True)
-    _out, err = process.communicate(timeout=180)
-    assert process.returncode == SAVE_FAILED_EXIT_CODE, err
+    run_dir, _err = _delete_the_live_run_folder(tmp_path, tiny_recipe, steps)
     summary = json.loads((run_dir / "summary.json").read_text())
     fallback = run_dir / "fallback" / f"step_{summary['update_steps']:08d}.dcp"
     assert summary["fallback_checkpoint"] == str(fallback)
