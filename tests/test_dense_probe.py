@@ -279,7 +279,7 @@ def test_shots_draw_a_dense_label_efficiency_curve(tmp_path, capsys):
     assert main(["eval", str(export), "--recipe", str(eval_recipe), "--shots", "2,all", "--draws", "1",
                  "--png", str(png)]) == 0
     printed = capsys.readouterr().out
-    assert "voxel_dice pretrained" in printed and "token_dice pretrained" in printed
+    assert "dense-probe voxel_dice:" in printed and "dense-probe token_dice:" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with png.with_suffix(".csv").open(encoding="utf-8") as f:
         rows = [r for r in csv.DictReader(f) if r["metric"] == "voxel_dice"]

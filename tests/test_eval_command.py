@@ -82,7 +82,8 @@ def _json(capsys, *args: str) -> dict:
 def _error(capsys, *args: str) -> str:
     assert main(["eval", *args]) == 2
     err = capsys.readouterr().err.strip()
-    errors = [line for line in err.splitlines() if not line.startswith("octfw: warning:")]
+    # Progress lines (stderr is no terminal here) and warnings may precede the one error line.
+    errors = [line for line in err.splitlines() if not line.startswith(("octfw: warning:", "eval: "))]
     assert "Traceback" not in err and len(errors) == 1, err
     return errors[0]
 
@@ -120,7 +121,7 @@ def test_chosen_checkpoints_are_probed_in_step_order_and_the_table_shows_them(sh
     assert main(["eval", str(short_run), "--recipe", str(eval_recipe), "--set", "evaluator.1.max_epochs=1",
                  "--checkpoints", "4,2"]) == 0
     out = capsys.readouterr().out
-    table = out[out.index("knn:"):out.index("attentive-probe:")]
+    table = out[out.index("\nknn:") + 1:out.index("\nattentive-probe:")]
     rows = [line.split()[0] for line in table.splitlines()[2:] if line.strip()]
     assert rows == ["2", "4", "random"]
     assert "[" in table and (short_run / "eval_checkpoints.png").is_file()

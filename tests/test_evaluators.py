@@ -287,7 +287,7 @@ def test_octfw_eval_compares_a_checkpoint_with_a_seeded_random_encoder(paired_ru
     # Evaluating a run folder keeps the results in it: the JSON and the table printed.
     kept = paired_runs["plain"] / "eval" / f"target-{recipe.stem}"
     assert json.loads(kept.with_suffix(".json").read_text())["pretrained"] == report["pretrained"]
-    assert kept.with_suffix(".txt").read_text().strip() == table.split("\njson ")[0].strip()
+    assert kept.with_suffix(".txt").read_text().strip() == table.split("\neval_json ")[0].strip()
     with kept.with_suffix(".csv").open(newline="") as f:  # and a CSV pandas.read_csv opens
         rows = {row["metric"]: row for row in csv.DictReader(f)}
     assert float(rows["knn/auroc"]["pretrained"]) == report["pretrained"]["knn/auroc"]

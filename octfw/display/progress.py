@@ -3,17 +3,28 @@
 One rule decides where a live display goes (:func:`watched`): the console
 logger's training bar and the bar of long commands (``prepare``, ``eval``)
 use it, so ``octfw.train()`` in a notebook shows the same bar as ``octfw
-run`` in a terminal, and a log file or a pipe gets plain lines.
+run`` in a terminal, and a log file or a pipe gets plain lines (with
+``log_every``: an INFO line every so many seconds while the work lasts, so a
+long command in a batch job's log is seen to move).
+
+A long fit inside a unit of work (an evaluator training a decoder for a
+thousand steps) reports its steps through :func:`fit_step`; whoever shows
+progress listens with :func:`fit_steps` and adds them to the bar's text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import logging
+import threading
 import time
 import sys
 from typing import IO, Any, Callable, Iterator
 
-__all__ = ["watched", "progress_bar"]
+__all__ = ["watched", "progress_bar", "fit_step", "fit_steps"]
+
+logger = logging.getLogger(__name__)
 
 
 def watched(stream: IO[str]) -> bool:
@@ -43,11 +54,61 @@ def rate_text(done: int, seconds: float, unit: str) -> str:
     return f"{seconds / done:.3g} s per {unit.rstrip('s')}"
 
 
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}:{seconds:02d}" if minutes < 60 else f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+
+
+class _Logged:
+    """``update(done, total, text)`` for a log: an INFO line ``label: done/total (elapsed) text``
+    once ``every`` seconds have passed since the last line (or the start), and the last update's
+    once the work ends after a line was written. A watcher thread writes the newest state when
+    no update came for ``every`` seconds (a long first unit, volumes still loading): a job's log
+    shows it moving, while a command that ends (or fails) within ``every`` seconds writes
+    nothing, so a one-line error stays one line."""
+
+    def __init__(self, label: str, text: str, every: float):
+        self.label, self.every = label, every
+        self.start = self.last = clock()
+        self.state: tuple[int | None, int | None, str] = (None, None, text)
+        self.lock = threading.Lock()
+        self.logged = False
+        self.stopped = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, name="octfw-progress-log", daemon=True)
+        self.watcher.start()
+
+    def _line(self, now: float) -> None:  # under self.lock
+        done, total, text = self.state
+        counted = "" if done is None else f" {done}/{total}"
+        logger.info("%s:%s (%s) %s", self.label, counted, _duration(now - self.start), text)
+        self.last, self.logged = now, True
+
+    def __call__(self, done: int, total: int, text: str = "") -> None:
+        with self.lock:
+            self.state = (done, total, text)
+            now = clock()
+            if now - self.last >= self.every or (done >= total and self.logged):
+                self._line(now)
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.every):
+            with self.lock:
+                now = clock()
+                if now - self.last >= self.every:
+                    self._line(now)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.watcher.join()
+
+
 @contextlib.contextmanager
-def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterator[Callable[..., None] | None]:
+def progress_bar(label: str, unit: str | None = None, text: str = "",
+                 log_every: float | None = None) -> Iterator[Callable[..., None] | None]:
     """A rich progress bar on stderr when a person watches it (a terminal or a Jupyter
     notebook; stdout keeps tables and JSON); None otherwise, so logs and pipes get no
-    control characters.
+    control characters, or with ``log_every`` an update that logs plain lines, at most one
+    every ``log_every`` seconds (:class:`_Logged`).
 
     Yields ``update(done, total, text="")``; ``text`` is shown until the first update.
     With ``unit`` the bar also shows the rate and an ETA: for work whose items take
@@ -56,7 +117,14 @@ def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterato
     finishing together skews it), shown once a second has passed.
     """
     if not watched(sys.stderr):
-        yield None
+        if log_every is None:
+            yield None
+            return
+        logged = _Logged(label, text, log_every)
+        try:
+            yield logged
+        finally:
+            logged.close()
         return
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -79,3 +147,26 @@ def progress_bar(label: str, unit: str | None = None, text: str = "") -> Iterato
             bar.update(task, completed=done, total=total, description=text, rate=rate)
 
         yield update
+
+
+#: The listener of :func:`fit_step` in this context (None: nobody shows a fit's steps).
+_fit_listener: contextvars.ContextVar[Callable[[int, int], None] | None] = contextvars.ContextVar(
+    "octfw_fit_listener", default=None)
+
+
+def fit_step(done: int, total: int) -> None:
+    """Called by a long fit after each of its ``total`` steps; shown by the progress that listens
+    (:func:`fit_steps`), else nothing. Costs a context lookup: no host sync, no output."""
+    listener = _fit_listener.get()
+    if listener is not None:
+        listener(done, total)
+
+
+@contextlib.contextmanager
+def fit_steps(listener: Callable[[int, int], None]) -> Iterator[None]:
+    """Route :func:`fit_step` calls made inside the block to ``listener(done, total)``."""
+    token = _fit_listener.set(listener)
+    try:
+        yield
+    finally:
+        _fit_listener.reset(token)

@@ -18,15 +18,19 @@ from typing import Any, Sequence
 import attrs
 
 from octfw.display.errors import UserError
+from octfw.evaluation.reporting import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, boundary_legend, format_difference,
+                                       format_value, is_interval_key, plain_differences, test_split_line,
+                                       test_split_summary, with_interval)
 from octfw.evaluation.target import (
-    INTERVAL_LEGEND,
+    Counter,
     EvalRecipe,
     Progress,
     build_evaluators,
     checkpoint_model,
     eval_device,
-    format_value,
+    kept_predictions,
     main_metric,
+    paired_differences,
     run_evaluators,
 )
 from octfw.registry import Registry
@@ -50,17 +54,24 @@ class CheckpointsReport:
     locations: list[str]
     pretrained: list[dict[str, float]]  #: one "<evaluator>/<metric>" -> value mapping per step
     random_init: dict[str, float]
+    #: one mapping per step: that checkpoint minus the baseline for every metric both report, with
+    #: paired bootstrap intervals where the evaluator keeps its test predictions
+    differences: list[dict[str, float]] = attrs.field(factory=list)
+    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.test_split_summary`)
+    test_split: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
     def csv_rows(self) -> list[dict[str, Any]]:
-        """One row per checkpoint (its update step; ``random`` for the baseline) and metric."""
-        from octfw.evaluation.target import is_interval_key, with_interval
-
-        probed = [*zip(self.steps, self.pretrained), ("random", self.random_init)]
-        return [{"update_step": step, "metric": key, **with_interval(scores, key, "value")}
-                for step, scores in probed for key in scores if not is_interval_key(key.partition("/")[2])]
+        """One row per checkpoint (its update step; ``random`` for the baseline) and metric: the
+        value, its interval, and a checkpoint's difference from the baseline with its interval."""
+        differences = self.differences or [{} for _ in self.steps]
+        probed = [*zip(self.steps, self.pretrained, differences), ("random", self.random_init, {})]
+        return [{"update_step": step, "metric": key, **with_interval(scores, key, "value"),
+                 **with_interval(difference, key, "difference")}
+                for step, scores, difference in probed for key in scores
+                if not is_interval_key(key.partition("/")[2])]
 
 
 def run_checkpoints(run_dir: Path, registry: Registry) -> tuple[Any, list[tuple[int, str]]]:
@@ -125,27 +136,23 @@ def compare_checkpoints(run_dir: str | Path, recipe: EvalRecipe, registry: Regis
     step, location = chosen[-1]
     newest = checkpoint_model(location, checkpointer.load(location), seed, registry)
     evaluators = build_evaluators(newest, recipe, registry)
-    total, done = (len(chosen) + 1) * len(evaluators), 0
-
-    def advance(text: str) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total, text)
-
-    random_init = run_evaluators(newest.random_init, evaluators, device, step,
-                                 lambda name: advance(f"random init: {name}"))
-    results = []
+    counter = Counter((len(chosen) + 1) * len(evaluators), progress)
+    random_init = run_evaluators(newest.random_init, evaluators, device, step, counter, "random init")
+    baseline = {"random_init": kept_predictions(evaluators)}
+    results, differences = [], []
     for step, location in chosen:
         target = newest if location == newest.location else checkpoint_model(
             location, checkpointer.load(location), seed, registry, random_init=False)
         if (target.image_size, target.patch_size) != (newest.image_size, newest.patch_size):
             raise UserError(f"{location}: image or patch size differs from {newest.location}; "
                             "compare checkpoints of one geometry")
-        results.append(run_evaluators(target.pretrained, evaluators, device, step,
-                                      lambda name, step=step: advance(f"step {step}: {name}")))
+        results.append(run_evaluators(target.pretrained, evaluators, device, step, counter, f"step {step}"))
+        paired = paired_differences(evaluators, {**baseline, "checkpoint": kept_predictions(evaluators)},
+                                    "checkpoint", "random_init")
+        differences.append(plain_differences(results[-1], random_init, paired))
     return CheckpointsReport(str(run_dir), seed, str(device), [s for s, _ in chosen],
-                             [loc for _, loc in chosen], results, random_init)
+                             [loc for _, loc in chosen], results, random_init, differences,
+                             test_split_summary(evaluators))
 
 
 def _evaluators(report: CheckpointsReport) -> list[str]:
@@ -154,20 +161,29 @@ def _evaluators(report: CheckpointsReport) -> list[str]:
 
 
 def format_checkpoints(report: CheckpointsReport) -> str:
-    """One table per evaluator: a row per checkpoint and one for the random baseline."""
+    """One table per evaluator: a row per checkpoint and one for the random baseline; the plotted
+    metric's difference from the baseline closes each checkpoint's row."""
     lines = [f"run       {report.run_dir}",
              f"baseline  same architecture, randomly initialised (seed {report.seed})",
-             f"device    {report.device}", ""]
+             f"device    {report.device}", test_split_line(report.test_split, _evaluators(report)), ""]
+    differences = report.differences or [{} for _ in report.steps]
     for evaluator in _evaluators(report):
         metrics = [m for m in TABLE_METRICS if f"{evaluator}/{m}" in report.random_init]
-        table = [["update step"] + metrics]
-        for step, scores in zip(report.steps, report.pretrained):
-            table.append([str(step)] + [format_value(scores, f"{evaluator}/{m}") for m in metrics])
-        table.append(["random init"] + [format_value(report.random_init, f"{evaluator}/{m}") for m in metrics])
+        reported = [k.partition("/")[2] for k in report.random_init if k.startswith(f"{evaluator}/")]
+        gain = main_metric(reported, None)
+        table = [["update step"] + metrics + [f"{gain} - random"]]
+        for step, scores, difference in zip(report.steps, report.pretrained, differences):
+            table.append([str(step)] + [format_value(scores, f"{evaluator}/{m}") for m in metrics]
+                         + [format_difference(difference, f"{evaluator}/{gain}")])
+        table.append(["random init"] + [format_value(report.random_init, f"{evaluator}/{m}") for m in metrics]
+                     + [""])
         lines.append(f"{evaluator}:")
         lines += [render_table(table[0], table[1:], right=range(len(table[0])), indent=2), ""]
     if any("_ci_low" in k for k in report.random_init):
         lines.append(INTERVAL_LEGEND)
+    if any(is_interval_key(k.partition("/")[2]) for d in differences for k in d):
+        lines.append(DIFFERENCE_LEGEND)
+    lines += boundary_legend(report.test_split, list(report.random_init))
     return "\n".join(lines).rstrip()
 
 

@@ -17,13 +17,15 @@ from typing import Any, Sequence
 import attrs
 
 from octfw.display.errors import UserError
-from octfw.evaluation.target import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, EvalRecipe, Progress, build_evaluators,
-                                     eval_device, format_value, interval_keys, is_interval_key, load_target,
-                                     paired_differences, score_models, with_interval)
+from octfw.evaluation.reporting import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, boundary_legend, format_difference,
+                                       format_value, is_interval_key, plain_differences, test_split_line,
+                                       test_split_summary, with_interval)
+from octfw.evaluation.target import (EvalRecipe, EvalTarget, Progress, build_evaluators, eval_device, load_target,
+                                     paired_differences, score_models)
 from octfw.registry import Registry
 from octfw.display.tables import render_table
 
-__all__ = ["ComparisonReport", "source_labels", "compare_sources", "format_comparison"]
+__all__ = ["ComparisonReport", "source_labels", "load_targets", "compare_sources", "format_comparison"]
 
 #: The baseline's column.
 RANDOM = "random init"
@@ -35,8 +37,11 @@ class ComparisonReport:
     device: str
     locations: dict[str, str]  #: label -> the checkpoint, export or recipe evaluated
     scores: dict[str, dict[str, float]]  #: label -> "<evaluator>/<metric>" -> value; RANDOM included
-    #: label -> that encoder minus the baseline, with paired bootstrap intervals
+    #: label -> that encoder minus the baseline for every metric both report, with paired bootstrap
+    #: intervals where the evaluator keeps its test predictions
     differences: dict[str, dict[str, float]]
+    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.test_split_summary`)
+    test_split: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -75,35 +80,37 @@ def source_labels(sources: Sequence[str], names: Sequence[str] | None) -> list[s
     return labels
 
 
+def load_targets(sources: Sequence[str], labels: Sequence[str], seed: int,
+                 registry: Registry) -> dict[str, EvalTarget]:
+    """``{label: target}`` of each source, refused unless all share the first one's input geometry
+    (the evaluators prepare the volumes once, for all of them)."""
+    targets = {label: load_target(source, seed, registry) for label, source in zip(labels, sources)}
+    first_label, first = next(iter(targets.items()))
+    for label, target in targets.items():
+        if (target.image_size, target.patch_size) != (first.image_size, first.patch_size):
+            raise UserError(f"{label} ({target.location}) sees image_size {list(target.image_size or ())}, "
+                            f"patch_size {list(target.patch_size or ())}; {first_label} sees "
+                            f"{list(first.image_size or ())}, {list(first.patch_size or ())}: encoders compared "
+                            "side by side share one input geometry")
+    return targets
+
+
 def compare_sources(sources: Sequence[str], labels: Sequence[str], recipe: EvalRecipe, registry: Registry,
                     progress: Progress | None = None) -> ComparisonReport:
     """Every evaluator of ``recipe`` on each source and on one randomly initialised baseline."""
-    targets = [load_target(source, recipe.run.seed, registry) for source in sources]
-    first = targets[0]
-    for label, target in zip(labels[1:], targets[1:]):
-        if (target.image_size, target.patch_size) != (first.image_size, first.patch_size):
-            raise UserError(f"{label} ({target.location}) sees image_size {list(target.image_size or ())}, "
-                            f"patch_size {list(target.patch_size or ())}; {labels[0]} sees "
-                            f"{list(first.image_size or ())}, {list(first.patch_size or ())}: encoders compared "
-                            "side by side share one input geometry")
+    targets = load_targets(sources, labels, recipe.run.seed, registry)
+    first = next(iter(targets.values()))
     device = eval_device(recipe)
     evaluators = build_evaluators(first, recipe, registry)
-    models = [*((label, t.pretrained) for label, t in zip(labels, targets)), (RANDOM, first.random_init)]
+    models = [*((label, t.pretrained) for label, t in targets.items()), (RANDOM, first.random_init)]
     scores, predictions = score_models(models, evaluators, device, 0, progress)
-    differences = {label: paired_differences(evaluators, predictions, label, RANDOM) for label in labels}
+    differences = {label: plain_differences(scores[label], scores[RANDOM],
+                                            paired_differences(evaluators, predictions, label, RANDOM))
+                   for label in labels}
     locations = {label: t.location + ("" if t.update_step is None else f" (update step {t.update_step})")
-                 for label, t in zip(labels, targets)}
-    return ComparisonReport(recipe.run.seed, str(device), locations, scores, differences)
-
-
-def _difference(report: ComparisonReport, label: str, key: str) -> str:
-    value, baseline = report.scores[label].get(key), report.scores[RANDOM].get(key)
-    if value is None or baseline is None:
-        return "-"
-    evaluator, _, metric = key.partition("/")
-    low, high = (report.differences[label].get(f"{evaluator}/{k}") for k in interval_keys(metric))
-    text = f"{value - baseline:+.3f}"
-    return text if low is None or high is None else f"{text} [{low:+.2f}, {high:+.2f}]"
+                 for label, t in targets.items()}
+    return ComparisonReport(recipe.run.seed, str(device), locations, scores, differences,
+                            test_split_summary(evaluators))
 
 
 def format_comparison(report: ComparisonReport) -> str:
@@ -112,15 +119,19 @@ def format_comparison(report: ComparisonReport) -> str:
     width = max(len(label) for label in report.locations)
     lines = [f"{label.ljust(width)}  {location}" for label, location in report.locations.items()]
     lines += [f"{RANDOM.ljust(width)}  the first encoder's architecture, randomly initialised (seed {report.seed})",
-              f"{'device'.ljust(width)}  {report.device}", ""]
+              f"{'device'.ljust(width)}  {report.device}"]
     labels = list(report.locations)
+    lines += [test_split_line(report.test_split, list(dict.fromkeys(k.partition("/")[0] for k in report.metrics()))),
+              ""]
     lines.append(render_table(
         ["metric", *labels, RANDOM, *(f"{label} - random" for label in labels)],
         [[key, *(format_value(report.scores[label], key) for label in [*labels, RANDOM]),
-          *(_difference(report, label, key) for label in labels)] for key in report.metrics()],
+          *(format_difference(report.differences[label], key) for label in labels)] for key in report.metrics()],
         right=tuple(range(1, 2 * len(labels) + 2))))
+    lines.append("")
     if any(is_interval_key(k.partition("/")[2]) for scores in report.scores.values() for k in scores):
-        lines += ["", INTERVAL_LEGEND]
-    if any(report.differences.values()):
+        lines.append(INTERVAL_LEGEND)
+    if any(is_interval_key(k.partition("/")[2]) for d in report.differences.values() for k in d):
         lines.append(DIFFERENCE_LEGEND)
-    return "\n".join(lines)
+    lines += boundary_legend(report.test_split, report.metrics())
+    return "\n".join(lines).rstrip()

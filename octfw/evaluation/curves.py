@@ -51,13 +51,13 @@ def _save(fig, png: str | Path, title: str) -> Path:
 
 
 def plot_label_efficiency(curves: Mapping[str, tuple[str, Mapping[str, Sequence[ShotPoint]]]],
-                          png: str | Path, title: str = "") -> Path:
+                          png: str | Path, title: str = "", xlabels: Mapping[str, str] | None = None) -> Path:
     """``curves[evaluator] = (metric, {encoder: points})`` -> one panel per evaluator,
-    one line per encoder.
+    one line per encoder (``random_init`` dashed).
 
     x: labelled volumes per class (log scale; ``all`` at the train split's
-    mean per class, labelled "all"); y: the metric's mean over draws, with
-    the standard deviation as error bars.
+    mean per class, labelled "all"), or what ``xlabels[evaluator]`` says; y: the
+    metric's mean over draws, with the standard deviation as error bars.
     """
     fig, axes = _panels(len(curves))
     for ax, (evaluator, (metric, by_encoder)) in zip(axes, curves.items()):
@@ -65,12 +65,12 @@ def plot_label_efficiency(curves: Mapping[str, tuple[str, Mapping[str, Sequence[
         for encoder, points in by_encoder.items():
             xs = [p[1] for p in points]
             ax.errorbar(xs, [p[2] for p in points], yerr=[p[3] for p in points], marker="o", capsize=3,
-                        linestyle="-" if encoder == "pretrained" else "--", label=encoder.replace("_", " "))
+                        linestyle="--" if encoder == "random_init" else "-", label=encoder.replace("_", " "))
             ticks.update({p[1]: p[0] for p in points})
         ax.set_xscale("log")
         ax.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)])
         ax.minorticks_off()
-        _label(ax, "labelled volumes per class", metric, evaluator)
+        _label(ax, (xlabels or {}).get(evaluator, "labelled volumes per class"), metric, evaluator)
     return _save(fig, png, title)
 
 

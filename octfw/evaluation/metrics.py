@@ -29,6 +29,7 @@ are dropped, and no interval is given when half of them or more are.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -170,23 +171,56 @@ def _estimate(key: str, values: np.ndarray, resamples: int) -> dict[str, float]:
     return out
 
 
+def _weighted_accuracies(labels: np.ndarray, probabilities: np.ndarray, classes: np.ndarray,
+                         weights: np.ndarray) -> dict[str, np.ndarray]:
+    """``{"accuracy": [B], "balanced_accuracy": [B]}`` for each row of ``weights`` (``[B, N]``):
+    the weighted share of volumes predicted right, and the mean over the classes a row holds of
+    their weighted recall (:func:`balanced_accuracy` for all-one weights)."""
+    correct = (classes[np.argmax(probabilities, axis=1)] == labels).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        recalls = []
+        for label in np.unique(labels):
+            members = (labels == label).astype(np.float64)
+            held = weights @ members
+            recalls.append(np.where(held > 0, (weights @ (correct * members)) / held, np.nan))
+        with warnings.catch_warnings():  # a row holding none of a class leaves it out
+            warnings.simplefilter("ignore", RuntimeWarning)
+            balanced = np.nanmean(np.stack(recalls), axis=0)
+        return {"accuracy": (weights @ correct) / weights.sum(axis=1), "balanced_accuracy": balanced}
+
+
 def paired_difference(labels: np.ndarray, first: np.ndarray, second: np.ndarray, classes: np.ndarray, *,
                       groups: Sequence[object] | None = None, bootstrap: int = 0, seed: int = 0) -> dict[str, float]:
-    """``auroc`` and ``auprc`` of ``first`` minus those of ``second`` (two models' test
-    probabilities ``[N, K]`` on the same volumes), with ``_ci_low`` / ``_ci_high``: the 95 %
-    interval of the difference over ``bootstrap`` resamples, each drawn once and scored for both
-    models (a paired bootstrap: what the two share cancels, so the interval is that of the gain,
-    not of two separate estimates)."""
+    """``accuracy``, ``balanced_accuracy``, ``auroc`` and ``auprc`` of ``first`` minus those of
+    ``second`` (two models' test probabilities ``[N, K]`` on the same volumes), with ``_ci_low`` /
+    ``_ci_high``: the 95 % interval of the difference over ``bootstrap`` resamples (whole
+    ``groups``, patients, when given), each drawn once and scored for both models (a paired
+    bootstrap: what the two share cancels, so the interval is that of the gain, not of two
+    separate estimates).
+
+    ``first`` and ``second`` may hold several fits each, ``[F, N, K]`` (the draws of ``octfw eval
+    --shots``, fit ``f`` of both on the same train volumes): the difference is then the mean over
+    fits, every fit scored on the same resamples, so the interval is that of the mean gain over
+    test patients (not over the choice of the train volumes)."""
     if len(classes) < 2:
         return {}
     labels = np.asarray(labels)
+    firsts, seconds = (np.asarray(p, dtype=np.float64) for p in (first, second))
+    if firsts.ndim == 2:
+        firsts, seconds = firsts[None], seconds[None]
     group_array = None if groups is None else np.asarray([str(g) for g in groups])
     weights = _point_and_resamples(len(labels), bootstrap, np.random.default_rng(seed), group_array)
-    a = one_vs_rest(labels, np.asarray(first, dtype=np.float64), classes, weights)
-    b = one_vs_rest(labels, np.asarray(second, dtype=np.float64), classes, weights)
+    gains: dict[str, list[np.ndarray]] = {}
+    for a_probabilities, b_probabilities in zip(firsts, seconds):
+        a = {**_weighted_accuracies(labels, a_probabilities, classes, weights),
+             **one_vs_rest(labels, a_probabilities, classes, weights)}
+        b = {**_weighted_accuracies(labels, b_probabilities, classes, weights),
+             **one_vs_rest(labels, b_probabilities, classes, weights)}
+        for key in a:
+            gains.setdefault(key, []).append(a[key] - b[key])
     out: dict[str, float] = {}
-    for key in a:
-        out.update(_estimate(key, a[key] - b[key], bootstrap))
+    for key, values in gains.items():
+        out.update(_estimate(key, np.mean(values, axis=0), bootstrap))
     return out
 
 

@@ -89,13 +89,16 @@ def label_efficiency(
     seed: int,
     on_fit: Callable[[str], None] | None = None,
     name: str | None = None,
+    on_draw: Callable[[int | None, int, dict[str, float]], None] | None = None,
 ) -> list[tuple[int | None, list[dict[str, float]]]]:
     """``[(shots, [metrics of each draw])]`` for a :class:`octfw.types.RefittingEvaluator`
     (the built-in feature evaluators). ``on_fit(text)`` is called after each fit (progress);
-    ``name`` is the evaluator's in messages (default: its class)."""
+    ``name`` is the evaluator's in messages (default: its class); ``on_draw(shots, draw, metrics)``
+    right after each fit, while the evaluator still holds that fit's test predictions."""
     train = evaluator.split()[0]
     pool = np.asarray(evaluator.fit_positions(), dtype=np.int64)
     where = f"evaluator {name or type(evaluator).__name__}: "
+    counted = "volumes" if len(np.unique(train.labels[pool])) == 1 else "per class"
     results = []
     for count in shots:
         runs = []
@@ -103,8 +106,10 @@ def label_efficiency(
             positions = pool if count is ALL else sample_per_class(
                 train.labels, pool, count, np.random.default_rng([seed, count, draw]), where)
             runs.append(evaluator.score(encoded, positions))
+            if on_draw is not None:
+                on_draw(count, draw, runs[-1])
             if on_fit is not None:
-                on_fit(f"{shot_label(count)} per class, draw {draw + 1}")
+                on_fit(f"{shot_label(count)} {counted}, draw {draw + 1}")
         results.append((count, runs))
     return results
 

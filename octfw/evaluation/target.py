@@ -16,8 +16,9 @@ every saved checkpoint of a run) reuse its recipe, targets and evaluators.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -25,20 +26,16 @@ import torch
 from octfw.display.errors import RecipeError, UserError
 from octfw.recipe.fields import Location, choices, doc, non_negative
 from octfw.recipe import cache_dir_for
+from octfw.evaluation.reporting import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, boundary_legend, format_difference,
+                                       format_value, is_interval_key, plain_differences, test_split_line,
+                                       test_split_summary, with_interval)
 from octfw.registry import Registry
 from octfw.display.tables import render_table
 from octfw.types import BuildContext, ComparingEvaluator
 
-__all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress", "load_eval_recipe",
-           "load_target", "recipe_model", "checkpoint_model", "eval_device", "build_evaluators", "score_models",
-           "paired_differences", "evaluate_target", "interval_keys",
-           "run_evaluators", "format_report", "format_value", "is_interval_key", "main_metric"]
-
-#: The line under a table whose values carry a bootstrap interval.
-INTERVAL_LEGEND = "[low, high]: bootstrap 95 % interval over test volumes (whole patients when known)"
-#: ... and the line under the difference column's intervals.
-DIFFERENCE_LEGEND = ("difference [low, high]: paired bootstrap 95 % interval (both encoders scored on the "
-                     "same resamples); an interval above 0 is a gain")
+__all__ = ["EvalRunConfig", "EvalRecipe", "EvalTarget", "EvalReport", "Progress", "Counter", "load_eval_recipe",
+           "load_target", "recipe_model", "checkpoint_model", "eval_device", "build_evaluators", "kept_predictions",
+           "score_models", "paired_differences", "evaluate_target", "run_evaluators", "format_report", "main_metric"]
 
 #: ``progress(done, total, text)``: called as units of work finish (a progress bar's update).
 Progress = Callable[[int, int, str], None]
@@ -216,9 +213,11 @@ class EvalReport:
     device: str
     pretrained: dict[str, float]  #: "<evaluator>/<metric>" -> value
     random_init: dict[str, float]
-    #: pretrained minus random init, "<evaluator>/auroc" (and auprc) with a paired bootstrap
-    #: interval ("<evaluator>/auroc_ci_low", ...), for evaluators that keep their test predictions
+    #: pretrained minus random init for every metric both report; with a paired bootstrap interval
+    #: ("<evaluator>/auroc_ci_low", ...) where the evaluator keeps its test predictions
     difference: dict[str, float] = attrs.field(factory=dict)
+    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.test_split_summary`)
+    test_split: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -232,18 +231,8 @@ class EvalReport:
             for column, scores in (("pretrained", self.pretrained), ("random_init", self.random_init),
                                    ("difference", self.difference)):
                 row.update(with_interval(scores, key, column))
-            if row["difference"] == "" and "" not in (row["pretrained"], row["random_init"]):
-                row["difference"] = row["pretrained"] - row["random_init"]
             rows.append(row)
         return rows
-
-
-def with_interval(scores: Mapping[str, float], key: str, column: str) -> dict[str, Any]:
-    """``{column: value, column_ci_low: ..., column_ci_high: ...}`` of ``key`` ("" where missing)."""
-    evaluator, _, metric = key.partition("/")
-    low, high = interval_keys(metric)
-    return {column: scores.get(key, ""), f"{column}_ci_low": scores.get(f"{evaluator}/{low}", ""),
-            f"{column}_ci_high": scores.get(f"{evaluator}/{high}", "")}
 
 
 def eval_device(recipe: EvalRecipe) -> torch.device:
@@ -262,21 +251,56 @@ def build_evaluators(target: EvalTarget, recipe: EvalRecipe, registry: Registry)
     return [(spec.name, spec.build(ctx)) for spec in recipe.evaluators]
 
 
+class Counter:
+    """Units of work (an encoder's evaluation, an encoding, a fit) done out of ``total``, told to
+    ``progress`` as each finishes; while one runs (:meth:`running`), the steps of a long fit in it
+    (:func:`octfw.display.progress.fit_step`) are told too."""
+
+    def __init__(self, total: int, progress: Progress | None):
+        self.total, self.done, self.progress = total, 0, progress
+
+    def finished(self, text: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, text)
+
+    @contextlib.contextmanager
+    def running(self, text: str) -> Iterator[None]:
+        from octfw.display.progress import fit_steps
+
+        progress = self.progress
+        if progress is None:
+            yield
+            return
+        with fit_steps(lambda step, steps: progress(self.done, self.total, f"{text}: fit step {step}/{steps}")):
+            yield
+
+
 def run_evaluators(model: torch.nn.Module, evaluators: Sequence[tuple[str, Any]], device: torch.device,
-                   update_step: int, on_done: Callable[[str], None] | None = None) -> dict[str, float]:
-    """``{"<evaluator>/<metric>": value}`` of ``model``, moved to ``device`` for the time it takes."""
+                   update_step: int, counter: Counter | None = None, label: str = "") -> dict[str, float]:
+    """``{"<evaluator>/<metric>": value}`` of ``model``, moved to ``device`` for the time it takes;
+    each evaluator is a unit of ``counter``'s work, named ``<label>: <evaluator>``."""
     model = model.to(device)
     scores: dict[str, float] = {}
     try:
         with torch.no_grad():
             for name, evaluator in evaluators:
-                for key, value in evaluator.evaluate(model, device, update_step).items():
-                    scores[f"{name}/{key}"] = float(value)
-                if on_done is not None:
-                    on_done(name)
+                where = f"{label}: {name}" if label else name
+                with counter.running(where) if counter is not None else contextlib.nullcontext():
+                    for key, value in evaluator.evaluate(model, device, update_step).items():
+                        scores[f"{name}/{key}"] = float(value)
+                if counter is not None:
+                    counter.finished(where)
     finally:
         model.to("cpu")
     return scores
+
+
+def kept_predictions(evaluators: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """``{evaluator: its newest test predictions}`` of the :class:`ComparingEvaluator` s (for
+    :func:`paired_differences`), read after an evaluation."""
+    return {name: evaluator.last_test_probabilities for name, evaluator in evaluators
+            if isinstance(evaluator, ComparingEvaluator)}
 
 
 def score_models(models: Sequence[tuple[str, torch.nn.Module]], evaluators: Sequence[tuple[str, Any]],
@@ -284,22 +308,12 @@ def score_models(models: Sequence[tuple[str, torch.nn.Module]], evaluators: Sequ
                  ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
     """Every evaluator on each ``(label, model)``: ``({label: scores}, {label: {evaluator: test
     predictions}})``, the predictions of :class:`ComparingEvaluator` s only (paired differences)."""
-    total, done = len(models) * len(evaluators), 0
+    counter = Counter(len(models) * len(evaluators), progress)
     scores: dict[str, dict[str, float]] = {}
     predictions: dict[str, dict[str, Any]] = {}
     for label, model in models:
-        kept = predictions.setdefault(label, {})
-
-        def advance(name: str, label: str = label, kept: dict[str, Any] = kept) -> None:
-            nonlocal done
-            done += 1
-            evaluator = dict(evaluators)[name]
-            if isinstance(evaluator, ComparingEvaluator):
-                kept[name] = evaluator.last_test_probabilities
-            if progress is not None:
-                progress(done, total, f"{label.replace('_', ' ')}: {name}")
-
-        scores[label] = run_evaluators(model, evaluators, device, update_step, advance)
+        scores[label] = run_evaluators(model, evaluators, device, update_step, counter, label.replace("_", " "))
+        predictions[label] = kept_predictions(evaluators)
     return scores, predictions
 
 
@@ -319,9 +333,11 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
     evaluators = build_evaluators(target, recipe, registry)
     scores, predictions = score_models([("pretrained", target.pretrained), ("random_init", target.random_init)],
                                        evaluators, device, target.update_step or 0, progress)
+    paired = paired_differences(evaluators, predictions, "pretrained", "random_init")
     return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),
                       scores["pretrained"], scores["random_init"],
-                      paired_differences(evaluators, predictions, "pretrained", "random_init"))
+                      plain_differences(scores["pretrained"], scores["random_init"], paired),
+                      test_split_summary(evaluators))
 
 
 #: What :func:`main_metric` plots when none is asked for, the first reported: a classifier's AUROC or
@@ -341,60 +357,25 @@ def main_metric(metrics: Sequence[str], asked: str | None) -> str:
     return next((m for m in PLOTTED_METRICS if m in metrics), "balanced_accuracy")
 
 
-CI_SUFFIXES = ("_ci_low", "_ci_high")
-
-
-def interval_keys(key: str) -> tuple[str, str]:
-    """The keys of ``key``'s bootstrap interval: ``auroc`` -> ``auroc_ci_low``, ``auroc_ci_high``
-    (a per-domain ``auroc/topcon`` -> ``auroc_ci_low/topcon``, ...)."""
-    metric, _, domain = key.partition("/")
-    tail = f"/{domain}" if domain else ""
-    return f"{metric}_ci_low{tail}", f"{metric}_ci_high{tail}"
-
-
-def is_interval_key(key: str) -> bool:
-    return key.partition("/")[0].endswith(CI_SUFFIXES)
-
-
-def format_value(scores: Mapping[str, float], key: str) -> str:
-    """``0.813`` or, with its bootstrap interval, ``0.813 [0.70, 0.91]``; ``-`` when missing."""
-    evaluator, _, metric = key.partition("/")
-    value = scores.get(key)
-    if value is None:
-        return "-"
-    low, high = (scores.get(f"{evaluator}/{k}") for k in interval_keys(metric))
-    text = f"{value:.3f}"
-    return text if low is None or high is None else f"{text} [{low:.2f}, {high:.2f}]"
-
-
-def _difference(report: EvalReport, key: str) -> str:
-    """``+0.125``: pretrained minus random init (the gain pretraining bought), with its paired
-    bootstrap interval where the evaluator gave one: ``+0.125 [+0.03, +0.22]``; ``-`` when one is missing."""
-    pretrained, random_init = report.pretrained.get(key), report.random_init.get(key)
-    if pretrained is None or random_init is None:
-        return "-"
-    evaluator, _, metric = key.partition("/")
-    low, high = (report.difference.get(f"{evaluator}/{k}") for k in interval_keys(metric))
-    text = f"{pretrained - random_init:+.3f}"
-    return text if low is None or high is None else f"{text} [{low:+.2f}, {high:+.2f}]"
-
-
 def format_report(report: EvalReport) -> str:
     """A plain-text table: one row per metric, pretrained next to random init;
     an AUROC or AUPRC carries its bootstrap 95 % interval in brackets."""
     step = "" if report.update_step is None else f" (update step {report.update_step})"
     lines = [f"encoder   {report.location}{step}",
              f"baseline  same architecture, randomly initialised (seed {report.seed})",
-             f"device    {report.device}", ""]
+             f"device    {report.device}"]
     keys = list(report.pretrained) + [k for k in report.random_init if k not in report.pretrained]
     keys = [k for k in keys if not is_interval_key(k.partition("/")[2])]
+    lines += [test_split_line(report.test_split, list(dict.fromkeys(k.partition("/")[0] for k in keys))), ""]
     lines.append(render_table(
         ["metric", "pretrained", "random init", "difference"],
         [[key, format_value(report.pretrained, key), format_value(report.random_init, key),
-          _difference(report, key)] for key in keys],
+          format_difference(report.difference, key)] for key in keys],
         right=(1, 2, 3)))
+    lines.append("")
     if any(is_interval_key(k.partition("/")[2]) for k in report.pretrained):
-        lines += ["", INTERVAL_LEGEND]
-    if report.difference:
+        lines.append(INTERVAL_LEGEND)
+    if any(is_interval_key(k.partition("/")[2]) for k in report.difference):
         lines.append(DIFFERENCE_LEGEND)
-    return "\n".join(lines)
+    lines += boundary_legend(report.test_split, keys)
+    return "\n".join(lines).rstrip()

@@ -54,9 +54,14 @@ class ComparingEvaluator(Evaluator, Protocol):
     """Optional: an evaluator that compares two models on the same test volumes (``octfw eval``:
     pretrained against random init).
 
-    ``last_test_probabilities`` holds the test probabilities of its newest
-    evaluation (None before one); ``difference(first, second)`` returns the
-    paired metrics of two such arrays, first minus second.
+    ``last_test_probabilities`` holds what its newest evaluation kept of each test
+    volume (None before one): a classifier's probabilities, a segmentation's
+    per-volume Dice and boundary errors; a mapping of arrays with the test volumes
+    along their first axis. ``difference(first, second)`` returns the paired
+    metrics of two such mappings, first minus second, with bootstrap intervals.
+    ``octfw eval --shots`` also passes several fits of each, every array stacked
+    along a new first axis (fit ``f`` of both on the same train volumes): the
+    difference is then the mean over the fits.
     """
 
     last_test_probabilities: Any

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from octfw.evaluation.attentive import (attentive_forward, channel_statistics, decayed, epoch_order,
                                         initial_parameters, layout)
+from octfw.display.progress import fit_step
 from octfw.engine.schedules import warmup_cosine
 
 __all__ = ["AttentiveProbeGrid", "Selection", "fit_attentive_grid", "select_member", "validation_scores",
@@ -189,6 +190,7 @@ def fit_attentive_grid(
                 val_logits = AttentiveProbeGrid({**_views(flat, shapes), **stats}, num_heads, members).logits(
                     val_tokens)
             balanced, losses, _single = validation_scores(val_logits, val_targets)
+            fit_step(epoch, max_epochs)  # octfw eval's progress, where one listens (patience may stop it sooner)
             improved = [balanced[g] > best_key[g][0]
                         or (balanced[g] == best_key[g][0] and losses[g] < best_key[g][1] - LOSS_TOLERANCE)
                         for g in range(len(members))]

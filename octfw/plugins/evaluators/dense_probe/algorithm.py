@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octfw.evaluation.fine_tuning import parameter_groups
+from octfw.display.progress import fit_step
 from octfw.engine.schedules import warmup_cosine
 
 __all__ = ["TOKEN_TARGETS", "patchify", "token_truth", "DenseHeads", "DenseNetwork", "DenseResult", "fit_dense"]
@@ -243,6 +244,7 @@ def fit_dense(
                                                            eval_batch_size)
             val_dice = (_pooled_dice(voxel_counts) + _pooled_dice(token_counts)) / 2
             key = (-val_dice, val_loss, epoch)  # smaller is better
+            fit_step(epoch + 1, epochs)  # octfw eval's progress, where one listens
             if best is None or key < best[0]:
                 best = (key, [p.detach().clone() for p in trained])
 

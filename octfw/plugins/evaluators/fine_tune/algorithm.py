@@ -64,6 +64,7 @@ from torch import nn
 from octfw.evaluation.attentive import AttentiveHead, decayed, epoch_order
 from octfw.evaluation.fine_tuning import ALL_BLOCKS, first_trained_block, parameter_groups, unfreeze_trained_part
 from octfw.evaluation.metrics import balanced_accuracy
+from octfw.display.progress import fit_step
 from octfw.engine.schedules import warmup_cosine
 from octfw.types import BlockwiseEncoder
 
@@ -235,6 +236,7 @@ def _train(network: nn.Module, groups: list[dict[str, Any]], fit_inputs: torch.T
 
                     torch_xla.sync()
             key = _validate(network, val_inputs, val_y, eval_batch_size, epoch)
+            fit_step(epoch + 1, epochs)  # octfw eval's progress, where one listens
             if best is None or key < best[0]:
                 best = (key, [p.detach().clone() for p in trained])
     assert best is not None  # epochs >= 1

@@ -64,6 +64,7 @@ from torch import nn
 from octfw.evaluation.attentive import decayed, epoch_order
 from octfw.evaluation.fine_tuning import ALL_BLOCKS, parameter_groups, unfreeze_trained_part
 from octfw.plugins.evaluators.layer_segmentation.metrics import mean_dice, segmentation_counts
+from octfw.display.progress import fit_step
 from octfw.engine.schedules import warmup_cosine
 from octfw.types import BlockwiseEncoder
 
@@ -290,6 +291,7 @@ def fit_segmentation(
             optimizer.step()
             if sync is not None:
                 sync()
+            fit_step(step, total)  # octfw eval's progress, where one listens
             if step in checks:
                 network.eval()  # a host sync per validation
                 predicted = _predict(network, val, eval_batch_size, device)

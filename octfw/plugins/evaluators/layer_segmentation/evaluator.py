@@ -6,7 +6,9 @@ labels brought to the same geometry by the transform's ``prepare_labels``
 prepared volume, for the boundary error in micrometres, is the volume's own ``dy``
 (``Provenance.spacing``) times the source rows per prepared row, which is measured through the
 same ``prepare_labels`` on a ramp (label = source row) of the volume's original shape: exact
-whatever the transform does along H (resizing, resampling to a target spacing, cropping).
+whatever the transform does along H (resizing, resampling to a target spacing, cropping). A
+dataset that gives no axial spacing (1 mm, what a DICOM header without one reads) leaves the
+error in µm out; the error in rows of the prepared volume is always reported.
 
 ``octfw eval --shots k`` draws ``k`` labelled volumes: every volume carries the one class 0 in
 ``labels``, so :func:`octfw.evaluation.shots.sample_per_class` draws ``k`` of them.
@@ -18,7 +20,7 @@ import copy
 import logging
 import math
 import re
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -31,7 +33,7 @@ from octfw.evaluation.features import prepare_volume, stratified_split, validati
 from octfw.display.tables import counted
 from octfw.types import BuildContext, LabelPreparingTransform, LayeredDataset, PatientDataset, Sample
 
-__all__ = ["LayeredVolumes", "load_layered", "axial_spacing_um", "LayerSegmentationEvaluator"]
+__all__ = ["LayeredVolumes", "load_layered", "UNKNOWN_AXIAL_MM", "axial_spacing_um", "LayerSegmentationEvaluator"]
 
 logger = logging.getLogger(__name__)
 _RAMP_TOP = 254  # ramp labels 1 .. 255: 0 is left to a fit's padding
@@ -46,7 +48,7 @@ class LayeredVolumes:
     domains: list[str]
     volumes: list[np.ndarray]  #: float32 [C, D, H, W], prepared as in training
     layers: list[np.ndarray]  #: uint8 [D, H, W], the prepared volume's geometry
-    axial_um: np.ndarray  #: float64 [N], the prepared volumes' H spacing in µm
+    axial_um: np.ndarray  #: float64 [N], the prepared volumes' H spacing in µm (NaN: not given)
     layer_names: tuple[str, ...]
     groups: list[str] | None = None  #: one key per volume, equal for one patient's
 
@@ -60,9 +62,17 @@ class LayeredVolumes:
                               self.layer_names, None if self.groups is None else [self.groups[i] for i in p])
 
 
+#: A source axial spacing (mm) at or above which it is taken as not given: no OCT's rows are 1 mm apart,
+#: and 1 mm is what octfw's DICOM reader uses for a header without spacing (``SpacingDefaulted``).
+UNKNOWN_AXIAL_MM = 1.0
+
+
 def axial_spacing_um(transform: Any, sample: Sample) -> float:
-    """The prepared volume's H spacing in µm (see the module docstring)."""
+    """The prepared volume's H spacing in µm (see the module docstring); NaN where the dataset gives
+    no axial spacing (:data:`UNKNOWN_AXIAL_MM`): the boundary error is then in rows only."""
     provenance = sample.provenance
+    if not float(provenance.spacing[1]) < UNKNOWN_AXIAL_MM:
+        return math.nan
     shape = tuple(int(s) for s in provenance.original_shape)
     if len(shape) != 3:
         shape = tuple(int(s) for s in np.shape(sample.volume))
@@ -180,6 +190,8 @@ class LayerSegmentationEvaluator:
         self.patch_size, self.grid = patch_size, grid
         self._split: tuple[LayeredVolumes, LayeredVolumes] | None = None
         self._fit_val: tuple[np.ndarray, np.ndarray] | None = None
+        #: per test volume of the newest :meth:`score` (:func:`.metrics.per_volume`), for :meth:`difference`
+        self.last_test_probabilities: dict[str, np.ndarray] | None = None
 
     @classmethod
     def from_config(cls, config: Any, ctx: BuildContext) -> "LayerSegmentationEvaluator":
@@ -293,7 +305,7 @@ class LayerSegmentationEvaluator:
         test split (see :func:`.metrics.segmentation_metrics`); with ``train_domains``, the same
         again prefixed ``in_vendor_`` and ``cross_vendor_``."""
         from octfw.plugins.evaluators.layer_segmentation.algorithm import build_decoder, fit_segmentation
-        from octfw.plugins.evaluators.layer_segmentation.metrics import segmentation_metrics
+        from octfw.plugins.evaluators.layer_segmentation.metrics import per_volume, volume_metrics
 
         config = self.config
         train, test = self.split()
@@ -316,17 +328,14 @@ class LayerSegmentationEvaluator:
             eval_batch_size=config.batch_size, sync=sync, device=device)
         predicted, truth = result.predictions.numpy(), np.stack(test.layers)
         keys = layer_keys(train.layer_names)
-        subsets = [("", np.arange(len(test)))]
-        if config.train_domains is not None:
-            mine = np.asarray([d in config.train_domains for d in test.domains])
-            subsets += [("in_vendor_", np.nonzero(mine)[0]), ("cross_vendor_", np.nonzero(~mine)[0])]
+        # Per test volume, kept for the paired difference from another network (octfw eval).
+        self.last_test_probabilities = per_volume(predicted, truth, len(keys), test.axial_um)
         out: dict[str, float] = {}
-        for prefix, keep in subsets:
-            if len(keep) == 0:
-                continue
-            out.update(segmentation_metrics(
-                predicted[keep], truth[keep], keys, test.axial_um[keep], [test.domains[i] for i in keep],
-                prefix=prefix, groups=None if test.groups is None else [test.groups[i] for i in keep],
+        for prefix, keep in self._test_subsets():
+            out.update(volume_metrics(
+                {k: v[keep] for k, v in self.last_test_probabilities.items()}, keys,
+                [test.domains[i] for i in keep], prefix=prefix,
+                groups=None if test.groups is None else [test.groups[i] for i in keep],
                 bootstrap=config.bootstrap, seed=config.split_seed))
         out["selected_step"] = float(result.selected_step)
         out["steps"] = float(result.steps)
@@ -335,6 +344,44 @@ class LayerSegmentationEvaluator:
         out["labelled_volumes"] = float(len(positions))
         out["validation_volumes"] = float(len(val))  # labelled too: they chose selected_step
         return out
+
+    def _test_subsets(self) -> list[tuple[str, np.ndarray]]:
+        """(metric prefix, test positions): the whole test split; with ``train_domains``, also its
+        training vendors' volumes (``in_vendor_``) and the others' (``cross_vendor_``), when any."""
+        test = self.split()[1]
+        subsets = [("", np.arange(len(test)))]
+        if self.config.train_domains is not None:
+            mine = np.asarray([d in self.config.train_domains for d in test.domains])
+            subsets += [("in_vendor_", np.nonzero(mine)[0]), ("cross_vendor_", np.nonzero(~mine)[0])]
+        return [(prefix, keep) for prefix, keep in subsets if len(keep)]
+
+    def difference(self, first: Mapping[str, np.ndarray], second: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """Every metric of two networks' kept test results (``last_test_probabilities``), first minus
+        second, with a paired patient-bootstrap interval (:func:`.metrics.segmentation_difference`);
+        ``[F, N, ...]`` values: the mean over ``F`` paired fits."""
+        from octfw.plugins.evaluators.layer_segmentation.metrics import segmentation_difference
+
+        train, test = self.split()
+        out: dict[str, float] = {}
+        for prefix, keep in self._test_subsets():
+            out.update(segmentation_difference(
+                {k: np.asarray(v)[..., keep, :] for k, v in first.items()},
+                {k: np.asarray(v)[..., keep, :] for k, v in second.items()}, layer_keys(train.layer_names),
+                [test.domains[i] for i in keep], prefix=prefix,
+                groups=None if test.groups is None else [test.groups[i] for i in keep],
+                bootstrap=self.config.bootstrap, seed=self.config.split_seed))
+        return out
+
+    def test_summary(self) -> dict[str, Any]:
+        """The row spacing (µm) each vendor's boundary error in µm rests on (median over its test
+        volumes; None: the dataset gives none), for the report (:mod:`octfw.evaluation.reporting`)."""
+        test = self.split()[1]
+        spacing: dict[str, float | None] = {}
+        for domain in sorted(set(test.domains)):
+            values = test.axial_um[[i for i, d in enumerate(test.domains) if d == domain]]
+            known = values[~np.isnan(values)]
+            spacing[domain] = float(np.median(known)) if len(known) else None
+        return {"row_spacing_um": spacing}
 
     def evaluate(self, model: Any, device: Any, update_step: int) -> dict[str, float]:
         return self.score(self.encode(model, device))
