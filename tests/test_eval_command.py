@@ -110,6 +110,15 @@ def test_every_saved_checkpoint_is_probed_and_the_metric_plotted_against_the_ste
         assert scores["knn/auroc_ci_low"] <= scores["knn/auroc"] <= scores["knn/auroc_ci_high"]
     # The checkpoints differ, so do their features: the comparison is not one model thrice.
     assert report["pretrained"][0] != report["pretrained"][2]
+    # Each checkpoint's difference from the baseline, paired, in the JSON and the run folder's CSV.
+    assert len(report["differences"]) == 3
+    for scores, difference in zip(report["pretrained"], report["differences"]):
+        assert difference["knn/auroc"] == pytest.approx(scores["knn/auroc"] - report["random_init"]["knn/auroc"])
+        assert difference["knn/auroc_ci_low"] <= difference["knn/auroc"] <= difference["knn/auroc_ci_high"]
+    assert report["test_split"]["knn"] == {"volumes": 12, "patients": None}
+    with (short_run / "eval" / f"checkpoints-{eval_recipe.stem}.csv").open(encoding="utf-8") as f:
+        kept = {(r["update_step"], r["metric"]): r for r in csv.DictReader(f)}
+    assert float(kept[("6", "knn/auroc")]["difference_ci_high"]) == report["differences"][2]["knn/auroc_ci_high"]
 
     # The newest checkpoint gives what a plain `octfw eval` of the run folder gives, baseline included.
     plain = _json(capsys, str(short_run), "--recipe", str(eval_recipe))
@@ -176,6 +185,38 @@ def test_label_efficiency_prints_a_table_and_writes_a_png_and_a_csv(short_run, e
     assert png.with_suffix(".csv").read_text(encoding="utf-8") == first_csv
 
 
+def test_encoders_side_by_side_share_one_random_baseline_with_shots_and_keep_differences(short_run, eval_recipe,
+                                                                                         tmp_path, capsys):
+    """The run folder and its exported encoder (the same weights) side by side, with --shots: the
+    random encoder is fitted once per draw, both differences rest on the same random fits, and the
+    run folder (not the export) keeps the report; without --shots, --json and eval/ carry the
+    differences with their intervals too."""
+    export = short_run / "encoder"
+    png = tmp_path / "both.png"
+    report = _json(capsys, str(short_run), str(export), "--names", "run,export", "--recipe", str(eval_recipe),
+                   "--set", "evaluator.1.max_epochs=1", "--shots", "2", "--draws", "2", "--png", str(png))
+    assert list(report["encoders"]) == ["run", "export"]
+    draws = {(r["encoder"], r["evaluator"], r["draw"]): r for r in report["draw_rows"] if r["metric"] == "auroc"}
+    assert {key for key in draws if key[0] == "random_init"} == {("random_init", e, d) for e in
+                                                                 ("knn", "attentive-probe") for d in (1, 2)}
+    for evaluator in ("knn", "attentive-probe"):
+        for draw in (1, 2):
+            run, exported = draws[("run", evaluator, draw)], draws[("export", evaluator, draw)]
+            assert run["value"] == exported["value"] and run["difference"] == exported["difference"]
+    kept = json.loads((short_run / "eval" / f"shots-{eval_recipe.stem}.json").read_text(encoding="utf-8"))
+    assert kept["draw_rows"] == report["draw_rows"] and not (export / "eval").exists()
+    assert png.with_name("both_draws.csv").is_file()
+
+    side = _json(capsys, str(short_run), str(export), "--names", "run,export", "--recipe", str(eval_recipe),
+                 "--set", "evaluator.1.max_epochs=1")
+    for name in ("run", "export"):
+        assert side["differences"][name]["knn/auroc_ci_low"] <= side["differences"][name]["knn/auroc"]
+        assert "knn/balanced_accuracy" in side["differences"][name]
+    assert side["test_split"]["knn"]["volumes"] == 12
+    compared = json.loads((short_run / "eval" / f"compare-{eval_recipe.stem}.json").read_text(encoding="utf-8"))
+    assert compared["differences"] == side["differences"]
+
+
 def test_bad_shot_counts_are_one_line_user_errors(short_run, eval_recipe, capsys):
     recipe = str(eval_recipe)
     assert "cannot train a classifier" in _error(capsys, str(short_run), "--recipe", recipe, "--shots", "0")
@@ -197,6 +238,11 @@ def test_the_difference_carries_a_paired_interval_and_a_small_test_split_is_warn
     out, err = capsys.readouterr()
     low, high = report["difference"]["knn/auroc_ci_low"], report["difference"]["knn/auroc_ci_high"]
     assert f"[{low:+.2f}, {high:+.2f}]" in out and "paired bootstrap" in out
+    # Balanced accuracy's difference is paired too; the test split is stated (no patient column here).
+    assert report["difference"]["knn/balanced_accuracy_ci_low"] <= report["difference"]["knn/balanced_accuracy"]
+    assert report["test_split"] == {"knn": {"volumes": 12, "patients": None},
+                                    "attentive-probe": {"volumes": 12, "patients": None}}
+    assert "test      knn: 12 volumes, patients not known (each volume resampled alone)" in out
     assert "octfw: warning: evaluator knn: the test split holds 7 volumes of class 0, 5 volumes of class 1" in err
 
 

@@ -109,7 +109,7 @@ def _encoder(depth: int = 4, patch=PATCH, seed: int = 0) -> ViT3DEncoder:
 def _evaluator(dataset, **options) -> LayerSegmentationEvaluator:
     """The evaluator on ``dataset``, trained for ``epochs`` alone unless ``min_steps`` is given (the
     default floor of 1000 steps is for real cohorts, not for these toy bands)."""
-    config = LayerSegmentationConfig(dataset={"name": "toy"}, bootstrap=0, **{"min_steps": 0, **options})
+    config = LayerSegmentationConfig(dataset={"name": "toy"}, **{"min_steps": 0, "bootstrap": 0, **options})
     grid = tuple(i // p for i, p in zip(IMAGE, PATCH))
     return LayerSegmentationEvaluator(config, dataset, None, _transform(), PATCH, grid)
 
@@ -181,6 +181,62 @@ def test_intervals_resample_whole_patients_not_volumes():
     means = np.random.default_rng(1).choice(patient_values, (4000, patients)).mean(1)
     expected = np.percentile(means, 97.5) - np.percentile(means, 2.5)
     assert width(by_patient, "boundary_error_um") == pytest.approx(expected, rel=0.15)
+
+
+def test_boundary_errors_are_in_rows_always_and_in_micrometres_only_where_the_spacing_is_given():
+    _, labels = layered_volume(0)
+    truths = np.stack([labels, labels]).astype(np.int64)
+    shifted = np.stack([_shifted_down(labels, 1), _shifted_down(labels, 2)]).astype(np.int64)
+    keys = layer_keys(NAMES)
+    both = segmentation_metrics(shifted, truths, keys, np.array([3.9, 7.6]), ["heidelberg", "topcon"])
+    assert both["boundary_error_rows"] == pytest.approx(1.5) and both["boundary_error_rows_nfl_gcl_ipl"] == 1.5
+    assert both["boundary_error_um/heidelberg"] == pytest.approx(3.9)
+    assert both["boundary_error_um/topcon"] == pytest.approx(2 * 7.6)  # 2 rows 7.6 µm apart
+    one = segmentation_metrics(shifted, truths, keys, np.array([3.9, np.nan]), ["heidelberg", "topcon"])
+    assert one["boundary_error_um"] == pytest.approx(3.9)  # the volume of unknown spacing is left out
+    assert "boundary_error_um/topcon" not in one and one["boundary_error_rows/topcon"] == pytest.approx(2.0)
+
+
+def test_a_volume_whose_dataset_gives_no_axial_spacing_has_none_and_the_report_says_rows():
+    from octfw.evaluation.reporting import boundary_legend
+
+    volume = ToyLayers(1).load(0)
+    defaulted = Sample(volume.volume, Provenance("toy/0", "topcon", (0.1, 1.0, 0.01), volume.volume.shape))
+    assert np.isnan(axial_spacing_um(_transform(), defaulted))  # 1 mm: what a header without spacing reads
+    evaluator = _evaluator(ToyLayers(12, domains=("heidelberg", "topcon")))
+    split = evaluator.describe_test_split()
+    assert split["row_spacing_um"] == {"heidelberg": pytest.approx(3.9), "topcon": pytest.approx(3.9)}
+    (line,) = boundary_legend({"layer-segmentation": {"row_spacing_um": {"heidelberg": 3.9, "topcon": None}}},
+                              ["layer-segmentation/boundary_error_um_nfl_gcl_ipl"])
+    assert "3.90 µm (heidelberg)" in line and "topcon: no axial spacing given, so in rows only" in line
+
+
+def test_two_networks_differ_by_a_paired_patient_bootstrap_and_fits_average_over_draws():
+    dataset = ToyLayers(16)
+    evaluator = _evaluator(dataset, epochs=2, bootstrap=200)
+    scores, kept = [], []
+    for seed in (0, 1):
+        scores.append(evaluator.score(evaluator.encode(_encoder(depth=2, seed=seed), "cpu")))
+        kept.append(evaluator.last_test_probabilities)
+    difference = evaluator.difference(kept[0], kept[1])
+    for key in ("mean_dice", "boundary_error_um", "boundary_error_rows", "dice_nfl"):
+        assert difference[key] == pytest.approx(scores[0][key] - scores[1][key])
+        assert difference[f"{key}_ci_low"] <= difference[key] <= difference[f"{key}_ci_high"]
+    itself = evaluator.difference(kept[0], kept[0])
+    assert itself["mean_dice"] == itself["mean_dice_ci_low"] == itself["mean_dice_ci_high"] == 0.0
+    # Two draws of each (stacked): the mean of the two draws' differences, on the same resamples.
+    stacked = evaluator.difference(*({k: np.stack([a[k], b[k]]) for k in a} for a, b in
+                                     ((kept[0], kept[1]), (kept[1], kept[1]))))
+    assert stacked["mean_dice"] == pytest.approx(difference["mean_dice"] / 2)
+    # Whole patients: the toy's patients have two volumes; resampling them is what the interval says.
+    from octfw.plugins.evaluators.layer_segmentation.metrics import segmentation_difference
+
+    test = evaluator.split()[1]
+    by_volume = segmentation_difference(kept[0], kept[1], layer_keys(NAMES), test.domains, bootstrap=200,
+                                        seed=0)
+    by_patient = segmentation_difference(kept[0], kept[1], layer_keys(NAMES), test.domains, groups=test.groups,
+                                         bootstrap=200, seed=0)
+    assert difference["mean_dice_ci_low"] == by_patient["mean_dice_ci_low"] != by_volume["mean_dice_ci_low"]
 
 
 def test_dice_per_layer_is_monais_but_a_layer_absent_from_prediction_and_truth_is_left_out():
