@@ -555,6 +555,13 @@ def test_octfw_eval_shots_on_synthetic_oct_layers_across_vendors_writes_table_cs
         assert float(row["validation_volumes"]) == validation
     table = format_shots(ShotsReport(**{f.name: report[f.name] for f in attrs.fields(ShotsReport)}))
     assert f"2 + {validation:g} val" in table and "labelled  the training volumes drawn + the validation split (val)" in table
+    # k counts volumes here, not volumes per class; the report says what it tested on and the rows'
+    # spacing its boundary errors in µm rest on, per vendor; every draw is a row with its difference.
+    assert "per class" not in table and "layer-segmentation: " in table.splitlines()[4]
+    assert "boundary_error_um counts rows of the prepared volume times their spacing" in table
+    assert set(report["test_split"]["layer-segmentation"]["row_spacing_um"]) == {"heidelberg", "topcon", "zeiss"}
+    paired = [r for r in report["draw_rows"] if r["metric"] == "cross_vendor_mean_dice" and r["encoder"] == "pretrained"]
+    assert len(paired) == 4 and all(r["difference_ci_low"] <= r["difference"] <= r["difference_ci_high"] for r in paired)
 
 
 def test_a_test_dataset_sharing_patients_with_the_dataset_is_refused_in_one_line(tmp_path, capsys):
