@@ -286,6 +286,9 @@ def test_shots_draw_a_dense_label_efficiency_curve(tmp_path, capsys):
     assert {(r["encoder"], r["shots"]) for r in rows} == {(e, s) for e in ("pretrained", "random_init")
                                                         for s in ("2", "all")}
     assert all(0.0 <= float(r["mean"]) <= 1.0 for r in rows)
+    # The difference from random init, paired over the test patients (per-volume counts kept).
+    for row in (r for r in rows if r["encoder"] == "pretrained"):
+        assert float(row["difference_ci_low"]) <= float(row["difference"]) <= float(row["difference_ci_high"])
 
 
 def test_the_evaluator_runs_from_a_training_recipes_evaluator_table(tmp_path):

@@ -24,7 +24,7 @@ from octfw.evaluation.classification import Encoded
 from octfw.evaluation.features import LabelledVolumes
 from octfw.evaluation.label_efficiency import RANDOM_INIT, ShotsReport, evaluate_shots, format_shots
 from octfw.evaluation.metrics import paired_difference
-from octfw.evaluation.reporting import boundary_legend, format_test_split
+from octfw.evaluation.reporting import boundary_legend, format_test_split, interval_keys
 from octfw.evaluation.target import Counter, EvalTarget
 from octfw.plugins.evaluators.knn import KNNConfig
 from octfw.plugins.evaluators.knn.evaluator import KNNEvaluator
@@ -152,6 +152,30 @@ def test_the_gain_over_several_fits_is_the_mean_of_each_fits_gain_on_shared_resa
     same = paired_difference(labels, np.stack([fits[0]] * 3), np.stack([baseline[0]] * 3), classes, bootstrap=200,
                              seed=1)
     assert same == pytest.approx(single[0])  # three equal fits: the one fit's gain and interval
+
+
+def test_a_dense_overlap_difference_is_paired_per_patient_and_averages_fits():
+    from octfw.evaluation.metrics import overlap_difference, overlap_metrics
+
+    rng = np.random.default_rng(3)
+    truth = rng.integers(20, 40, 24).astype(np.float64)
+    counts = []
+    for quality in (0.8, 0.4):
+        predicted = truth + rng.integers(0, 10, 24)
+        counts.append(np.stack([np.floor(quality * truth), predicted, truth], axis=1))
+    domains, groups = ["a", "b"] * 12, [f"p{i // 2}" for i in range(24)]
+    options = dict(groups=groups, bootstrap=300, seed=2)
+    difference = overlap_difference(counts[0], counts[1], domains, prefix="voxel_", **options)
+    single = [overlap_metrics(*c.T, domains, prefix="voxel_", **options) for c in counts]
+    for key in ("voxel_dice", "voxel_iou", "voxel_dice/a"):
+        assert difference[key] == pytest.approx(single[0][key] - single[1][key])
+    low, high = interval_keys("voxel_dice")
+    assert 0 < difference[low] <= difference["voxel_dice"] <= difference[high]
+    by_volume = overlap_difference(counts[0], counts[1], domains, prefix="voxel_", bootstrap=300, seed=2)
+    assert by_volume[low] != difference[low]  # the patients are what is resampled
+    stacked = overlap_difference(np.stack([counts[0], counts[1]]), np.stack([counts[1], counts[1]]), domains,
+                                 prefix="voxel_", **options)
+    assert stacked["voxel_dice"] == pytest.approx(difference["voxel_dice"] / 2)
 
 
 def test_a_one_class_evaluators_table_counts_volumes_not_volumes_per_class():

@@ -25,6 +25,9 @@ The library:
 
 - :mod:`octfw.evaluation.target`: a checkpoint or an exported encoder
   against a randomly initialised encoder of the same architecture.
+- :mod:`octfw.evaluation.compare`: several encoders side by side.
+- :mod:`octfw.evaluation.reporting`: what every report states (the test
+  split, intervals, differences from random init).
 - :mod:`octfw.evaluation.label_efficiency`: ``--shots``.
 - :mod:`octfw.evaluation.checkpoints`: ``--checkpoints``, a metric over the
   saved checkpoints of a run.

@@ -34,8 +34,8 @@ import torch
 
 from octfw.display.errors import UserError
 from octfw.display.tables import render_table
-from octfw.evaluation.reporting import (boundary_legend, interval_keys, is_interval_key, test_split_line,
-                                       test_split_summary)
+from octfw.evaluation.reporting import (boundary_legend, interval_keys, is_interval_key, format_test_split,
+                                       summarise_test_split)
 from octfw.evaluation.shots import ALL, label_efficiency, sample_per_class, shot_label, summarise
 from octfw.evaluation.target import (Counter, EvalRecipe, EvalTarget, Progress, build_evaluators, eval_device,
                                     main_metric)
@@ -60,8 +60,9 @@ LABELLED_LEGEND = ("labelled  the training volumes drawn + the validation split 
                    "the network at every shot count")
 PAIRED_LEGEND = ("- random    the encoder minus random init, mean over draws (both fitted on the same labelled volumes "
                  "in each draw); [low, high]: 95 % interval over the test patients, paired (every draw and both "
-                 "encoders on the same resamples); the spread over draws is the ± beside each encoder; every "
-                 "draw's own row, with its intervals: --json, the _draws.csv")
+                 "encoders on the same resamples; none where the evaluator keeps no test predictions); the "
+                 "spread over draws is the ± beside each encoder; every draw's own row, with its intervals: "
+                 "--json, the _draws.csv")
 PLAIN_LEGEND = ("- random    the encoder minus random init, mean over draws (no interval: the evaluator keeps no "
                 "test predictions)")
 
@@ -80,7 +81,7 @@ class ShotsReport:
     draw_rows: list[dict[str, Any]] = attrs.field(factory=list)
     #: encoder name -> what it is ("pretrained" for one encoder); the random one is RANDOM_INIT
     encoders: dict[str, str] = attrs.field(factory=dict)
-    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.test_split_summary`)
+    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.summarise_test_split`)
     test_split: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -156,7 +157,7 @@ def evaluate_shots(targets: Mapping[str, EvalTarget], recipe: EvalRecipe, regist
                 for name, target in targets.items()}
     return ShotsReport(first.location, first.update_step, recipe.run.seed, str(device),
                        [shot_label(c) for c in shots], draws, rows, draw_rows, encoders,
-                       test_split_summary(evaluators))
+                       summarise_test_split(evaluators))
 
 
 def _stacked(predictions: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
@@ -264,7 +265,7 @@ def format_shots(report: ShotsReport) -> str:
     evaluators = list(dict.fromkeys(r["evaluator"] for r in report.rows))
     lines += [f"{'device'.ljust(width)}  {report.device}",
               f"{'draws'.ljust(width)}  {report.draws} per shot count ('all': 1); mean ± std over draws (a single "
-              "draw: its value)", test_split_line(report.test_split, evaluators, width), ""]
+              "draw: its value)", format_test_split(report.test_split, evaluators, width), ""]
     rows = {(r["encoder"], r["evaluator"], r["shots"], r["metric"]): r for r in report.rows}
     for evaluator in evaluators:
         per_class = not _one_class(report, evaluator)

@@ -35,7 +35,8 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["accuracy", "balanced_accuracy", "auroc", "auprc", "one_vs_rest", "bootstrap_weights",
-           "classification_metrics", "paired_difference", "overlap_metrics"]
+           "classification_metrics", "paired_difference", "overlap_metrics",
+           "overlap_difference"]
 
 
 def accuracy(labels: np.ndarray, predicted: np.ndarray) -> float:
@@ -307,5 +308,43 @@ def overlap_metrics(
                                        None if group_array is None else group_array[keep])
         for key, values in _overlaps(*(a[keep] for a in arrays), weights).items():
             for name, value in _estimate(f"{prefix}{key}", values, bootstrap).items():
+                out[f"{name}{tail}"] = value
+    return out
+
+
+def overlap_difference(
+    first: np.ndarray,
+    second: np.ndarray,
+    domains: Sequence[str],
+    *,
+    prefix: str = "",
+    groups: Sequence[object] | None = None,
+    bootstrap: int = 0,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``<prefix>dice`` and ``<prefix>iou`` (:func:`overlap_metrics`) of ``first`` minus ``second``,
+    two networks' per-volume counts ``[N, 3]`` (both, predicted, true) on the same test volumes,
+    with a paired interval: each resample (whole ``groups`` when given; the resamples
+    :func:`overlap_metrics` draws for the same ``seed``) scored for both; overall and per domain.
+    ``[F, N, 3]`` counts hold ``F`` paired fits (``octfw eval --shots`` draws): the mean over fits."""
+    a, b = (np.asarray(x, dtype=np.float64) for x in (first, second))
+    if a.ndim == 2:
+        a, b = a[None], b[None]
+    domain_array = np.asarray(list(domains))
+    group_array = None if groups is None else np.asarray([str(g) for g in groups])
+    rng = np.random.default_rng(seed)
+    out: dict[str, float] = {}
+    subsets = [("", np.ones(a.shape[1], dtype=bool))]
+    subsets += [(f"/{d}", domain_array == d) for d in sorted(set(domain_array.tolist()))]
+    for tail, keep in subsets:
+        weights = _point_and_resamples(int(keep.sum()), bootstrap, rng,
+                                       None if group_array is None else group_array[keep])
+        gains: dict[str, list[np.ndarray]] = {}
+        for fit_a, fit_b in zip(a, b):
+            mine, theirs = (_overlaps(*counts[keep].T, weights) for counts in (fit_a, fit_b))
+            for key in mine:
+                gains.setdefault(key, []).append(mine[key] - theirs[key])
+        for key, values in gains.items():
+            for name, value in _estimate(f"{prefix}{key}", np.mean(values, axis=0), bootstrap).items():
                 out[f"{name}{tail}"] = value
     return out

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from octfw.display.tables import counted
 
 __all__ = ["INTERVAL_LEGEND", "DIFFERENCE_LEGEND", "interval_keys", "is_interval_key", "with_interval",
-           "format_value", "format_difference", "plain_differences", "test_split_summary", "test_split_line",
+           "format_value", "format_difference", "plain_differences", "summarise_test_split", "format_test_split",
            "boundary_legend"]
 
 #: The line under a table whose values carry a bootstrap interval.
@@ -84,16 +84,16 @@ def _test_split(evaluator: Any) -> dict[str, Any] | None:
         return None
     test = split()[1]
     groups = getattr(test, "groups", None)
-    summary: dict[str, Any] = {"volumes": len(test), "patients": None if groups is None else len(set(groups))}
-    notes = getattr(evaluator, "test_summary", None)
+    summary: dict[str, Any] = {"volumes": len(test.labels), "patients": None if groups is None else len(set(groups))}
+    notes = getattr(evaluator, "describe_test_split", None)
     return {**summary, **(notes() if notes is not None else {})}
 
 
-def test_split_summary(evaluators: Sequence[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+def summarise_test_split(evaluators: Sequence[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
     """``{evaluator: {"volumes": N, "patients": P or None, ...}}``: what each evaluator measured
     on (its split is made by then). ``patients`` is None where the dataset knows no patients (each
     volume is then resampled alone); an evaluator without ``split()`` is left out. An evaluator's
-    ``test_summary()`` adds its own entries (layer segmentation: the row spacing per vendor)."""
+    ``describe_test_split()`` adds its own entries (layer segmentation: the row spacing per vendor)."""
     out = {}
     for name, evaluator in evaluators:
         summary = _test_split(evaluator)
@@ -102,7 +102,7 @@ def test_split_summary(evaluators: Sequence[tuple[str, Any]]) -> dict[str, dict[
     return out
 
 
-def test_split_line(summary: Mapping[str, Mapping[str, Any]], names: Sequence[str], width: int = 8) -> str:
+def format_test_split(summary: Mapping[str, Mapping[str, Any]], names: Sequence[str], width: int = 8) -> str:
     """``test      knn: 12 volumes of 6 patients; dense-probe: ...`` for every evaluator in ``names``,
     its label padded to ``width`` as the report's other header lines."""
     parts = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 import numpy as np
@@ -11,7 +11,7 @@ import torch
 
 from octfw.display.errors import UserError
 from octfw.evaluation.features import map_volumes, stratified_split, validation_split
-from octfw.evaluation.metrics import overlap_metrics
+from octfw.evaluation.metrics import overlap_difference, overlap_metrics
 from octfw.evaluation.segmentation import MaskedVolumes, check_masks_early, dense_inputs, load_masked
 from octfw.display.tables import counted
 from octfw.types import BuildContext, EmbeddingModel
@@ -49,6 +49,8 @@ class DenseProbeEvaluator:
         self.patch_size, self.grid = patch_size, grid
         self._split: tuple[MaskedVolumes, MaskedVolumes] | None = None
         self._fit_val: tuple[np.ndarray, np.ndarray] | None = None
+        #: per test volume counts ``[N, 3]`` of the newest :meth:`score`, by metric prefix, for :meth:`difference`
+        self.last_test_probabilities: dict[str, np.ndarray] | None = None
 
     @classmethod
     def from_config(cls, config: Any, ctx: BuildContext) -> "DenseProbeEvaluator":
@@ -156,6 +158,7 @@ class DenseProbeEvaluator:
             runs.append(("fine_tune_", encoded.network, encoded.train_volumes, encoded.test_volumes,
                          config.fine_tune_epochs, config.fine_tune_lr, config.weight_decay))
         out: dict[str, float] = {}
+        kept: dict[str, np.ndarray] = {}
         heads = None  # fine-tuning starts from the frozen fit's heads
         for prefix, encoder, train_inputs, test_inputs, epochs, lr, weight_decay in runs:
             result = fit_dense(train_inputs[fit_index], encoded.train_patches[fit_index],
@@ -168,10 +171,23 @@ class DenseProbeEvaluator:
             for resolution, counts in (("voxel", result.voxel), ("token", result.token)):
                 out.update(overlap_metrics(*counts, test.domains, prefix=f"{prefix}{resolution}_",
                                            groups=test.groups, bootstrap=config.bootstrap, seed=config.split_seed))
+                kept[f"{prefix}{resolution}_"] = np.stack([np.asarray(c, dtype=np.float64) for c in counts], axis=1)
             heads = result.heads
             out[f"{prefix}selected_epoch"] = float(result.selected_epoch)
             out[f"{prefix}val_dice"] = result.val_dice
             out[f"{prefix}trained_parameters"] = float(result.trained_parameters)
+        self.last_test_probabilities = kept  # per test volume, for the paired difference (octfw eval)
+        return out
+
+    def difference(self, first: Mapping[str, np.ndarray], second: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """Dice and IoU of two networks' kept test counts (``last_test_probabilities``), first minus
+        second, with a paired patient-bootstrap interval; ``[F, N, 3]`` counts: the mean over fits."""
+        test = self.split()[1]
+        out: dict[str, float] = {}
+        for prefix in first:
+            out.update(overlap_difference(first[prefix], second[prefix], test.domains, prefix=prefix,
+                                          groups=test.groups, bootstrap=self.config.bootstrap,
+                                          seed=self.config.split_seed))
         return out
 
     def evaluate(self, model: Any, device: Any, update_step: int) -> dict[str, float]:
