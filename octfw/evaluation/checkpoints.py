@@ -19,8 +19,8 @@ import attrs
 
 from octfw.display.errors import UserError
 from octfw.evaluation.reporting import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, boundary_legend, format_difference,
-                                       format_value, is_interval_key, plain_differences, test_split_line,
-                                       test_split_summary, with_interval)
+                                       format_value, is_interval_key, plain_differences, format_test_split,
+                                       summarise_test_split, with_interval)
 from octfw.evaluation.target import (
     Counter,
     EvalRecipe,
@@ -57,7 +57,7 @@ class CheckpointsReport:
     #: one mapping per step: that checkpoint minus the baseline for every metric both report, with
     #: paired bootstrap intervals where the evaluator keeps its test predictions
     differences: list[dict[str, float]] = attrs.field(factory=list)
-    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.test_split_summary`)
+    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.summarise_test_split`)
     test_split: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def compare_checkpoints(run_dir: str | Path, recipe: EvalRecipe, registry: Regis
         differences.append(plain_differences(results[-1], random_init, paired))
     return CheckpointsReport(str(run_dir), seed, str(device), [s for s, _ in chosen],
                              [loc for _, loc in chosen], results, random_init, differences,
-                             test_split_summary(evaluators))
+                             summarise_test_split(evaluators))
 
 
 def _evaluators(report: CheckpointsReport) -> list[str]:
@@ -165,7 +165,7 @@ def format_checkpoints(report: CheckpointsReport) -> str:
     metric's difference from the baseline closes each checkpoint's row."""
     lines = [f"run       {report.run_dir}",
              f"baseline  same architecture, randomly initialised (seed {report.seed})",
-             f"device    {report.device}", test_split_line(report.test_split, _evaluators(report)), ""]
+             f"device    {report.device}", format_test_split(report.test_split, _evaluators(report)), ""]
     differences = report.differences or [{} for _ in report.steps]
     for evaluator in _evaluators(report):
         metrics = [m for m in TABLE_METRICS if f"{evaluator}/{m}" in report.random_init]

@@ -18,8 +18,8 @@ import attrs
 
 from octfw.display.errors import UserError
 from octfw.evaluation.reporting import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, boundary_legend, format_difference,
-                                       format_value, is_interval_key, plain_differences, test_split_line,
-                                       test_split_summary, with_interval)
+                                       format_value, is_interval_key, plain_differences, format_test_split,
+                                       summarise_test_split, with_interval)
 from octfw.evaluation.target import (EvalRecipe, EvalTarget, Progress, build_evaluators, eval_device, load_target,
                                      paired_differences, score_models)
 from octfw.registry import Registry
@@ -40,7 +40,7 @@ class ComparisonReport:
     #: label -> that encoder minus the baseline for every metric both report, with paired bootstrap
     #: intervals where the evaluator keeps its test predictions
     differences: dict[str, dict[str, float]]
-    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.test_split_summary`)
+    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.summarise_test_split`)
     test_split: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def compare_sources(sources: Sequence[str], labels: Sequence[str], recipe: EvalR
     locations = {label: t.location + ("" if t.update_step is None else f" (update step {t.update_step})")
                  for label, t in targets.items()}
     return ComparisonReport(recipe.run.seed, str(device), locations, scores, differences,
-                            test_split_summary(evaluators))
+                            summarise_test_split(evaluators))
 
 
 def format_comparison(report: ComparisonReport) -> str:
@@ -121,7 +121,7 @@ def format_comparison(report: ComparisonReport) -> str:
     lines += [f"{RANDOM.ljust(width)}  the first encoder's architecture, randomly initialised (seed {report.seed})",
               f"{'device'.ljust(width)}  {report.device}"]
     labels = list(report.locations)
-    lines += [test_split_line(report.test_split, list(dict.fromkeys(k.partition("/")[0] for k in report.metrics()))),
+    lines += [format_test_split(report.test_split, list(dict.fromkeys(k.partition("/")[0] for k in report.metrics()))),
               ""]
     lines.append(render_table(
         ["metric", *labels, RANDOM, *(f"{label} - random" for label in labels)],

@@ -27,8 +27,8 @@ from octfw.display.errors import RecipeError, UserError
 from octfw.recipe.fields import Location, choices, doc, non_negative
 from octfw.recipe import cache_dir_for
 from octfw.evaluation.reporting import (DIFFERENCE_LEGEND, INTERVAL_LEGEND, boundary_legend, format_difference,
-                                       format_value, is_interval_key, plain_differences, test_split_line,
-                                       test_split_summary, with_interval)
+                                       format_value, is_interval_key, plain_differences, format_test_split,
+                                       summarise_test_split, with_interval)
 from octfw.registry import Registry
 from octfw.display.tables import render_table
 from octfw.types import BuildContext, ComparingEvaluator
@@ -216,7 +216,7 @@ class EvalReport:
     #: pretrained minus random init for every metric both report; with a paired bootstrap interval
     #: ("<evaluator>/auroc_ci_low", ...) where the evaluator keeps its test predictions
     difference: dict[str, float] = attrs.field(factory=dict)
-    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.test_split_summary`)
+    #: "<evaluator>" -> the test split's volumes and patients (:func:`.reporting.summarise_test_split`)
     test_split: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -337,7 +337,7 @@ def evaluate_target(target: EvalTarget, recipe: EvalRecipe, registry: Registry,
     return EvalReport(target.location, target.update_step, recipe.run.seed, str(device),
                       scores["pretrained"], scores["random_init"],
                       plain_differences(scores["pretrained"], scores["random_init"], paired),
-                      test_split_summary(evaluators))
+                      summarise_test_split(evaluators))
 
 
 #: What :func:`main_metric` plots when none is asked for, the first reported: a classifier's AUROC or
@@ -366,7 +366,7 @@ def format_report(report: EvalReport) -> str:
              f"device    {report.device}"]
     keys = list(report.pretrained) + [k for k in report.random_init if k not in report.pretrained]
     keys = [k for k in keys if not is_interval_key(k.partition("/")[2])]
-    lines += [test_split_line(report.test_split, list(dict.fromkeys(k.partition("/")[0] for k in keys))), ""]
+    lines += [format_test_split(report.test_split, list(dict.fromkeys(k.partition("/")[0] for k in keys))), ""]
     lines.append(render_table(
         ["metric", "pretrained", "random init", "difference"],
         [[key, format_value(report.pretrained, key), format_value(report.random_init, key),

@@ -372,7 +372,7 @@ class LayerSegmentationEvaluator:
                 bootstrap=self.config.bootstrap, seed=self.config.split_seed))
         return out
 
-    def test_summary(self) -> dict[str, Any]:
+    def describe_test_split(self) -> dict[str, Any]:
         """The row spacing (µm) each vendor's boundary error in µm rests on (median over its test
         volumes; None: the dataset gives none), for the report (:mod:`octfw.evaluation.reporting`)."""
         test = self.split()[1]
