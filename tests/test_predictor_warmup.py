@@ -44,6 +44,25 @@ def test_a_held_group_has_lr_0_before_its_step_and_the_schedules_after(lr, after
     assert seen == [[0.0, other], [0.0, other], [after, other], [after, other]]
 
 
+@pytest.mark.parametrize("applied", [None, True])
+def test_the_accelerators_adamw_leaves_a_held_group_bit_identical_weight_decay_included(applied):
+    """GatedAdamW (xla, cuda) with a held group's LR 0: no step and no decay, the moments moving."""
+    from octfw.engine.optim import GatedAdamW
+
+    torch.manual_seed(0)
+    held, trained = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4, 3))
+    optimizer = GatedAdamW([{"params": [held], HELD_UNTIL: 2}, {"params": [trained]}], lr=1e-2, weight_decay=0.05)
+    start = held.detach().clone()
+    verdict = None if applied is None else torch.tensor(applied)
+    for step in range(3):
+        apply_schedule(optimizer, 1e-2, None, step)
+        (held.square().sum() + trained.square().sum()).backward()
+        optimizer.step(verdict)
+        optimizer.zero_grad(set_to_none=True)
+        assert torch.equal(held, start) == (step < 2)
+    assert optimizer.state[held]["exp_avg"].abs().sum() > 0
+
+
 def test_the_ema_momentum_is_1_while_a_group_is_held():
     optimizer = optimizer_of(held_until=2)
     assert [held_momentum(optimizer, step, 0.99) for step in range(4)] == [1.0, 1.0, 0.99, 0.99]
