@@ -62,7 +62,8 @@ def build(config: VJEPA3DConfig, ctx: BuildContext) -> Model:
 def predictor_warmup(config: VJEPA3DConfig, ctx: BuildContext, report: Any) -> int | None:
     """``predictor_warmup_steps`` resolved: the update steps the encoder is held, said in the
     load ``report``; None where no run of this recipe can hold it (the optimizer's groups are then
-    the two of every other run). A resumed run gets 0 here: the held step is its checkpoint's."""
+    the two of every other run). Without a report (a resumed run, which does not read init) the
+    default gives 0: the optimizer groups its checkpoint restores carry the run's own number."""
     steps = config.predictor_warmup_steps
     if steps == 0 or (steps is None and config.init is None):
         return None
