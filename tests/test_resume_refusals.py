@@ -69,6 +69,41 @@ def test_the_same_run_shape_resumes(tiny_recipe, checkpoint, capsys):
     assert "resumed with a changed recipe: engine.log_every_steps: 1 -> 2" in capsys.readouterr().err
 
 
+def as_written_before(checkpoint: Path, drop_group: bool = False) -> None:
+    """``checkpoint`` as octfw wrote it before model.init_channels and model.predictor_warmup_steps
+    existed (its recorded recipe without them), its SHA-256 written again."""
+    import hashlib
+
+    import torch
+
+    state = torch.load(checkpoint, weights_only=True)
+    for key in ("init_channels", "predictor_warmup_steps"):
+        del state["recipe"]["model"][key]
+    if drop_group:  # as if the model had grouped its parameters otherwise then
+        state["optimizer"]["param_groups"].pop()
+    torch.save(state, checkpoint)
+    digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    checkpoint.with_name(checkpoint.name + ".sha256").write_text(f"{digest}  {checkpoint.name}\n")
+
+
+def test_a_checkpoint_from_before_later_model_keys_resumes(tiny_recipe, checkpoint, capsys):
+    """A key added since (how init meets RGB weights, the predictor warm-up) is no change of the
+    model for a checkpoint that predates it: an upgrade does not strand a run."""
+    as_written_before(checkpoint)
+    assert main(["run", str(tiny_recipe), "--resume", str(checkpoint), "--set", "run.max_steps=2"]) == 0
+    err = capsys.readouterr().err
+    assert "model.init_channels: (not set) -> 'auto'" in err and "changes training" not in err  # listed, taken
+    assert "predictor_warmup_steps" not in err  # unset trains as before it existed
+
+
+def test_an_optimizer_grouped_otherwise_is_one_line_with_the_way_out(tiny_recipe, checkpoint, capsys):
+    as_written_before(checkpoint, drop_group=True)
+    assert main(["run", str(tiny_recipe), "--resume", str(checkpoint), "--set", "run.max_steps=2"]) == USER_ERROR
+    line = refusal(capsys.readouterr().err)
+    assert "the checkpoint's optimizer has 1 parameter groups, this model makes 2" in line
+    assert "set model.predictor_warmup_steps = 0 to continue it as it trained" in line
+
+
 def test_a_longer_run_is_a_change_of_training_refused_unless_accepted(tiny_recipe, checkpoint, capsys):
     longer = ["run", str(tiny_recipe), "--set", "run.max_steps=3", "--resume", str(checkpoint)]
     assert main(longer) == USER_ERROR

@@ -31,6 +31,7 @@ from octfw.engine.distributed import BatchLayout
 from octfw.engine.sharding import is_sharded, shard_like, shard_optimizer_state
 from octfw.display.errors import UserError
 from octfw.display.tables import counted
+from octfw.recipe.changes import recipe_changes
 from octfw.storage.checkpoint_names import is_sharded_checkpoint
 from octfw.types import NamingDataset, ShardedCheckpointer, Stateful
 
@@ -152,21 +153,16 @@ class TrainingState:
         return shards, {**self._plain(done), "optimizer": {"param_groups": host_copy(optimizer_state["param_groups"])}}
 
 
-#: Model keys that change how memory is spent, never the weights or the
-#: numbers computed: a run may resume with them changed (to fit a batch after an
-#: out-of-memory crash, say), and checkpoints written before they existed resume.
-MEMORY_ONLY_MODEL_KEYS = frozenset({"activation_checkpointing"})
-
-
 def _refuse_incompatible(state: dict[str, Any], where: str, parts: Components,
                          layout: BatchLayout, fingerprint: dict[str, Any]) -> None:
     """Refuse what cannot be resumed exactly; warn about what can (see the module docstring)."""
     recorded_model = dict((state.get("recipe") or {}).get("model") or {})
     current_model = dict(parts.ctx.recipe.get("model") or {})
-    changed = sorted(k for k in (set(recorded_model) | set(current_model)) - MEMORY_ONLY_MODEL_KEYS
-                     if recorded_model.get(k) != current_model.get(k))
+    # A model key whose change leaves the training as it was (how memory is spent, how published
+    # weights are loaded) or that a checkpoint predates is no other model: recipe.changes' rules.
+    changed = [c for c in recipe_changes({"model": recorded_model}, {"model": current_model}) if c.trains]
     if recorded_model and changed:
-        diff = ", ".join(f"model.{k} {recorded_model.get(k)!r} -> {current_model.get(k)!r}" for k in changed)
+        diff = ", ".join(f"{c.key} {c.values[0]!r} -> {c.values[1]!r}" for c in changed)
         raise UserError(f"--resume {where}: the checkpoint was trained with another model ({diff})")
     saved_batch, saved_devices = state.get("global_batch"), state.get("devices")
     if saved_batch is not None and saved_batch != layout.global_batch:
@@ -273,6 +269,13 @@ def restore(location: str, parts: Components, model: torch.nn.Module, optimizer:
     saved = state["optimizer"]
     # A sharded checkpoint's nested keys are strings: the moments of parameter "0" are parameter 0's.
     saved = {**saved, "state": {int(index): moments for index, moments in saved["state"].items()}}
+    if len(saved["param_groups"]) != len(optimizer.param_groups):  # torch's own error is a traceback
+        raise UserError(
+            f"--resume {location}: the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, "
+            f"this model makes {len(optimizer.param_groups)}"
+            + (": it was written before model.predictor_warmup_steps held the encoder in groups of its own; set "
+               "model.predictor_warmup_steps = 0 to continue it as it trained"
+               if "predictor_warmup_steps" not in ((state.get("recipe") or {}).get("model") or {}) else ""))
     optimizer.load_state_dict(shard_optimizer_state(saved, optimizer))
     for stage, components, saved_states in (("guard", parts.guards, state["guards"]),
                                             ("logger", parts.loggers, state["loggers"])):

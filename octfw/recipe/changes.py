@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
 
-__all__ = ["RecipeChange", "recipe_changes", "UNTRAINED"]
+__all__ = ["RecipeChange", "recipe_changes", "UNTRAINED", "LATER"]
 
 #: Keys (dotted, a stage array's index left out) and whole tables whose change leaves the
 #: training itself as it was: where results go, how often the run reports or saves, how long
@@ -26,8 +26,13 @@ UNTRAINED = (
     "engine.peak_flops_per_device", "engine.save_deadline_s", "engine.heartbeat_s",
     "engine.collective_timeout_s", "engine.parallelism", "engine.reshard_after_forward",
     "model.activation_checkpointing",  # how memory is spent, not the numbers (engine.state's rule too)
+    "model.init_channels",  # read only when init loads published weights, which a resumed run never does
     "logger", "checkpointer", "evaluator",
 )
+
+#: Keys added since runs were first recorded, each with the values that train as a run did before
+#: the key existed: a recorded recipe without the key is not changed by them.
+LATER = {"model.predictor_warmup_steps": (None, 0)}
 
 
 class RecipeChange:
@@ -42,6 +47,11 @@ class RecipeChange:
 
     def __str__(self) -> str:
         return f"{self.key}: {_show(self.old)} -> {_show(self.new)}"
+
+    @property
+    def values(self) -> tuple[Any, Any]:
+        """(old, new), None where the key was not set."""
+        return (None if self.old is _MISSING else self.old, None if self.new is _MISSING else self.new)
 
 
 def _show(value: Any) -> str:
@@ -72,6 +82,8 @@ def recipe_changes(recorded: Mapping[str, Any], current: Mapping[str, Any],
     changes = []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        if a is _MISSING and key in LATER and b in LATER[key]:
+            continue  # recorded before the key existed, trained as these values train
         if _normal(a) != _normal(b):
             changes.append(RecipeChange(key, a, b, UNTRAINED + also_untrained))
     return changes
