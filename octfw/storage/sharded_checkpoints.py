@@ -256,7 +256,6 @@ def read_sharded(fs: Any, path: str, location: str) -> dict[str, Any]:
     that is not a complete sharded checkpoint or holds what could run code."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
     why = damage(fs, path, location)
     if why is not None:
@@ -270,7 +269,7 @@ def read_sharded(fs: Any, path: str, location: str) -> dict[str, Any]:
             dcp.load(flat, storage_reader=_reader(fs, path, metadata), no_dist=True)  # every slice, here
     except Exception as exc:  # noqa: BLE001 - a file cut short after its checksum was checked
         raise UserError(f"checkpoint {location} cannot be read ({type(exc).__name__}: {exc})") from None
-    return _merged(_read_plain(fs, path, location), unflatten_state_dict(flat, metadata.planner_data))
+    return _merged(_read_plain(fs, path, location), _unflattened(flat, metadata.planner_data))
 
 
 def read_into(fs: Any, path: str, location: str, shards: dict[str, Any],
@@ -311,6 +310,19 @@ def read_into(fs: Any, path: str, location: str, shards: dict[str, Any],
         raise UserError(f"checkpoint {location} cannot be read into this model ({type(exc).__name__}: "
                         f"{first})") from None
     return _merged(plain, shards)
+
+
+def _unflattened(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
+    """DCP's flat keys back into the nested dict they came from: the index records each key's
+    path of keys (its ``planner_data``)."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = paths[key]
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return tree
 
 
 def _pruned(tree: Mapping[str, Any], keep: Callable[[str], bool], prefix: str = "") -> dict[str, Any]:
