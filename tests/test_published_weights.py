@@ -604,6 +604,7 @@ def test_eval_compares_published_continued_and_random_side_by_side(tmp_path, cap
     table = capsys.readouterr().out
     assert "continue - random" in table and "random init" in table and "paired bootstrap" in table
     # --shots with both side by side: one random baseline, fitted once per draw, beside the two
-    assert main(["eval", *sources, "--shots", "2", "--recipe", str(tmp_path / "eval.toml")]) == 0
+    assert main(["eval", *sources, "--shots", "2", "--recipe", str(tmp_path / "eval.toml"),
+                 "--png", str(tmp_path / "shots.png")]) == 0
     table = capsys.readouterr().out
     assert "fitted once per draw for all" in table and table.count("continue - random") >= 1
