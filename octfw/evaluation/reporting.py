@@ -48,25 +48,25 @@ def with_interval(scores: Mapping[str, float], key: str, column: str) -> dict[st
 
 def format_value(scores: Mapping[str, float], key: str) -> str:
     """``0.813`` or, with its bootstrap interval, ``0.813 [0.70, 0.91]``; ``-`` when missing."""
-    evaluator, _, metric = key.partition("/")
-    value = scores.get(key)
-    if value is None:
-        return "-"
-    low, high = (scores.get(f"{evaluator}/{k}") for k in interval_keys(metric))
-    text = f"{value:.3f}"
-    return text if low is None or high is None else f"{text} [{low:.2f}, {high:.2f}]"
+    return _with_interval(scores, key, sign="")
 
 
 def format_difference(difference: Mapping[str, float], key: str) -> str:
     """``+0.125``, with its paired interval where there is one: ``+0.125 [+0.03, +0.22]``; ``-``
     when missing."""
+    return _with_interval(difference, key, sign="+")
+
+
+def _with_interval(scores: Mapping[str, float], key: str, sign: str) -> str:
+    """``scores[key]`` to 3 decimals and its interval, where there is one, to 2 (``sign``: "+"
+    shows the sign of every number, as a difference's)."""
     evaluator, _, metric = key.partition("/")
-    value = difference.get(key)
+    value = scores.get(key)
     if value is None:
         return "-"
-    low, high = (difference.get(f"{evaluator}/{k}") for k in interval_keys(metric))
-    text = f"{value:+.3f}"
-    return text if low is None or high is None else f"{text} [{low:+.2f}, {high:+.2f}]"
+    low, high = (scores.get(f"{evaluator}/{k}") for k in interval_keys(metric))
+    text = f"{value:{sign}.3f}"
+    return text if low is None or high is None else f"{text} [{low:{sign}.2f}, {high:{sign}.2f}]"
 
 
 def plain_differences(first: Mapping[str, float], second: Mapping[str, float],
