@@ -185,3 +185,30 @@ def test_the_store_lost_under_a_sharded_job_the_slices_go_to_the_fallback_and_re
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert CheckpointStorage(url).latest() == f"{url}/step_00000030.dcp" and not fallback.exists()
+
+
+def test_read_into_fills_this_runs_tensors_and_refuses_what_it_would_drop(written, monkeypatch):
+    """One process reading into tensors of its own (DCP's resharding path, a group of one): filled
+    exactly; a checkpoint tensor the targets have no place for is refused, never dropped."""
+    import torch.distributed as dist
+
+    from octfw.storage.sharded_checkpoints import read_into
+
+    folder, out = written
+    whole = torch.load(out / "whole_2.pt", weights_only=True)
+    storage = CheckpointStorage(str(folder))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        moments = {str(i): {"step": torch.zeros(()), "exp_avg": torch.empty_like(m), "exp_avg_sq": torch.empty_like(m)}
+                   for i, m in enumerate(whole["exp_avg"])}
+        targets = {"model": {k: torch.empty_like(v) for k, v in whole["model"].items()},
+                   "optimizer": {"state": moments}}
+        state = read_into(storage.fs, str(folder / "step_00000002.dcp"), "step 2", targets)
+        assert all(torch.equal(state["model"][k], v) for k, v in whole["model"].items())
+        assert torch.equal(state["optimizer"]["state"]["1"]["exp_avg"], whole["exp_avg"][1])
+        assert state["update_step"] == 2
+        with pytest.raises(UserError, match=r"holds, and this run has no place for, optimizer\.state\.0\.exp_avg"):
+            read_into(storage.fs, str(folder / "step_00000002.dcp"), "step 2",
+                      {"model": {k: torch.empty_like(v) for k, v in whole["model"].items()}})
+    finally:
+        dist.destroy_process_group()

@@ -299,10 +299,13 @@ def read_into(fs: Any, path: str, location: str, shards: dict[str, Any],
     check(plain)
     saved = set(metadata.state_dict_metadata)
     shards = _pruned(shards, lambda key: key in saved or not key.startswith(optional))
-    missing = sorted(k for k in _flat_keys(shards) if k not in saved)
-    if missing:
-        raise UserError(f"checkpoint {location} has no {', '.join(missing[:3])}"
-                        f"{' ...' if len(missing) > 3 else ''}: written by another model")
+    wanted = set(_flat_keys(shards))
+    # Either way a tensor would be lost without a word: one this run needs that the checkpoint
+    # lacks, or one the checkpoint holds that this run has no place for (load_state_dict's strict).
+    for keys, what in ((sorted(wanted - saved), "has no"), (sorted(saved - wanted), "holds, and this run has no place for,")):
+        if keys:
+            raise UserError(f"checkpoint {location} {what} {', '.join(keys[:3])}"
+                            f"{' ...' if len(keys) > 3 else ''}: written by another model")
     try:
         dcp.load(shards, storage_reader=_reader(fs, path, metadata))
     except Exception as exc:  # noqa: BLE001 - sizes that do not fit, a file cut short
